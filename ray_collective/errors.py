@@ -1,0 +1,145 @@
+"""The errors of ray_collective.
+
+Every error a collective raises on purpose derives from :class:`CollectiveError`, which is itself a
+``RuntimeError`` so that code written for ``ray.util.collective`` (which raises ``RuntimeError``)
+keeps catching it. Messages say who (group, rank), what (collective, sequence number, shapes) and
+what to do. Bad arguments are reported before any communication with ``TypeError``/``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return "[" + ", ".join(str(r) for r in sorted(set(ranks))) + "]"
+
+
+class CollectiveError(RuntimeError):
+    """Base class of every error raised by a collective operation or group."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete before its deadline.
+
+    Attributes:
+        group_name: the group the call was made on.
+        rank: the rank that timed out.
+        collective: the collective's name (``"allreduce"``, ``"recv"``, ...).
+        seq: the call's sequence number within the group (p2p calls count per peer and tag).
+        missing_ranks: the peers this rank was still waiting for.
+        timeout: the deadline that passed, in seconds.
+    """
+
+    def __init__(self, group_name: str, rank: int, collective: str, seq: int,
+                 missing_ranks: Sequence[int], timeout: float):
+        self.group_name = group_name
+        self.rank = rank
+        self.collective = collective
+        self.seq = seq
+        self.missing_ranks = tuple(sorted(set(missing_ranks)))
+        self.timeout = timeout
+        super().__init__(
+            f"rank {rank} of group '{group_name}': {collective} #{seq} timed out after "
+            f"{timeout:g}s waiting for ranks {_ranks(self.missing_ranks)}. Check that every rank "
+            f"of the group makes the same collective calls in the same order, or pass a longer "
+            f"timeout= to the call or to init_collective_group.")
+
+
+class PeerDiedError(CollectiveError):
+    """A member of the group died (its process or actor is gone) while this rank needed it."""
+
+    def __init__(self, group_name: str, rank: int, collective: str, seq: int,
+                 dead_ranks: Sequence[int], detail: str = ""):
+        self.group_name = group_name
+        self.rank = rank
+        self.collective = collective
+        self.seq = seq
+        self.dead_ranks = tuple(sorted(set(dead_ranks)))
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"rank {rank} of group '{group_name}': {collective} #{seq} failed because ranks "
+            f"{_ranks(self.dead_ranks)} died{extra}. The group is broken: destroy it and create "
+            f"a new one with the surviving or restarted actors.")
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Two ranks made incompatible calls (different collective, dtype, count, shape, root, op...).
+
+    Attributes:
+        group_name: the group.
+        ranks: the two ranks whose calls disagree (this rank first).
+        differences: ``{field: (this rank's value, the peer's value)}``.
+    """
+
+    def __init__(self, group_name: str, rank: int, peer: int, collective: str, seq: int,
+                 differences: dict):
+        self.group_name = group_name
+        self.rank = rank
+        self.ranks = (rank, peer)
+        self.collective = collective
+        self.seq = seq
+        self.differences = dict(differences)
+        what = "; ".join(f"{field}: rank {rank} has {mine!r}, rank {peer} has {theirs!r}"
+                         for field, (mine, theirs) in self.differences.items())
+        super().__init__(
+            f"rank {rank} of group '{group_name}': {collective} #{seq} does not match the call "
+            f"of rank {peer}: {what}. Every rank must call the same collective with the same "
+            f"dtype, element count and root, in the same order.")
+
+
+class GroupBrokenError(CollectiveError):
+    """The group failed earlier; every later call fails fast with the original cause."""
+
+    def __init__(self, group_name: str, rank: int, cause: BaseException):
+        self.group_name = group_name
+        self.rank = rank
+        self.cause = cause
+        super().__init__(
+            f"rank {rank} of group '{group_name}' is broken by an earlier failure: {cause} "
+            f"Destroy the group and create it again.")
+
+
+class GroupError(CollectiveError):
+    """Base class of errors about group membership and lifetime."""
+
+
+class GroupNotInitializedError(GroupError):
+    """The named group does not exist in this process."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        super().__init__(
+            f"the collective group '{group_name}' is not initialized in this process. Call "
+            f"init_collective_group(world_size, rank, group_name='{group_name}') in every member, "
+            f"or declare_collective_group(actors, ...) from the driver, first.")
+
+
+class GroupAlreadyInitializedError(GroupError):
+    """A group of that name already exists in this process."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        super().__init__(
+            f"the collective group '{group_name}' is already initialized in this process. "
+            f"Destroy it first, or use another group_name.")
+
+
+class BackendNotAvailableError(CollectiveError):
+    """The requested backend cannot be used in this process (not installed or not built yet)."""
+
+
+class UnsupportedOperationError(CollectiveError, NotImplementedError):
+    """The group's backend does not implement this operation or tensor kind."""
+
+
+class SimulationDeadlockError(CollectiveError):
+    """In the simulator or the cooperative driver, no rank can make progress."""
+
+    def __init__(self, waiting: dict, detail: Optional[str] = None):
+        self.waiting = dict(waiting)
+        shown = ", ".join(f"rank {r} waits for {_ranks(peers)}"
+                          for r, peers in sorted(self.waiting.items())[:16])
+        more = "" if len(self.waiting) <= 16 else f" (and {len(self.waiting) - 16} more)"
+        super().__init__(f"deadlock: no rank can progress: {shown}{more}"
+                         + (f"; {detail}" if detail else ""))

@@ -1,0 +1,96 @@
+"""Names and per-call options shared by every layer: reduce ops, backends, collectives.
+
+Options are frozen dataclasses built fresh for every call, so nothing a call decides can leak
+into the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied elementwise across ranks.
+
+    SUM, PRODUCT, MIN and MAX follow numpy's ufuncs ``add``, ``multiply``, ``minimum`` and
+    ``maximum`` in the tensor's own dtype (integers wrap on overflow, bool SUM is logical or,
+    NaN propagates through MIN/MAX). AVG is SUM divided by the world size; on integer dtypes
+    the division truncates toward zero (as C and NCCL do), and it is refused on bool.
+    """
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+
+
+class Backend(str, enum.Enum):
+    """Backend names accepted by ``init_collective_group`` (case-insensitive).
+
+    ``"gloo"`` and ``"torch_gloo"`` are accepted as aliases of ``"ray"`` so that code written for
+    ``ray.util.collective``'s CPU backend runs unchanged on the native backend.
+    """
+
+    RAY = "ray"
+    NCCL = "nccl"
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str):
+            name = value.lower()
+            if name in ("gloo", "torch_gloo"):
+                return cls.RAY
+            for member in cls:
+                if member.value == name:
+                    return member
+        return None
+
+
+class Collective(str, enum.Enum):
+    """Every operation a group can run; the value is what errors and headers show."""
+
+    ALLREDUCE = "allreduce"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+    ALLGATHER = "allgather"
+    REDUCESCATTER = "reducescatter"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    ALLTOALL = "alltoall"
+    BARRIER = "barrier"
+    SEND = "send"
+    RECV = "recv"
+
+
+DEFAULT_TIMEOUT_S = 1800.0
+"""Default deadline of a blocking call, in seconds (the same default as torch.distributed).
+
+A dead peer is reported through its own error long before this; the deadline only bounds a
+rank that is alive but never makes the call.
+"""
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What one call asked for, validated by the API layer and handed to the backend.
+
+    Attributes:
+        collective: the operation.
+        op: the reduce op (reducing collectives only).
+        root: the root rank (reduce, broadcast, gather, scatter), else -1.
+        peer: the other rank (send, recv), else -1.
+        tag: the p2p tag (send, recv).
+        timeout: seconds before the call raises ``CollectiveTimeoutError``.
+        algorithm: the algorithm forced for this call, or None to let the selector choose.
+    """
+
+    collective: Collective
+    timeout: float
+    op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    peer: int = -1
+    tag: int = 0
+    algorithm: Optional[str] = None
