@@ -1,0 +1,464 @@
+"""Tensor adapters and element-wise reductions: how a caller's tensor becomes a flat wire buffer.
+
+Every collective sees the caller's tensors through a :class:`TensorView`: the original object,
+its dtype, shape and device, and (for CPU tensors) a flat, 1-D, C-contiguous numpy array that
+*shares memory* with the tensor, so that a backend reads the input and writes the result in
+place without a copy. Recognised tensors:
+
+- ``numpy.ndarray``;
+- ``torch.Tensor`` on the CPU (through ``t.detach().numpy()``, which shares memory, also for a
+  tensor that requires grad);
+- ``torch.Tensor`` on CUDA and ``cupy.ndarray``: recognised with their dtype, shape and device
+  (``"cuda:N"``) but without a numpy array (``array=None``), for a GPU backend.
+
+torch and cupy are never imported by this module: a tensor is recognised by the module of its
+type, so ``import ray_collective`` works without them.
+
+Supported dtypes: bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16 (torch only), float32,
+float64, complex64 and complex128. A bfloat16 tensor travels as its raw bits, in a uint16 array
+(``TensorView.wire_dtype``).
+
+Reductions (:func:`combiner`) follow numpy's ufuncs in the tensor's own dtype: SUM is
+``np.add`` (integers wrap on overflow, bool SUM is logical or), PRODUCT is ``np.multiply``
+(bool PRODUCT is logical and), MIN and MAX are ``np.minimum`` and ``np.maximum`` (NaN
+propagates; complex numbers are ordered lexicographically, as numpy does). bfloat16 is reduced
+in float32 and rounded back to bfloat16 to nearest, ties to even, after every pairwise step, so
+one step agrees bit for bit with torch's own bfloat16 arithmetic (a NaN stays a NaN, but its bit
+pattern is not specified: torch itself gives 0x7FC0 or 0xFFFF depending on the code path).
+AVG combines as SUM and is divided once at the end by :func:`finalize_average`: floats and
+complex numbers with a correctly rounded division, integers truncating toward zero (as C and
+NCCL do); AVG is refused on bool.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ray_collective.types import ReduceOp
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "TensorView",
+    "as_view",
+    "check_same_layout",
+    "combiner",
+    "check_op",
+    "finalize_average",
+]
+
+SUPPORTED_DTYPES = (
+    "bool",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64",
+    "complex64", "complex128",
+)
+"""dtype names a collective accepts (torch and numpy spell them the same way)."""
+
+_SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
+_SUPPORTED_TEXT = ", ".join(SUPPORTED_DTYPES) + " (bfloat16 with torch only)"
+_SUPPORTED_TYPES_TEXT = ("numpy.ndarray, torch.Tensor (CPU or CUDA) or cupy.ndarray")
+
+_BF16_WIRE = np.dtype(np.uint16)
+
+
+def _quiet() -> np.errstate:
+    """Overflow to inf and NaN from inf - inf are results, not errors (torch does not warn).
+
+    A fresh context each time: one np.errstate instance cannot be entered twice at once.
+    """
+    return np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore")
+
+
+# Elements per chunk when bfloat16 is widened to float32; bounds the scratch memory.
+_BF16_CHUNK = 1 << 16
+
+
+def _wire_dtype(dtype_name: str) -> np.dtype:
+    return _BF16_WIRE if dtype_name == "bfloat16" else np.dtype(dtype_name)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorView:
+    """A caller's tensor as a collective sees it.
+
+    Attributes:
+        tensor: the caller's object, unchanged.
+        array: a flat, 1-D, C-contiguous numpy array that shares memory with ``tensor`` (its
+            elements in C order), or None for a GPU tensor.
+        dtype_name: the element type, e.g. ``"float32"``, ``"bfloat16"``, ``"bool"``.
+        wire_dtype: the numpy dtype of ``array`` (bfloat16 travels as its raw bits, uint16).
+        shape: the tensor's shape (``()`` for a 0-d tensor).
+        device: ``"cpu"`` or ``"cuda:N"``.
+        kind: ``"numpy"``, ``"torch"`` or ``"cupy"``.
+
+    Views compare by identity (the array is not hashable or comparable as a whole).
+    """
+
+    tensor: Any
+    array: Optional[np.ndarray]
+    dtype_name: str
+    wire_dtype: np.dtype
+    shape: tuple
+    device: str
+    kind: str
+
+    @property
+    def count(self) -> int:
+        """Number of elements (1 for a 0-d tensor, 0 for an empty one)."""
+        return math.prod(self.shape)
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _unsupported_dtype(what: str, dtype_text: str) -> TypeError:
+    return TypeError(
+        f"{what} has dtype {dtype_text}, which collectives do not support. Supported dtypes: "
+        f"{_SUPPORTED_TEXT}. Cast it first (e.g. .astype(np.float32) or .to(torch.float32)).")
+
+
+def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
+    if isinstance(arr, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what} is a numpy masked array; collectives would ignore its mask. Pass "
+            f"{what.split('[')[0]}.filled(value) (a plain ndarray) instead.")
+    dtype = arr.dtype
+    name = dtype.name
+    if name not in _SUPPORTED_SET or name == "bfloat16" or dtype.fields is not None:
+        raise _unsupported_dtype(what, f"'{dtype}'")
+    if not dtype.isnative:
+        raise TypeError(
+            f"{what} has the non-native byte order dtype '{dtype.str}'. Convert it with "
+            f"arr.astype(arr.dtype.newbyteorder('=')) first.")
+    if not arr.flags.c_contiguous:
+        raise ValueError(
+            f"{what} is a non-contiguous numpy array (shape {arr.shape}, strides "
+            f"{arr.strides}). Pass np.ascontiguousarray({what.split('[')[0]}) instead "
+            f"(and copy the result back if you need it in the original array).")
+    if writable and not arr.flags.writeable:
+        raise ValueError(
+            f"{what} is a read-only numpy array, but this collective writes its result into "
+            f"it. Arrays returned by ray.get are read-only (they live in the object store): "
+            f"pass a writable copy, e.g. arr.copy().")
+    flat = arr.view(np.ndarray).reshape(-1)  # a subclass such as np.matrix stays 2-D otherwise
+    return TensorView(tensor=arr, array=flat, dtype_name=name, wire_dtype=dtype,
+                      shape=tuple(arr.shape), device="cpu", kind="numpy")
+
+
+def _torch_view(t: Any, torch: Any, writable: bool, what: str) -> TensorView:
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{what} is a torch tensor with layout {t.layout}; only dense (strided) tensors are "
+            f"supported. Pass {what.split('[')[0]}.to_dense() instead.")
+    name = str(t.dtype).replace("torch.", "", 1)
+    if name not in _SUPPORTED_SET:
+        raise _unsupported_dtype(what, str(t.dtype))
+    dev = t.device
+    if dev.type == "cpu":
+        device = "cpu"
+    elif dev.type == "cuda":
+        device = f"cuda:{dev.index if dev.index is not None else 0}"
+    else:
+        raise TypeError(
+            f"{what} is a torch tensor on device '{dev}'; only CPU and CUDA tensors are "
+            f"supported. Move it with .cpu() or .cuda() first.")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{what} is a non-contiguous torch tensor (shape {tuple(t.shape)}, stride "
+            f"{tuple(t.stride())}). Pass {what.split('[')[0]}.contiguous() instead (and copy "
+            f"the result back with .copy_() if you need it in the original tensor).")
+    if t.is_conj() or t.is_neg():
+        raise ValueError(
+            f"{what} is a lazily conjugated or negated torch view. Pass "
+            f"{what.split('[')[0]}.resolve_conj().resolve_neg() instead.")
+    shape = tuple(t.shape)
+    if device != "cpu":
+        return TensorView(tensor=t, array=None, dtype_name=name, wire_dtype=_wire_dtype(name),
+                          shape=shape, device=device, kind="torch")
+    d = t.detach()
+    if name == "bfloat16":
+        arr = d.view(torch.int16).numpy().view(np.uint16)
+    else:
+        arr = d.numpy()
+    flat = arr.reshape(-1)
+    return TensorView(tensor=t, array=flat, dtype_name=name, wire_dtype=flat.dtype,
+                      shape=shape, device="cpu", kind="torch")
+
+
+def _cupy_view(t: Any, what: str) -> TensorView:
+    dtype = np.dtype(t.dtype)
+    name = dtype.name
+    if name not in _SUPPORTED_SET or name == "bfloat16":
+        raise _unsupported_dtype(what, f"'{dtype}'")
+    if not t.flags.c_contiguous:
+        raise ValueError(
+            f"{what} is a non-contiguous cupy array (shape {tuple(t.shape)}). Pass "
+            f"cupy.ascontiguousarray({what.split('[')[0]}) instead.")
+    device = f"cuda:{int(t.device.id)}"
+    return TensorView(tensor=t, array=None, dtype_name=name, wire_dtype=dtype,
+                      shape=tuple(t.shape), device=device, kind="cupy")
+
+
+def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
+    """Recognise ``tensor`` and return its :class:`TensorView`, checking it can be used.
+
+    Args:
+        tensor: a ``numpy.ndarray``, a ``torch.Tensor`` (CPU or CUDA) or a ``cupy.ndarray``.
+        writable: whether the collective writes into the tensor (read-only numpy arrays are
+            then refused).
+        what: how messages name the argument, e.g. ``"tensor"`` or ``"tensor_list[2]"``.
+
+    Returns:
+        The view; for a CPU tensor its ``array`` shares memory with ``tensor``.
+
+    Raises:
+        TypeError: ``tensor`` is not a supported tensor type (a Python list or a numpy scalar is
+            not a tensor), or its dtype, layout or device is not supported.
+        ValueError: the tensor is not contiguous, or ``writable`` is set and it is a read-only
+            numpy array.
+    """
+    if isinstance(tensor, np.ndarray):
+        return _numpy_view(tensor, writable, what)
+    torch = sys.modules.get("torch")  # never imported here: a torch tensor implies torch
+    if torch is not None and isinstance(tensor, getattr(torch, "Tensor", ())):
+        return _torch_view(tensor, torch, writable, what)
+    module = type(tensor).__module__ or ""
+    if module == "cupy" or module.startswith("cupy."):
+        if hasattr(tensor, "flags") and hasattr(tensor, "device") and hasattr(tensor, "dtype"):
+            return _cupy_view(tensor, what)
+    if isinstance(tensor, np.generic):
+        hint = (f"A numpy scalar is not a tensor: wrap it in an array, e.g. "
+                f"np.array([{what.split('[')[0]}]), and read the result from that array.")
+    elif isinstance(tensor, (list, tuple)):
+        hint = (f"A Python {type(tensor).__name__} is not a tensor: convert it with "
+                f"np.array(...) or torch.tensor(...) and pass that object.")
+    else:
+        hint = "Convert it to one of those first."
+    raise TypeError(
+        f"{what} must be a {_SUPPORTED_TYPES_TEXT}, not {_type_name(tensor)}. {hint}")
+
+
+def check_same_layout(views: Sequence[TensorView], what: str,
+                      reference: Optional[TensorView] = None,
+                      reference_name: str = "tensor") -> None:
+    """Check that every view has the same shape, dtype, kind and device as a reference.
+
+    Args:
+        views: the views of a list argument (e.g. an allgather's ``tensor_list``).
+        what: the argument's name, used in the message (``"tensor_list"``).
+        reference: the view every entry must match; None means ``views[0]``.
+        reference_name: the reference's name in the message.
+
+    Raises:
+        ValueError: a view differs from the reference; the message names the first index that
+            differs and both values.
+    """
+    if not views:
+        return
+    if reference is None:
+        reference, reference_name = views[0], f"{what}[0]"
+    for i, view in enumerate(views):
+        for field in ("shape", "dtype_name", "kind", "device"):
+            mine, theirs = getattr(view, field), getattr(reference, field)
+            if mine != theirs:
+                label = "dtype" if field == "dtype_name" else field
+                raise ValueError(
+                    f"{what}[{i}] has {label} {mine!r} but {reference_name} has {label} "
+                    f"{theirs!r}. Every tensor in {what} must have the same shape, dtype and "
+                    f"device as {reference_name}.")
+
+
+def check_op(op: ReduceOp, dtype_name: str) -> None:
+    """Check that the reduce op ``op`` is defined on ``dtype_name``.
+
+    Args:
+        op: the reduce op.
+        dtype_name: the tensor's dtype name (see ``SUPPORTED_DTYPES``).
+
+    Raises:
+        TypeError: ``op`` is not a ReduceOp, ``dtype_name`` is not supported, or the op is AVG
+            on bool.
+    """
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be a ray_collective.ReduceOp, not {_type_name(op)} ({op!r}).")
+    if dtype_name not in _SUPPORTED_SET:
+        raise TypeError(f"dtype {dtype_name!r} is not supported. Supported dtypes: "
+                        f"{_SUPPORTED_TEXT}.")
+    if op is ReduceOp.AVG and dtype_name == "bool":
+        raise TypeError(
+            "ReduceOp.AVG is not defined on bool tensors. Use ReduceOp.SUM (logical or), "
+            "PRODUCT (logical and), MIN or MAX, or cast the tensor to a numeric dtype first.")
+
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+}
+
+
+def _bf16_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 bit patterns (uint16) into the float32 array ``out`` (exact)."""
+    u = out.view(np.uint32)
+    np.copyto(u, bits, casting="unsafe")
+    np.left_shift(u, 16, out=u)
+    return out
+
+
+def _f32_to_bf16(values: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+    """Round float32 ``values`` to bfloat16 bits in ``out``: to nearest, ties to even.
+
+    ``scratch`` is a uint32 array of the same length (it may not alias ``values``). A NaN stays
+    a (quiet) NaN with its sign kept.
+    """
+    u = values.view(np.uint32)
+    np.right_shift(u, 16, out=scratch)
+    np.bitwise_and(scratch, 1, out=scratch)
+    scratch += 0x7FFF
+    scratch += u  # wraps only for NaNs, which are overwritten below
+    np.right_shift(scratch, 16, out=scratch)
+    np.copyto(out, scratch, casting="unsafe")
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+
+
+def _check_lengths(acc: np.ndarray, incoming: np.ndarray) -> None:
+    if acc.shape != incoming.shape:
+        raise ValueError(f"cannot combine arrays of shapes {acc.shape} and {incoming.shape}")
+
+
+def _bf16_combiner(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
+    def combine(acc: np.ndarray, incoming: np.ndarray) -> None:
+        _check_lengths(acc, incoming)
+        n = acc.shape[0]
+        if n == 0:
+            return
+        size = min(n, _BF16_CHUNK)
+        fa = np.empty(size, np.float32)
+        fb = np.empty(size, np.float32)
+        with _quiet():
+            for start in range(0, n, size):
+                stop = min(start + size, n)
+                a_bits = acc[start:stop]
+                m = stop - start
+                a = _bf16_to_f32(a_bits, fa[:m])
+                b = _bf16_to_f32(incoming[start:stop], fb[:m])
+                ufunc(a, b, out=a)
+                _f32_to_bf16(a, a_bits, b.view(np.uint32))
+
+    return combine
+
+
+@lru_cache(maxsize=None)
+def combiner(op: ReduceOp, dtype_name: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    """Return ``combine(acc, incoming)``, which reduces ``incoming`` into ``acc`` in place.
+
+    The reduction is numpy's ufunc for ``op`` in the tensor's own dtype (SUM ``np.add``,
+    PRODUCT ``np.multiply``, MIN ``np.minimum``, MAX ``np.maximum``; AVG combines as SUM, the
+    division is :func:`finalize_average`'s). For bfloat16 the arrays hold bit patterns (uint16):
+    each step is computed in float32 and rounded back to nearest, ties to even, as torch does.
+
+    Args:
+        op: the reduce op.
+        dtype_name: the tensor's dtype name (see ``SUPPORTED_DTYPES``).
+
+    Returns:
+        A function of two 1-D arrays of the wire dtype and the same length (possibly zero) that
+        writes ``op(acc, incoming)`` into ``acc``; ``incoming`` may be read-only.
+
+    Raises:
+        TypeError: as :func:`check_op` (AVG on bool, an unsupported dtype).
+    """
+    check_op(op, dtype_name)
+    ufunc = _UFUNCS[op]
+    if dtype_name == "bfloat16":
+        return _bf16_combiner(ufunc)
+
+    if np.dtype(dtype_name).kind in "fc":
+        def combine(acc: np.ndarray, incoming: np.ndarray) -> None:
+            _check_lengths(acc, incoming)
+            with _quiet():
+                ufunc(acc, incoming, out=acc)
+    else:
+        def combine(acc: np.ndarray, incoming: np.ndarray) -> None:
+            _check_lengths(acc, incoming)
+            ufunc(acc, incoming, out=acc)
+
+    return combine
+
+
+def finalize_average(array: np.ndarray, dtype_name: str, world_size: int) -> None:
+    """Divide a summed ``array`` by ``world_size`` in place: the last step of ReduceOp.AVG.
+
+    Floats and complex numbers are divided in their own dtype with one correctly rounded
+    division (float16 through float32, bfloat16 bit patterns through float32 and rounded back
+    to nearest, ties to even). Signed and unsigned integers are divided exactly and truncated
+    toward zero, as C and NCCL do (``-7 / 2 == -3``), with no trip through float64, so int64
+    and uint64 extremes are exact.
+
+    Args:
+        array: the flat wire array (uint16 bit patterns for bfloat16), modified in place.
+        dtype_name: the tensor's dtype name.
+        world_size: the number of ranks whose values were summed (at least 1).
+
+    Raises:
+        TypeError: AVG is not defined on ``dtype_name`` (bool), or the dtype is unsupported.
+        ValueError: ``world_size`` is less than 1.
+    """
+    check_op(ReduceOp.AVG, dtype_name)
+    n = int(world_size)
+    if n < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size!r}")
+    if n == 1 or array.size == 0:
+        return
+    with _quiet():
+        _divide(array, dtype_name, n)
+
+
+def _divide(array: np.ndarray, dtype_name: str, n: int) -> None:
+    if dtype_name == "bfloat16":
+        for start in range(0, array.shape[0], _BF16_CHUNK):
+            bits = array[start:start + _BF16_CHUNK]
+            values = _bf16_to_f32(bits, np.empty(bits.shape[0], np.float32))
+            np.divide(values, np.float32(n), out=values)
+            _f32_to_bf16(values, bits, np.empty(bits.shape[0], np.uint32))
+        return
+    if dtype_name == "float16":
+        values = array.astype(np.float32)
+        np.divide(values, np.float32(n), out=values)
+        np.copyto(array, values, casting="same_kind")
+        return
+    kind = array.dtype.kind
+    if kind in "fc":
+        np.divide(array, array.dtype.type(n) if kind == "f" else n, out=array)
+        return
+    info = np.iinfo(array.dtype)
+    if n > info.max:
+        # |quotient| < 2: only the most negative value divided by exactly -min gives -1.
+        if kind == "i":
+            result = np.where(array <= -n, -1, 0).astype(array.dtype)
+            np.copyto(array, result)
+        else:
+            array[...] = 0
+        return
+    if kind == "u":
+        np.floor_divide(array, n, out=array)
+        return
+    # Signed: floor division, then add one where the quotient was rounded down from a negative
+    # non-integer (the remainder of a negative dividend is non-zero).
+    adjust = (array < 0) & (np.remainder(array, n) != 0)
+    np.floor_divide(array, n, out=array)
+    np.add(array, adjust, out=array, casting="unsafe")
