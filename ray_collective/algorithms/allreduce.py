@@ -15,9 +15,10 @@ Four algorithms, all for any number of ranks p and any length n (here in element
 - **ring** — ring reduce-scatter then ring allgather over p blocks: 2(p-1) rounds,
   2·n·(p-1)/p elements per rank, every rank sends to one fixed neighbour only. Chosen for large
   messages on few ranks, where its single neighbour and pipelining win over log rounds.
-- **hierarchical** — binomial reduce onto a leader per node, an allreduce between the leaders
-  (the selector's choice for their count), binomial broadcast inside each node. Only leaders
-  cross node boundaries: chosen when ranks span several nodes.
+- **hierarchical** (in ``hierarchical.py``, with the node-aware broadcast and reduce) —
+  binomial reduce onto a leader per node, an allreduce between the leaders (the selector's
+  choice for their count), binomial broadcast inside each node. Only leaders cross node
+  boundaries: chosen when ranks span several nodes.
 
 Every rank ends bitwise identical: each block is reduced once along one path and then copied
 (ring, Rabenseifner), or partners combine the same two operands (recursive doubling).
@@ -25,72 +26,11 @@ Every rank ends bitwise identical: each block is reduced once along one path and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from .core import AlgorithmGen, Blocks, Context, Recv, Send, Team
-
-
-class Survivors(Sequence):
-    """The p' = 2^floor(log2 p) ranks left after the fold, and this rank's index among them.
-
-    Survivor i is virtual rank 2i+1 for i < r and i + r after; ``index`` is -1 for a rank that
-    sits out. A lazy sequence of real ranks, so that building it costs O(1) at any p.
-    """
-
-    __slots__ = ("team", "count", "extra", "index")
-
-    def __init__(self, team: Team):
-        self.team = team
-        self.count = 1 << (team.size.bit_length() - 1)
-        self.extra = team.size - self.count
-        v = team.index
-        if v < 2 * self.extra:
-            self.index = v // 2 if v % 2 else -1
-        else:
-            self.index = v - self.extra
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self.count))]
-        if not 0 <= i < self.count:
-            raise IndexError(i)
-        return self.team.peer(2 * i + 1 if i < self.extra else i + self.extra)
-
-    def as_team(self) -> Team:
-        """The survivors as a team of their own (for a rank that takes part)."""
-        return Team(self, self.index)
-
-
-def fold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Reduce the buffers of the first 2r ranks pairwise onto the odd ones (no-op for p = 2^k)."""
-    extra = team.size - (1 << (team.size.bit_length() - 1))
-    v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Send(team.peer(v + 1), buf, step),)
-        else:
-            yield (Recv(team.peer(v - 1), buf, step, reduce=True),)
-
-
-def unfold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Return the result to the ranks that sat out of the fold."""
-    extra = team.size - (1 << (team.size.bit_length() - 1))
-    v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Recv(team.peer(v + 1), buf, step),)
-        else:
-            yield (Send(team.peer(v - 1), buf, step),)
-
-
-def fold_rounds(p: int) -> int:
-    """Rounds the fold plus unfold add at p ranks: 0 for powers of two, else 2."""
-    return 0 if p & (p - 1) == 0 else 2
+from . import allgather, reducescatter
+from .core import Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team
+from .fold import Survivors, fold, fold_rounds, unfold
 
 
 def recursive_doubling(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
@@ -107,4 +47,62 @@ def recursive_doubling(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0
             ctx.combine(buf, incoming)
             mask <<= 1
             step += 1
-    yield from unfold(team, buf, step0 + 64)
+    yield from unfold(team, buf, step0 + 1 + survivors.count.bit_length() - 1)
+
+
+def rabenseifner(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Allreduce ``buf`` in place: halving reduce-scatter, then doubling allgather."""
+    survivors = Survivors(team)
+    levels = survivors.count.bit_length() - 1
+    yield from fold(team, buf, step0)
+    if survivors.index >= 0:
+        sub = survivors.as_team()
+        blocks = Blocks.even(len(buf), survivors.count)
+        yield from reducescatter.recursive_halving(sub, buf, blocks, ctx, step0 + 1)
+        yield from allgather.recursive_doubling(sub, buf, blocks, ctx, step0 + 1 + levels)
+    yield from unfold(team, buf, step0 + 1 + 2 * levels)
+
+
+def ring(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Allreduce ``buf`` in place: ring reduce-scatter, then ring allgather."""
+    blocks = Blocks.even(len(buf), team.size)
+    yield from reducescatter.ring(team, buf, blocks, ctx, step0)
+    yield from allgather.ring(team, buf, blocks, ctx, step0 + team.size - 1)
+
+
+def recursive_doubling_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """log2(p') (+2 with the fold) rounds; count·log2(p') elements (+count with the fold)."""
+    levels = p.bit_length() - 1
+    unfold_sent = count if fold_rounds(p) else 0
+    return Cost(levels + fold_rounds(p), count * levels + unfold_sent)
+
+
+def rabenseifner_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """2·log2(p') (+2 with the fold) rounds; about 2·count·(p'-1)/p' elements (+count, fold)."""
+    levels = p.bit_length() - 1
+    survivors = 1 << levels
+    small, extra = divmod(count, survivors)
+    # Exact, reached by survivor 0. Blocks.even puts the `extra` larger blocks first, so block 0
+    # is a largest one (the reduce-scatter sends every block but it) and each range the
+    # allgather sends, [0, 2^i), holds the most large blocks of any range of its size; survivor
+    # 0 is also the one that unfolds to virtual rank 0 when there is a fold.
+    reduce_scatter = count - small - (1 if extra else 0)
+    all_gather = (survivors - 1) * small + sum(min(1 << i, extra) for i in range(levels))
+    unfold_sent = count if fold_rounds(p) else 0
+    return Cost(2 * levels + fold_rounds(p), reduce_scatter + all_gather + unfold_sent)
+
+
+def ring_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """2(p-1) rounds; about 2·count·(p-1)/p elements per rank."""
+    small, extra = divmod(count, p)
+    # Exact: rank v sends every block but v, then every block but v+1, so the most is sent by a
+    # rank whose two blocks are small. Blocks.even puts the `extra` larger blocks first: two
+    # adjacent small blocks exist unless block p-1 is the only small one.
+    return Cost(2 * (p - 1), 2 * (count - small) - (1 if 0 < extra == p - 1 else 0))
+
+
+ALGORITHMS = (
+    Algorithm("allreduce", "recursive_doubling", recursive_doubling, recursive_doubling_cost),
+    Algorithm("allreduce", "rabenseifner", rabenseifner, rabenseifner_cost),
+    Algorithm("allreduce", "ring", ring, ring_cost),
+)

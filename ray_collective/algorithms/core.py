@@ -251,13 +251,14 @@ class Algorithm:
         collective: the collective's name (``Collective.value``).
         name: the algorithm's name, as forced with ``RAY_COLLECTIVE_ALGORITHM``.
         run: the generator function; its signature is fixed per collective (see ``catalog``).
-        cost: ``cost(p, count, ranks_per_node)`` for a team of p ranks; ``count`` is the
-            element count of one rank's tensor (one block for the list collectives).
+        cost: ``cost(p, count, ranks_per_node, itemsize)`` for a team of p ranks; ``count`` is
+            the element count of one rank's tensor (one block for the list collectives);
+            composites use ``itemsize`` to know which sub-algorithm the selector gives them.
         power_of_two_only: True when ``run`` needs p to be a power of two.
     """
 
     collective: str
     name: str
     run: Callable[..., AlgorithmGen]
-    cost: Callable[[int, int, int], Cost]
+    cost: Callable[[int, int, int, int], Cost]
     power_of_two_only: bool = False

@@ -1,0 +1,93 @@
+"""Every algorithm by collective and name, with the signature each collective's ``run`` has.
+
+=============  ==================================================
+collective     ``run`` signature
+=============  ==================================================
+allreduce      ``run(team, buf, ctx, step0=0)``
+reduce         ``run(team, buf, root, ctx, step0=0)``
+broadcast      ``run(team, buf, root, ctx, step0=0)``
+allgather      ``run(team, buf, blocks, ctx, step0=0)``
+reducescatter  ``run(team, buf, blocks, ctx, step0=0)``
+gather         ``run(team, buf, blocks, root, ctx, step0=0)``
+scatter        ``run(team, buf, blocks, root, ctx, step0=0)``
+alltoall       ``run(team, sendbuf, recvbuf, blocks, ctx, step0=0)``
+barrier        ``run(team, ctx, step0=0)``
+=============  ==================================================
+
+``root`` is an index into ``team``; the buffer contracts are in each algorithm file.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping, Optional, Tuple
+
+import numpy as np
+
+from . import (allgather, allreduce, alltoall, barrier, broadcast, gather, hierarchical, reduce,
+               reducescatter, scatter)
+from .core import Algorithm, AlgorithmGen, Blocks, Context, Team
+
+
+def _index(*modules) -> Mapping[str, Mapping[str, Algorithm]]:
+    table: dict = {}
+    for module in modules:
+        for algorithm in module.ALGORITHMS:
+            table.setdefault(algorithm.collective, {})[algorithm.name] = algorithm
+    return MappingProxyType({c: MappingProxyType(by_name) for c, by_name in table.items()})
+
+
+ALGORITHMS: Mapping[str, Mapping[str, Algorithm]] = _index(
+    allreduce, reduce, broadcast, allgather, reducescatter, gather, scatter, alltoall, barrier,
+    hierarchical)
+
+
+def names(collective: str) -> Tuple[str, ...]:
+    """The algorithm names available for ``collective``."""
+    return tuple(ALGORITHMS.get(collective, {}))
+
+
+def lookup(collective: str, name: str) -> Algorithm:
+    """The algorithm ``name`` of ``collective``.
+
+    Raises:
+        ValueError: no such algorithm; the message lists the available ones.
+    """
+    try:
+        return ALGORITHMS[collective][name]
+    except KeyError:
+        raise ValueError(f"no algorithm {name!r} for {collective}; available: "
+                         f"{', '.join(names(collective)) or 'none'}") from None
+
+
+def start(algorithm: Algorithm, team: Team, ctx: Context, buf: Optional[np.ndarray] = None,
+          blocks: Optional[Blocks] = None, root: int = -1,
+          recvbuf: Optional[np.ndarray] = None) -> AlgorithmGen:
+    """Call ``algorithm.run`` with the signature of its collective.
+
+    Args:
+        algorithm: what to run.
+        team: the ranks taking part.
+        ctx: the call's context.
+        buf: the buffer (the send buffer for alltoall); unused by barrier.
+        blocks: the block partition of ``buf`` (list collectives).
+        root: the root's index in ``team`` (reduce, broadcast, gather, scatter).
+        recvbuf: the receive buffer of alltoall.
+
+    Returns:
+        The algorithm's generator.
+    """
+    collective = algorithm.collective
+    if collective == "barrier":
+        return algorithm.run(team, ctx)
+    if collective == "allreduce":
+        return algorithm.run(team, buf, ctx)
+    if collective in ("reduce", "broadcast"):
+        return algorithm.run(team, buf, root, ctx)
+    if collective in ("allgather", "reducescatter"):
+        return algorithm.run(team, buf, blocks, ctx)
+    if collective in ("gather", "scatter"):
+        return algorithm.run(team, buf, blocks, root, ctx)
+    if collective == "alltoall":
+        return algorithm.run(team, buf, recvbuf, blocks, ctx)
+    raise ValueError(f"unknown collective {collective!r}")

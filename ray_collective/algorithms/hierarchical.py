@@ -1,0 +1,147 @@
+"""Hierarchical (node-aware) allreduce, broadcast and reduce: only one rank per node crosses nodes.
+
+Ranks are grouped by node (``ctx.topology``, from the group's rank→node map). Each node has a
+*head*: its lowest rank, except that for broadcast and reduce the root heads its own node.
+
+- **allreduce** — binomial reduce onto each head inside its node, an allreduce between the heads
+  (the algorithm the selector picks for that many ranks and that size), then a binomial
+  broadcast inside each node.
+- **broadcast** — a broadcast between the heads from the root, then a binomial broadcast inside
+  each node.
+- **reduce** — a binomial reduce onto each head inside its node, then a reduce between the heads
+  onto the root.
+
+Inside a node messages are cheap (shared memory); between nodes they are not, so the heads
+carry the only inter-node traffic: one message per head and round of the inter-node phase
+instead of one per rank. Rounds: 2·ceil(log2 q) + the heads' algorithm for allreduce and
+ceil(log2 q) + the heads' algorithm for broadcast and reduce, q the most ranks on one node.
+The selector picks these whenever the group spans several nodes and some node holds several
+ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from . import broadcast as flat_broadcast
+from . import reduce as flat_reduce
+from .core import Algorithm, AlgorithmGen, Context, Cost, Team, Topology
+from .reduce import log_rounds
+
+_INTER_NODE_PHASE = 1 << 22
+_INTRA_NODE_FINAL_PHASE = 2 << 22
+
+
+class Heads(Sequence):
+    """The head rank of every node: its leader, or ``root`` on the root's node."""
+
+    __slots__ = ("topology", "root")
+
+    def __init__(self, topology: Topology, root: int = -1):
+        self.topology = topology
+        self.root = root
+
+    def __len__(self) -> int:
+        return len(self.topology.nodes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self.root >= 0 and i == self.topology.node_index[self.root]:
+            return self.root
+        return self.topology.leaders[i]
+
+
+def _local_team(topology: Topology, rank: int) -> Team:
+    node = topology.nodes[topology.node_index[rank]]
+    return Team(node, node.index(rank))
+
+
+def _heads_team(heads: Heads, rank: int) -> Team:
+    return Team(heads, heads.topology.node_index[rank])
+
+
+def allreduce(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Allreduce ``buf``: reduce inside nodes, allreduce between leaders, broadcast inside nodes."""
+    topology = ctx.topology
+    rank = team.rank
+    local = _local_team(topology, rank)
+    yield from flat_reduce.binomial(local, buf, 0, ctx, step0)
+    if local.index == 0:
+        inner = ctx.choose("allreduce", len(topology.nodes), len(buf))
+        yield from inner.run(_heads_team(Heads(topology), rank), buf, ctx,
+                             step0=step0 + _INTER_NODE_PHASE)
+    yield from flat_broadcast.binomial(local, buf, 0, ctx, step0 + _INTRA_NODE_FINAL_PHASE)
+
+
+def broadcast(team: Team, buf: np.ndarray, root: int, ctx: Context,
+              step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from ``root``: between node heads first, then inside every node."""
+    topology = ctx.topology
+    rank, root_rank = team.rank, team.members[root]
+    heads = Heads(topology, root_rank)
+    local = _local_team(topology, rank)
+    head = heads[topology.node_index[rank]]
+    if rank == head:
+        inner = ctx.choose("broadcast", len(heads), len(buf))
+        yield from inner.run(_heads_team(heads, rank), buf, topology.node_index[root_rank], ctx,
+                             step0=step0 + _INTER_NODE_PHASE)
+    yield from flat_broadcast.binomial(local, buf, local.members.index(head), ctx,
+                                       step0 + _INTRA_NODE_FINAL_PHASE)
+
+
+def reduce(team: Team, buf: np.ndarray, root: int, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Reduce onto ``root``: inside every node onto its head, then between heads onto the root."""
+    topology = ctx.topology
+    rank, root_rank = team.rank, team.members[root]
+    heads = Heads(topology, root_rank)
+    local = _local_team(topology, rank)
+    head = heads[topology.node_index[rank]]
+    # A head that is not the root must leave its own input intact, so it reduces into scratch.
+    acc = buf
+    if rank == head and rank != root_rank:
+        acc = ctx.alloc(len(buf))
+        ctx.copy(acc, buf)
+    yield from flat_reduce.binomial(local, acc, local.members.index(head), ctx, step0)
+    if rank == head:
+        inner = ctx.choose("reduce", len(heads), len(buf))
+        yield from inner.run(_heads_team(heads, rank), acc, topology.node_index[root_rank], ctx,
+                             step0=step0 + _INTER_NODE_PHASE)
+
+
+def _phase_costs(collective: str, p: int, count: int, ranks_per_node: int,
+                 itemsize: int) -> tuple:
+    """(local rounds, local elements, heads' Cost) with the heads' algorithm the selector picks."""
+    # Imported here: the selector imports the catalog, which imports this module.
+    from .selector import chooser
+    heads = -(-p // max(ranks_per_node, 1))
+    inner = chooser(itemsize)(collective, heads, count).cost(heads, count, 1, itemsize)
+    local = log_rounds(ranks_per_node)
+    return local, count * local, inner
+
+
+def allreduce_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """A bound: local reduce, the heads' allreduce and local broadcast, one after the other."""
+    rounds, elements, inner = _phase_costs("allreduce", p, count, ranks_per_node, itemsize)
+    return Cost(2 * rounds + inner.rounds, elements + inner.max_elements_sent)
+
+
+def broadcast_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """A bound: the heads' broadcast, then the local broadcast."""
+    rounds, elements, inner = _phase_costs("broadcast", p, count, ranks_per_node, itemsize)
+    return Cost(rounds + inner.rounds, elements + inner.max_elements_sent)
+
+
+def reduce_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """A bound: the local reduce, then the heads' reduce."""
+    rounds, elements, inner = _phase_costs("reduce", p, count, ranks_per_node, itemsize)
+    return Cost(rounds + inner.rounds, elements + inner.max_elements_sent)
+
+
+ALGORITHMS = (
+    Algorithm("allreduce", "hierarchical", allreduce, allreduce_cost),
+    Algorithm("broadcast", "hierarchical", broadcast, broadcast_cost),
+    Algorithm("reduce", "hierarchical", reduce, reduce_cost),
+)

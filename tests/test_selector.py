@@ -1,0 +1,57 @@
+"""The selector's choices, and forcing an algorithm."""
+
+import pytest
+
+from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, select
+
+
+@pytest.mark.parametrize("collective, count, p, node_of, expected", [
+    ("allreduce", 2, 8, None, "recursive_doubling"),
+    ("allreduce", 1 << 20, 8, None, "ring"),
+    ("allreduce", 1 << 20, 400, None, "rabenseifner"),
+    ("allreduce", 2, 4, (0, 0, 1, 1), "hierarchical"),
+    ("allreduce", 2, 4, (0, 1, 2, 3), "recursive_doubling"),
+    ("broadcast", 2, 8, None, "binomial"),
+    ("broadcast", 1 << 20, 8, None, "scatter_allgather"),
+    ("broadcast", 1 << 20, 4, ("a", "a", "b", "b"), "hierarchical"),
+    ("reduce", 2, 4, (0, 0, 1, 1), "hierarchical"),
+    ("allgather", 2, 8, None, "recursive_doubling"),
+    ("allgather", 2, 9, None, "bruck"),
+    ("allgather", 1 << 20, 8, None, "ring"),
+    ("reducescatter", 2, 8, None, "recursive_halving"),
+    ("reducescatter", 2, 9, None, "halving_fold"),
+    ("reducescatter", 1 << 20, 9, None, "ring"),
+    ("alltoall", 2, 64, None, "bruck"),
+    ("alltoall", 1 << 20, 64, None, "pairwise"),
+    ("barrier", 0, 64, None, "dissemination"),
+    ("gather", 2, 64, None, "binomial"),
+    ("scatter", 2, 64, None, "binomial"),
+])
+def test_rules(collective, count, p, node_of, expected, monkeypatch):
+    monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
+    assert select(collective, count, 4, p, node_of).name == expected
+
+
+def test_environment_forces_per_collective(monkeypatch):
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "allreduce=ring, broadcast=binomial")
+    assert select("allreduce", 2, 4, 8).name == "ring"
+    assert select("broadcast", 1 << 20, 4, 8).name == "binomial"
+    assert select("allgather", 2, 4, 8).name == "recursive_doubling"
+    assert select("allreduce", 2, 4, 8, forced="rabenseifner").name == "rabenseifner"
+
+
+@pytest.mark.parametrize("value", ["ring", "allreduce=", "=ring", "allreduce=ring,,x"])
+def test_malformed_environment_is_an_error(value, monkeypatch):
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, value)
+    with pytest.raises(ValueError, match=ENVIRONMENT_VARIABLE):
+        select("allreduce", 2, 4, 8)
+
+
+def test_forced_algorithm_must_exist_and_fit(monkeypatch):
+    monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match="no algorithm 'tree'.*available"):
+        select("allreduce", 2, 4, 8, forced="tree")
+    with pytest.raises(ValueError, match="power-of-two"):
+        select("allgather", 2, 4, 6, forced="recursive_doubling")
+    with pytest.raises(ValueError, match="rank-to-node map"):
+        select("allreduce", 2, 4, 6, forced="hierarchical")
