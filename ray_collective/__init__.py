@@ -1,0 +1,36 @@
+"""ray_collective: collective communication for Ray actors, a drop-in for ``ray.util.collective``.
+
+``import ray_collective as col`` gives the same functions with the same arguments, plus
+``gather``, ``scatter``, ``alltoall``, ``ReduceOp.AVG``, ``async_op=``, ``timeout=`` and ``tag=``.
+Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
+"""
+
+from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, alltoall, barrier,
+                  broadcast, broadcast_multigpu, create_collective_group,
+                  declare_collective_group, destroy_collective_group, gather,
+                  get_collective_group_size, get_rank, gloo_available, init_collective_group,
+                  is_backend_available, is_group_initialized, nccl_available, recv, recv_multigpu,
+                  reduce, reduce_multigpu, reducescatter, reducescatter_multigpu, scatter, send,
+                  send_multigpu, synchronize)
+from .errors import (BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
+                     CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
+                     GroupError, GroupNotInitializedError, PeerDiedError,
+                     UnsupportedOperationError)
+from .group import GroupRegistry, Work, use_registry
+from .types import Backend, ReduceOp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init_collective_group", "declare_collective_group", "create_collective_group",
+    "destroy_collective_group", "is_group_initialized", "get_rank", "get_collective_group_size",
+    "allreduce", "barrier", "reduce", "broadcast", "allgather", "reducescatter", "send", "recv",
+    "gather", "scatter", "alltoall",
+    "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",
+    "reducescatter_multigpu", "send_multigpu", "recv_multigpu", "synchronize",
+    "nccl_available", "gloo_available", "is_backend_available",
+    "ReduceOp", "Backend", "Work", "GroupRegistry", "use_registry",
+    "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "CollectiveMismatchError",
+    "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
+    "BackendNotAvailableError", "UnsupportedOperationError",
+]

@@ -1,0 +1,737 @@
+"""The public functions: validate the arguments, find the group, hand the call to its backend.
+
+Names and argument order follow ``ray.util.collective``; every collective also takes the
+keyword-only ``async_op`` (return a :class:`~ray_collective.group.Work` instead of blocking) and
+``timeout`` (seconds; default: the group's). Bad arguments raise ``TypeError``/``ValueError``
+before anything is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Union
+
+from .backends import resolve
+from .backends.base import BackendFactory, GroupCall
+from .errors import BackendNotAvailableError, UnsupportedOperationError
+from .group import Group, Work, current_registry
+from .tensors import TensorView, as_view, check_op, check_same_layout
+from .types import DEFAULT_TIMEOUT_S, Backend, CallOptions, Collective, ReduceOp
+
+
+# ---------------------------------------------------------------- validation helpers
+
+def _check_group_name(group_name: Any) -> str:
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"group_name must be a non-empty string, not {group_name!r}")
+    return group_name
+
+
+def _check_timeout(timeout: Any, what: str = "timeout") -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def _check_rank(rank: Any, group: Group, what: str) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{what} must be an int, not {type(rank).__name__}")
+    if not 0 <= rank < group.world_size:
+        raise ValueError(f"{what}={rank} is out of range for group '{group.name}' of "
+                         f"{group.world_size} ranks (valid: 0..{group.world_size - 1})")
+    return rank
+
+
+def _check_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    # ray.util.collective's own ReduceOp members are accepted by name.
+    name = getattr(op, "name", None)
+    if isinstance(name, str) and name in ReduceOp.__members__:
+        return ReduceOp[name]
+    raise TypeError(f"op must be a ray_collective.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), "
+                    f"not {op!r}")
+
+
+def _group(group_name: str) -> Group:
+    return current_registry().get(_check_group_name(group_name))
+
+
+def _view(group: Group, tensor: Any, writable: bool, what: str) -> TensorView:
+    view = as_view(tensor, writable=writable, what=what)
+    if view.device != "cpu" and not group.backend.accepts_gpu_tensors:
+        raise TypeError(f"{what} is a GPU tensor ({view.kind} on {view.device}), but group "
+                        f"'{group.name}' runs on a CPU backend; create the group with "
+                        f"backend='nccl' for GPU tensors, or pass a CPU tensor")
+    return view
+
+
+def _views(group: Group, tensors: Any, writable: bool, what: str,
+           like: Optional[TensorView] = None, like_name: str = "tensor") -> tuple:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{what} must be a list of tensors, not {type(tensors).__name__}")
+    if len(tensors) != group.world_size:
+        raise ValueError(f"{what} has {len(tensors)} tensors but group '{group.name}' has "
+                         f"{group.world_size} ranks; pass one tensor per rank")
+    views = tuple(_view(group, t, writable, f"{what}[{i}]") for i, t in enumerate(tensors))
+    check_same_layout(views, what, like, like_name)
+    return views
+
+
+def _options(group: Group, collective: Collective, timeout: Optional[float], **fields) -> CallOptions:
+    deadline = group.timeout if timeout is None else _check_timeout(timeout)
+    return CallOptions(collective=collective, timeout=deadline, **fields)
+
+
+def _submit(group: Group, options: CallOptions, async_op: bool, **tensors) -> Optional[Work]:
+    return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op)
+
+
+# ---------------------------------------------------------------- groups
+
+def init_collective_group(world_size: int, rank: int,
+                          backend: Union[str, Backend, BackendFactory] = Backend.RAY,
+                          group_name: str = "default", gloo_timeout: Optional[int] = None, *,
+                          timeout: Optional[float] = None) -> None:
+    """Join this process to a collective group; returns once every rank has joined.
+
+    Args:
+        world_size: number of ranks in the group (>= 1).
+        rank: this process's rank, in [0, world_size).
+        backend: ``"ray"`` (CPU; ``"gloo"`` is an alias), ``"nccl"`` (GPU), or a backend
+            factory (``ray_collective.testing`` uses an in-process one).
+        group_name: the group's name, unique within this process.
+        gloo_timeout: accepted for compatibility with ``ray.util.collective``: the default
+            deadline in milliseconds, used when ``timeout`` is not given.
+        timeout: the default deadline of every call on this group, in seconds (default 1800).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: world_size < 1, rank out of range, empty group name, bad timeout.
+        GroupAlreadyInitializedError: this process already has a group of that name.
+        BackendNotAvailableError: the backend cannot run in this process.
+        CollectiveTimeoutError: the other ranks did not join in time.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, not {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
+    _check_group_name(group_name)
+    if timeout is None:
+        timeout = (DEFAULT_TIMEOUT_S if gloo_timeout is None
+                   else _check_timeout(gloo_timeout, "gloo_timeout") / 1000.0)
+    factory = resolve(backend)
+    current_registry().create(group_name, world_size, rank, factory,
+                              _check_timeout(timeout))
+
+
+def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = None,
+                             ranks: Optional[Sequence[int]] = None,
+                             backend: Union[str, Backend] = Backend.RAY,
+                             group_name: str = "default",
+                             gloo_timeout: Optional[int] = None, *,
+                             timeout: Optional[float] = None) -> None:
+    """Declare, from the driver, that ``actors`` form a group; each joins it itself.
+
+    Args:
+        actors: the member actors.
+        world_size: number of ranks; defaults to ``len(actors)``.
+        ranks: the rank of each actor; defaults to ``0..len(actors)-1``.
+        backend: ``"ray"`` or ``"nccl"``.
+        group_name: the group's name.
+        gloo_timeout: compatibility alias of ``timeout`` in milliseconds.
+        timeout: the default deadline of every call on this group, in seconds.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
+            the number of actors, bad timeout or name.
+        BackendNotAvailableError: the backend cannot run here (the ``ray`` and ``nccl``
+            backends are not part of this version yet).
+    """
+    if not isinstance(actors, (list, tuple)) or not actors:
+        raise ValueError("actors must be a non-empty list of Ray actor handles")
+    world_size = len(actors) if world_size is None else world_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, not {world_size!r}")
+    if world_size != len(actors):
+        raise ValueError(f"world_size={world_size} but {len(actors)} actors were given; every "
+                         f"rank must be one of the actors")
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
+    if sorted(ranks) != list(range(world_size)):
+        raise ValueError(f"ranks must be a permutation of 0..{world_size - 1}, one per actor, "
+                         f"not {ranks!r}")
+    _check_group_name(group_name)
+    if timeout is not None:
+        _check_timeout(timeout)
+    if gloo_timeout is not None:
+        _check_timeout(gloo_timeout, "gloo_timeout")
+    factory = resolve(backend)
+    reason = getattr(factory, "reason", "it does not run inside Ray actors")
+    raise BackendNotAvailableError(
+        f"group '{group_name}': declare_collective_group needs a backend that runs inside Ray "
+        f"actors, and backend '{factory.name}' is not available: {reason}")
+
+
+create_collective_group = declare_collective_group
+
+
+def destroy_collective_group(group_name: str = "default") -> None:
+    """Leave the group and release what this process holds for it.
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        None.
+
+    Raises:
+        GroupNotInitializedError: this process is not a member.
+    """
+    current_registry().destroy(_check_group_name(group_name))
+
+
+def is_group_initialized(group_name: str = "default") -> bool:
+    """Whether this process is a member of ``group_name``.
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        True if it is.
+    """
+    return current_registry().is_initialized(group_name)
+
+
+def get_rank(group_name: str = "default") -> int:
+    """This process's rank in the group.
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        The rank, or -1 if this process is not a member (as in ``ray.util.collective``).
+    """
+    registry = current_registry()
+    return registry.get(group_name).rank if registry.is_initialized(group_name) else -1
+
+
+def get_collective_group_size(group_name: str = "default") -> int:
+    """The number of ranks in the group.
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        The world size, or -1 if this process is not a member.
+    """
+    registry = current_registry()
+    return registry.get(group_name).world_size if registry.is_initialized(group_name) else -1
+
+
+def is_backend_available(backend: Union[str, Backend]) -> bool:
+    """Whether ``backend`` can run in this process.
+
+    Args:
+        backend: a backend name.
+
+    Returns:
+        True if groups can be created with it here.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    return resolve(backend).available()
+
+
+def nccl_available() -> bool:
+    """Whether the NCCL backend can run in this process.
+
+    Returns:
+        True if it can.
+    """
+    return is_backend_available(Backend.NCCL)
+
+
+def gloo_available() -> bool:
+    """Whether ``backend="gloo"`` works here (it names this library's native CPU backend).
+
+    Returns:
+        True if it can run; no Gloo library is needed either way.
+    """
+    return is_backend_available("gloo")
+
+
+# ---------------------------------------------------------------- collectives
+
+def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+              async_op: bool = False, timeout: Optional[float] = None) -> Optional[Work]:
+    """Reduce ``tensor`` elementwise across the group; every rank gets the result in place.
+
+    Args:
+        tensor: numpy array or torch tensor, contiguous; overwritten with the result.
+        group_name: the group.
+        op: the reduction.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any communication.
+        GroupNotInitializedError: no such group here.
+        CollectiveError: timeout, mismatch, dead peer or broken group.
+    """
+    group = _group(group_name)
+    op = _check_op(op)
+    view = _view(group, tensor, True, "tensor")
+    check_op(op, view.dtype_name)
+    return _submit(group, _options(group, Collective.ALLREDUCE, timeout, op=op), async_op,
+                   tensor=view)
+
+
+def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
+           op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+           timeout: Optional[float] = None) -> Optional[Work]:
+    """Reduce ``tensor`` elementwise across the group onto ``dst_rank``.
+
+    Args:
+        tensor: the contribution; on ``dst_rank`` overwritten with the result, elsewhere unchanged.
+        dst_rank: the rank that receives the result.
+        group_name: the group.
+        op: the reduction.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (including dst_rank out of range).
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    op = _check_op(op)
+    dst_rank = _check_rank(dst_rank, group, "dst_rank")
+    view = _view(group, tensor, group.rank == dst_rank, "tensor")
+    check_op(op, view.dtype_name)
+    return _submit(group, _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank),
+                   async_op, tensor=view)
+
+
+def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
+              async_op: bool = False, timeout: Optional[float] = None) -> Optional[Work]:
+    """Copy ``tensor`` from ``src_rank`` into ``tensor`` on every other rank.
+
+    Args:
+        tensor: the data on ``src_rank``; overwritten elsewhere.
+        src_rank: the rank whose tensor is sent.
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (including src_rank out of range).
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    src_rank = _check_rank(src_rank, group, "src_rank")
+    view = _view(group, tensor, group.rank != src_rank, "tensor")
+    return _submit(group, _options(group, Collective.BROADCAST, timeout, root=src_rank),
+                   async_op, tensor=view)
+
+
+def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", *,
+              async_op: bool = False, timeout: Optional[float] = None) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
+
+    Args:
+        tensor_list: one tensor per rank, each shaped like ``tensor``; filled with rank i's
+            tensor at index i.
+        tensor: this rank's contribution.
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (list length not the world size, shapes or dtypes
+            that differ).
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    view = _view(group, tensor, False, "tensor")
+    outputs = _views(group, tensor_list, True, "tensor_list", like=view)
+    return _submit(group, _options(group, Collective.ALLGATHER, timeout), async_op,
+                   tensor=view, outputs=outputs)
+
+
+def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "default",
+                  op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+                  timeout: Optional[float] = None) -> Optional[Work]:
+    """Reduce ``tensor_list`` elementwise across ranks; rank i gets the reduction of entry i.
+
+    Args:
+        tensor: overwritten with the reduction of every rank's ``tensor_list[rank]``.
+        tensor_list: one tensor per rank, each shaped like ``tensor``.
+        group_name: the group.
+        op: the reduction.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    op = _check_op(op)
+    view = _view(group, tensor, True, "tensor")
+    inputs = _views(group, tensor_list, False, "tensor_list", like=view)
+    check_op(op, view.dtype_name)
+    return _submit(group, _options(group, Collective.REDUCESCATTER, timeout, op=op), async_op,
+                   tensor=view, inputs=inputs)
+
+
+def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
+           group_name: str = "default", *, async_op: bool = False,
+           timeout: Optional[float] = None) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``tensor_list`` on ``dst_rank``.
+
+    Args:
+        tensor_list: on ``dst_rank``, one tensor per rank shaped like ``tensor``, filled with
+            rank i's tensor at index i; ignored elsewhere (may be None).
+        tensor: this rank's contribution.
+        dst_rank: the rank that receives.
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    dst_rank = _check_rank(dst_rank, group, "dst_rank")
+    view = _view(group, tensor, False, "tensor")
+    outputs = (_views(group, tensor_list, True, "tensor_list", like=view)
+               if group.rank == dst_rank else ())
+    return _submit(group, _options(group, Collective.GATHER, timeout, root=dst_rank), async_op,
+                   tensor=view, outputs=outputs)
+
+
+def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
+            group_name: str = "default", *, async_op: bool = False,
+            timeout: Optional[float] = None) -> Optional[Work]:
+    """Send ``tensor_list[i]`` from ``src_rank`` into ``tensor`` on rank i.
+
+    Args:
+        tensor: overwritten with this rank's part.
+        tensor_list: on ``src_rank``, one tensor per rank shaped like ``tensor``; ignored
+            elsewhere (may be None).
+        src_rank: the rank that sends.
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    src_rank = _check_rank(src_rank, group, "src_rank")
+    view = _view(group, tensor, True, "tensor")
+    inputs = (_views(group, tensor_list, False, "tensor_list", like=view)
+              if group.rank == src_rank else ())
+    return _submit(group, _options(group, Collective.SCATTER, timeout, root=src_rank), async_op,
+                   tensor=view, inputs=inputs)
+
+
+def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
+             group_name: str = "default", *, async_op: bool = False,
+             timeout: Optional[float] = None) -> Optional[Work]:
+    """Send ``input_tensor_list[j]`` to rank j; receive rank i's into ``output_tensor_list[i]``.
+
+    Args:
+        output_tensor_list: one tensor per rank, filled.
+        input_tensor_list: one tensor per rank, all shaped like the outputs.
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    inputs = _views(group, input_tensor_list, False, "input_tensor_list")
+    outputs = _views(group, output_tensor_list, True, "output_tensor_list", like=inputs[0],
+                     like_name="input_tensor_list[0]")
+    return _submit(group, _options(group, Collective.ALLTOALL, timeout), async_op,
+                   inputs=inputs, outputs=outputs)
+
+
+def barrier(group_name: str = "default", *, async_op: bool = False,
+            timeout: Optional[float] = None) -> Optional[Work]:
+    """Block until every rank of the group has called ``barrier``.
+
+    Args:
+        group_name: the group.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    group = _group(group_name)
+    return _submit(group, _options(group, Collective.BARRIER, timeout), async_op)
+
+
+def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: str, tag: int,
+                    async_op: bool, timeout: Optional[float]) -> Optional[Work]:
+    group = _group(group_name)
+    what = "dst_rank" if collective is Collective.SEND else "src_rank"
+    peer = _check_rank(peer, group, what)
+    if peer == group.rank:
+        raise ValueError(f"rank {group.rank} of group '{group.name}' cannot {collective.value} "
+                         f"to itself ({what}={peer}); copy the tensor locally instead")
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be an int >= 0, not {tag!r}")
+    view = _view(group, tensor, collective is Collective.RECV, "tensor")
+    options = _options(group, collective, timeout, peer=peer, tag=tag)
+    return group.submit(lambda seq: GroupCall(options, seq, tensor=view), async_op,
+                        seq_key=(collective.value, peer, tag))
+
+
+def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, *,
+         async_op: bool = False, timeout: Optional[float] = None) -> Optional[Work]:
+    """Send ``tensor`` to ``dst_rank``, which receives it with a ``recv`` of the same tag.
+
+    Args:
+        tensor: the data.
+        dst_rank: the receiving rank (not this rank).
+        group_name: the group.
+        tag: sends and recvs with the same tag between two ranks match in order.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (including a send to itself).
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+    """
+    return _point_to_point(Collective.SEND, tensor, dst_rank, group_name, tag, async_op, timeout)
+
+
+def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, *,
+         async_op: bool = False, timeout: Optional[float] = None) -> Optional[Work]:
+    """Receive into ``tensor`` what ``src_rank`` sends with the same tag.
+
+    Args:
+        tensor: overwritten with the data; must match the sent tensor's shape and dtype.
+        src_rank: the sending rank (not this rank).
+        group_name: the group.
+        tag: see :func:`send`.
+        async_op: return a Work handle instead of blocking.
+        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+    Returns:
+        None, or a Work with ``async_op=True``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (including a recv from itself).
+        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`; a sent tensor of
+            another shape or dtype raises ``CollectiveMismatchError``.
+    """
+    return _point_to_point(Collective.RECV, tensor, src_rank, group_name, tag, async_op, timeout)
+
+
+# ---------------------------------------------------------------- multi-GPU variants
+
+def _multigpu(name: str, group_name: str) -> None:
+    group = _group(group_name)
+    raise UnsupportedOperationError(
+        f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this process; "
+        f"group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
+        f"{name.replace('_multigpu', '')} with one tensor instead.")
+
+
+def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
+                       op: ReduceOp = ReduceOp.SUM) -> None:
+    """Allreduce across every GPU of every rank; ``tensor_list`` has one tensor per local GPU.
+
+    Args:
+        tensor_list: one GPU tensor per device of this process.
+        group_name: the group (an ``nccl`` group).
+        op: the reduction.
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError: the group is not on the NCCL backend (the only one with
+            multi-GPU support, not part of this version yet).
+        GroupNotInitializedError: no such group here.
+    """
+    _multigpu("allreduce_multigpu", group_name)
+
+
+def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
+                    group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+    """Reduce across every GPU of every rank onto ``tensor_list[dst_tensor]`` of ``dst_rank``.
+
+    Args:
+        tensor_list: one GPU tensor per device of this process.
+        dst_rank: the receiving rank.
+        dst_tensor: index of the receiving GPU tensor on ``dst_rank``.
+        group_name: the group (an ``nccl`` group).
+        op: the reduction.
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("reduce_multigpu", group_name)
+
+
+def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
+                       group_name: str = "default") -> None:
+    """Broadcast ``tensor_list[src_tensor]`` of ``src_rank`` to every GPU of every rank.
+
+    Args:
+        tensor_list: one GPU tensor per device of this process.
+        src_rank: the sending rank.
+        src_tensor: index of the sending GPU tensor on ``src_rank``.
+        group_name: the group (an ``nccl`` group).
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("broadcast_multigpu", group_name)
+
+
+def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
+                       group_name: str = "default") -> None:
+    """Allgather the tensors of every GPU of every rank into each GPU's output list.
+
+    Args:
+        output_tensor_lists: per local GPU, a list with one tensor per GPU in the group.
+        input_tensor_list: one GPU tensor per device of this process.
+        group_name: the group (an ``nccl`` group).
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("allgather_multigpu", group_name)
+
+
+def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: List[List[Any]],
+                           group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+    """Reduce-scatter across every GPU of every rank.
+
+    Args:
+        output_tensor_list: one GPU tensor per device of this process, receiving its part.
+        input_tensor_lists: per local GPU, a list with one tensor per GPU in the group.
+        group_name: the group (an ``nccl`` group).
+        op: the reduction.
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("reducescatter_multigpu", group_name)
+
+
+def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",
+                  n_elements: int = 0) -> None:
+    """Send a GPU tensor to GPU ``dst_gpu_index`` of ``dst_rank``.
+
+    Args:
+        tensor: the GPU tensor.
+        dst_rank: the receiving rank.
+        dst_gpu_index: the receiving GPU's index on that rank.
+        group_name: the group (an ``nccl`` group).
+        n_elements: elements to send (0: all).
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("send_multigpu", group_name)
+
+
+def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: str = "default",
+                  n_elements: int = 0) -> None:
+    """Receive into a GPU tensor from GPU ``src_gpu_index`` of ``src_rank``.
+
+    Args:
+        tensor: the GPU tensor to fill.
+        src_rank: the sending rank.
+        src_gpu_index: the sending GPU's index on that rank.
+        group_name: the group (an ``nccl`` group).
+        n_elements: elements to receive (0: all).
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+    """
+    _multigpu("recv_multigpu", group_name)
+
+
+def synchronize(gpu_id: int) -> None:
+    """Wait for the collectives queued on GPU ``gpu_id`` to finish.
+
+    Args:
+        gpu_id: the GPU device index.
+
+    Returns:
+        None.
+
+    Raises:
+        BackendNotAvailableError: the NCCL backend (and with it GPU streams) is not available.
+    """
+    if not nccl_available():
+        raise BackendNotAvailableError(
+            f"synchronize({gpu_id}) needs the 'nccl' backend, which is not available in this "
+            f"process; CPU collectives complete before they return")

@@ -1,0 +1,85 @@
+"""What a backend is: one rank's engine for one group, and the factory that joins it.
+
+The API layer validates a call and hands the backend a :class:`GroupCall`; the backend runs it
+to completion (blocking) or raises. Asynchrony, sequence numbers and the broken state live in
+the group layer, so every backend gets them for free.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from ..tensors import TensorView
+from ..types import CallOptions
+
+
+@dataclass(frozen=True)
+class GroupCall:
+    """One validated call as the backend sees it.
+
+    Attributes:
+        options: what was asked (collective, op, root/peer, tag, timeout, forced algorithm).
+        seq: the call's sequence number (per group for collectives, per peer and tag for p2p).
+        tensor: the single tensor argument (input and/or output), if the collective has one.
+        inputs: the input list (reducescatter, scatter on the root, alltoall).
+        outputs: the output list (allgather, gather on the root, alltoall).
+    """
+
+    options: CallOptions
+    seq: int
+    tensor: Optional[TensorView] = None
+    inputs: Tuple[TensorView, ...] = ()
+    outputs: Tuple[TensorView, ...] = ()
+
+
+class CollectiveBackend(ABC):
+    """One rank's membership of one group on one backend."""
+
+    accepts_gpu_tensors = False
+
+    @abstractmethod
+    def run(self, call: GroupCall) -> None:
+        """Run ``call`` to completion.
+
+        Raises:
+            CollectiveError: timeout, mismatch, dead peer, or a group aborted elsewhere.
+            ValueError: the call cannot run as asked (for example a forced algorithm that needs
+                a power-of-two group), detected before any communication.
+        """
+
+    @abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """Tell every other member that the group is broken by ``error``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything this membership holds."""
+
+
+class BackendFactory(ABC):
+    """Creates memberships: ``create`` performs the rendezvous of one rank."""
+
+    name: str = ""
+
+    @abstractmethod
+    def available(self) -> bool:
+        """Whether this backend can be used in this process."""
+
+    @abstractmethod
+    def create(self, group_name: str, world_size: int, rank: int,
+               timeout: float) -> CollectiveBackend:
+        """Join ``rank`` to the group; returns once the membership is usable.
+
+        Raises:
+            BackendNotAvailableError: the backend cannot run here.
+            CollectiveTimeoutError: the other ranks did not join within ``timeout`` seconds.
+        """
+
+
+def node_map_or_none(node_of: Optional[Sequence]) -> Optional[Tuple]:
+    """``node_of`` as a tuple, or None when it puts every rank on one node."""
+    if node_of is None or len(set(node_of)) <= 1:
+        return None
+    return tuple(node_of)

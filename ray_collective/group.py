@@ -1,0 +1,262 @@
+"""Groups as one process sees them: the registry object, each membership, and async work.
+
+A process (a Ray actor, or a thread of a test) holds its memberships in one
+:class:`GroupRegistry`. The process-wide registry is the only module-level state of the library;
+a test that runs several ranks in one process gives each rank's thread its own registry with
+:func:`use_registry`.
+
+A :class:`Group` numbers its calls, runs them in order (inline when nothing is queued, on one
+worker thread for ``async_op=True``), and turns the first failure into a broken state: every
+later call fails fast with the same cause, and the other members are told through the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+from .backends.base import BackendFactory, CollectiveBackend, GroupCall
+from .errors import (CollectiveError, CollectiveMismatchError, GroupAlreadyInitializedError,
+                     GroupBrokenError, GroupNotInitializedError)
+
+
+class Work:
+    """Handle of a call made with ``async_op=True``."""
+
+    def __init__(self, future: Future, description: str):
+        self._future = future
+        self._description = description
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the call completes.
+
+        Args:
+            timeout: seconds to wait at most; None waits until the call itself finishes or hits
+                its own deadline.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first; the call goes on running.
+            CollectiveError: the call failed (the same error a blocking call would raise).
+        """
+        try:
+            self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"{self._description} is still running after {timeout:g}s; it "
+                               f"goes on until it completes or reaches its own deadline") from None
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished (successfully or not)."""
+        return self._future.done()
+
+
+def _from_my_side(cause: BaseException, rank: int) -> Optional[BaseException]:
+    """The peer's mismatch as this rank should see it, when this rank is the other party."""
+    if isinstance(cause, CollectiveMismatchError) and rank in cause.ranks and rank != cause.rank:
+        flipped = {field: (theirs, mine) for field, (mine, theirs) in cause.differences.items()}
+        return CollectiveMismatchError(cause.group_name, rank, cause.rank, cause.collective,
+                                       cause.seq, flipped)
+    return None
+
+
+class Group:
+    """This process's membership of one group.
+
+    Args:
+        name: the group name.
+        world_size: ranks in the group.
+        rank: this process's rank.
+        backend: the backend membership that runs the calls.
+        timeout: the default deadline of a call, in seconds.
+    """
+
+    def __init__(self, name: str, world_size: int, rank: int, backend: CollectiveBackend,
+                 timeout: float):
+        self.name = name
+        self.world_size = world_size
+        self.rank = rank
+        self.backend = backend
+        self.timeout = timeout
+        self._seq = 0
+        self._p2p_seq: Dict[Tuple[str, int, int], int] = {}
+        self._broken: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._running = threading.Lock()
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._queued = 0
+
+    @property
+    def broken(self) -> Optional[BaseException]:
+        """The failure that broke the group, or None."""
+        return self._broken
+
+    def next_seq(self, kind: str = "", peer: int = -1, tag: int = 0) -> int:
+        """The sequence number of the next collective, or of the next send/recv to a peer and tag.
+
+        Point-to-point calls have their own counters, so ranks that exchange messages stay in
+        step with ranks that do not.
+        """
+        with self._lock:
+            if not kind:
+                seq, self._seq = self._seq, self._seq + 1
+                return seq
+            key = (kind, peer, tag)
+            seq = self._p2p_seq.get(key, 0)
+            self._p2p_seq[key] = seq + 1
+            return seq
+
+    def submit(self, make_call: Callable[[int], GroupCall], async_op: bool,
+               seq_key: Tuple[str, int, int] = ("", -1, 0)) -> Optional[Work]:
+        """Number and run one call; blocking unless ``async_op``.
+
+        Args:
+            make_call: builds the call from its sequence number.
+            async_op: return a :class:`Work` at once instead of blocking.
+            seq_key: ``("", -1, 0)`` for collectives, ``("send"|"recv", peer, tag)`` for p2p.
+
+        Returns:
+            None for a blocking call, else the call's :class:`Work`.
+
+        Raises:
+            GroupBrokenError: the group failed earlier.
+            CollectiveError: the call failed (blocking calls).
+        """
+        self._raise_if_broken()
+        call = make_call(self.next_seq(*seq_key))
+        with self._lock:
+            queued = self._queued
+            if async_op or queued:
+                self._queued += 1
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(
+                        1, thread_name_prefix=f"ray_collective[{self.name}]")
+                future = self._worker.submit(self._run_queued, call)
+        if async_op:
+            return Work(future, f"{call.options.collective.value} #{call.seq} of group "
+                                f"'{self.name}'")
+        if queued:
+            future.result()
+        else:
+            with self._running:
+                self._run(call)
+        return None
+
+    def _run_queued(self, call: GroupCall) -> None:
+        try:
+            with self._running:
+                self._run(call)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise GroupBrokenError(self.name, self.rank, self._broken)
+
+    def _run(self, call: GroupCall) -> None:
+        self._raise_if_broken()
+        try:
+            self.backend.run(call)
+        except GroupBrokenError as err:
+            self._broken = err.cause
+            raise _from_my_side(err.cause, self.rank) or err from None
+        except (TypeError, ValueError):
+            raise
+        except BaseException as err:
+            self._broken = err
+            self.backend.abort(err)
+            raise
+
+    def destroy(self) -> None:
+        """Finish queued calls, then release the backend membership."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        self.backend.close()
+
+
+class GroupRegistry:
+    """The groups one process (or one simulated rank) belongs to, by name."""
+
+    def __init__(self):
+        self._groups: Dict[str, Group] = {}
+        self._lock = threading.Lock()
+
+    def create(self, name: str, world_size: int, rank: int, factory: BackendFactory,
+               timeout: float) -> Group:
+        """Join a group through ``factory`` and register it.
+
+        Raises:
+            GroupAlreadyInitializedError: ``name`` is taken in this registry.
+            BackendNotAvailableError, CollectiveTimeoutError: from the backend's rendezvous.
+        """
+        with self._lock:
+            if name in self._groups:
+                raise GroupAlreadyInitializedError(name)
+            self._groups[name] = None
+        try:
+            backend = factory.create(name, world_size, rank, timeout)
+        except BaseException:
+            with self._lock:
+                del self._groups[name]
+            raise
+        group = Group(name, world_size, rank, backend, timeout)
+        with self._lock:
+            self._groups[name] = group
+        return group
+
+    def get(self, name: str) -> Group:
+        """The group ``name``.
+
+        Raises:
+            GroupNotInitializedError: this process is not a member of ``name``.
+        """
+        group = self._groups.get(name)
+        if group is None:
+            raise GroupNotInitializedError(name)
+        return group
+
+    def is_initialized(self, name: str) -> bool:
+        """Whether ``name`` is a usable group here."""
+        return self._groups.get(name) is not None
+
+    def destroy(self, name: str) -> None:
+        """Leave ``name`` and release its resources.
+
+        Raises:
+            GroupNotInitializedError: this process is not a member of ``name``.
+        """
+        with self._lock:
+            group = self._groups.get(name)
+            if group is None:
+                raise GroupNotInitializedError(name)
+            del self._groups[name]
+        group.destroy()
+
+    def names(self) -> Tuple[str, ...]:
+        """The names of the groups held."""
+        return tuple(n for n, g in self._groups.items() if g is not None)
+
+
+_PROCESS_REGISTRY = GroupRegistry()
+_active_registry: contextvars.ContextVar = contextvars.ContextVar("ray_collective_registry")
+
+
+def current_registry() -> GroupRegistry:
+    """The registry the calling thread uses: its own if set with :func:`use_registry`, else the
+    process's."""
+    return _active_registry.get(_PROCESS_REGISTRY)
+
+
+@contextlib.contextmanager
+def use_registry(registry: GroupRegistry) -> Iterator[GroupRegistry]:
+    """Make ``registry`` the calling thread's registry inside the ``with`` block."""
+    token = _active_registry.set(registry)
+    try:
+        yield registry
+    finally:
+        _active_registry.reset(token)

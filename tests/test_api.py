@@ -1,0 +1,543 @@
+"""The public API over the in-process backend: every collective, real ranks in threads, numpy
+as the reference; plus asynchrony, timeouts, mismatches, bad input and group lifetime."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import ray_collective as col
+from ray_collective.testing import RanksFailed, run_ranks
+from conftest import numpy_reduce, rank_data
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17]
+LENGTHS = [0, 1, 7, 1000]
+OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
+       col.ReduceOp.AVG]
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+def _ops_for(dtype):
+    ops = [op for op in OPS if not (dtype == "bool" and op is col.ReduceOp.AVG)]
+    return ops
+
+
+def _expect_equal(got, want, dtype):
+    if np.dtype(dtype).kind in "fc":
+        np.testing.assert_allclose(got, want, rtol=1e-2 if dtype == "float16" else 1e-6)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------ every collective, every size
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_every_collective_every_size(world_size, length):
+    p = world_size
+    inputs = [rank_data(r, length, "int64") for r in range(p)]
+    blocks = [[rank_data(r * 100 + j, length, "int64") for j in range(p)] for r in range(p)]
+    root = p // 2
+
+    def body(rank):
+        out = {}
+        x = inputs[rank].copy()
+        col.allreduce(x)
+        out["allreduce"] = x
+        x = inputs[rank].copy()
+        col.reduce(x, dst_rank=root, op=col.ReduceOp.MAX)
+        out["reduce"] = x
+        x = inputs[rank].copy() if rank == root else np.zeros(length, np.int64)
+        col.broadcast(x, src_rank=root)
+        out["broadcast"] = x
+        gathered = [np.zeros(length, np.int64) for _ in range(p)]
+        col.allgather(gathered, inputs[rank])
+        out["allgather"] = gathered
+        x = np.zeros(length, np.int64)
+        col.reducescatter(x, blocks[rank])
+        out["reducescatter"] = x
+        gathered = [np.zeros(length, np.int64) for _ in range(p)]
+        col.gather(gathered, inputs[rank], dst_rank=root)
+        out["gather"] = gathered
+        x = np.zeros(length, np.int64)
+        col.scatter(x, blocks[rank] if rank == root else None, src_rank=root)
+        out["scatter"] = x
+        received = [np.zeros(length, np.int64) for _ in range(p)]
+        col.alltoall(received, blocks[rank])
+        out["alltoall"] = received
+        col.barrier()
+        return out
+
+    results = run_ranks(p, body)
+    summed = numpy_reduce(inputs, col.ReduceOp.SUM)
+    maxed = numpy_reduce(inputs, col.ReduceOp.MAX)
+    for rank, out in enumerate(results):
+        np.testing.assert_array_equal(out["allreduce"], summed)
+        np.testing.assert_array_equal(out["reduce"], maxed if rank == root else inputs[rank])
+        np.testing.assert_array_equal(out["broadcast"], inputs[root])
+        for i in range(p):
+            np.testing.assert_array_equal(out["allgather"][i], inputs[i])
+            if rank == root:
+                np.testing.assert_array_equal(out["gather"][i], inputs[i])
+            else:
+                np.testing.assert_array_equal(out["gather"][i], np.zeros(length))
+            np.testing.assert_array_equal(out["alltoall"][i], blocks[i][rank])
+        np.testing.assert_array_equal(out["reducescatter"],
+                                      numpy_reduce([blocks[r][rank] for r in range(p)],
+                                                   col.ReduceOp.SUM))
+        np.testing.assert_array_equal(out["scatter"], blocks[root][rank])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_reductions_every_dtype_and_op(dtype, world_size):
+    ops = _ops_for(dtype)
+    shape = (2, 5)
+    inputs = {op: [rank_data(r, shape, dtype, op) for r in range(world_size)] for op in ops}
+
+    def body(rank):
+        out = {}
+        for op in ops:
+            x = inputs[op][rank].copy()
+            col.allreduce(x, op=op)
+            y = inputs[op][rank].copy()
+            col.reduce(y, dst_rank=world_size - 1, op=op)
+            z = np.zeros(shape, dtype)
+            col.reducescatter(z, [inputs[op][(rank + j) % world_size]
+                                  for j in range(world_size)], op=op)
+            out[op] = (x, y, z)
+        return out
+
+    results = run_ranks(world_size, body)
+    for op in ops:
+        want = numpy_reduce(inputs[op], op)
+        for rank, out in enumerate(results):
+            x, y, z = out[op]
+            _expect_equal(x, want, dtype)
+            _expect_equal(y, want if rank == world_size - 1 else inputs[op][rank], dtype)
+            contributions = [inputs[op][(r + rank) % world_size] for r in range(world_size)]
+            _expect_equal(z, numpy_reduce(contributions, op), dtype)
+
+
+def test_avg_on_integers_truncates_toward_zero():
+    values = [np.array([-7, 7, -1, 5], np.int32), np.array([0, 0, 0, 0], np.int32)]
+
+    def body(rank):
+        x = values[rank].copy()
+        col.allreduce(x, op=col.ReduceOp.AVG)
+        return x
+
+    for x in run_ranks(2, body):
+        np.testing.assert_array_equal(x, [-3, 3, 0, 2])
+
+
+def test_avg_on_bool_is_refused_before_communication():
+    def body(rank):
+        with pytest.raises(TypeError, match="AVG"):
+            col.allreduce(np.ones(3, bool), op=col.ReduceOp.AVG)
+        return True
+
+    assert run_ranks(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "bool"])
+def test_torch_tensors(dtype):
+    torch = pytest.importorskip("torch", reason="torch is a test extra: pip install -e .[test]")
+    torch_dtype = getattr(torch, dtype)
+    inputs = [torch.arange(6, dtype=torch.float32).reshape(2, 3).mul(r + 1).to(torch_dtype)
+              for r in range(3)]
+
+    def body(rank):
+        x = inputs[rank].clone()
+        col.allreduce(x)
+        listed = [torch.zeros(2, 3, dtype=torch_dtype) for _ in range(3)]
+        col.allgather(listed, inputs[rank])
+        return x, listed
+
+    want = inputs[0].clone()
+    for other in inputs[1:]:
+        want = want + other if dtype != "bool" else want | other
+    for x, listed in run_ranks(3, body):
+        assert x.dtype == torch_dtype
+        assert torch.equal(x, want)
+        for i in range(3):
+            assert torch.equal(listed[i], inputs[i])
+
+
+# ------------------------------------------------------------------ extras
+
+def test_async_op_returns_work_handles_completed_in_order():
+    def body(rank):
+        a, b = np.full(4, rank, np.int64), np.full(4, 10 * rank, np.int64)
+        first = col.allreduce(a, async_op=True)
+        second = col.allreduce(b, async_op=True)
+        assert isinstance(first, col.Work)
+        second.wait(timeout=30)
+        first.wait()
+        assert first.is_completed() and second.is_completed()
+        c = np.ones(1)
+        assert col.allreduce(c) is None
+        return a, b, c
+
+    for a, b, c in run_ranks(3, body):
+        np.testing.assert_array_equal(a, [3] * 4)
+        np.testing.assert_array_equal(b, [30] * 4)
+        np.testing.assert_array_equal(c, [3.0])
+
+
+def test_work_wait_timeout_raises_while_the_call_goes_on():
+    release = threading.Event()
+
+    def body(rank):
+        x = np.ones(2)
+        if rank == 0:
+            work = col.allreduce(x, async_op=True)
+            with pytest.raises(TimeoutError, match="still running"):
+                work.wait(timeout=0.05)
+            assert not work.is_completed()
+            release.set()
+            work.wait()
+        else:
+            release.wait(10)
+            col.allreduce(x)
+        return x
+
+    for x in run_ranks(2, body):
+        np.testing.assert_array_equal(x, [2.0, 2.0])
+
+
+def test_send_recv_tags_match_in_order_per_tag():
+    def body(rank):
+        if rank == 0:
+            col.send(np.array([1.0]), 1, tag=5)
+            col.send(np.array([2.0]), 1, tag=9)
+            col.send(np.array([3.0]), 1, tag=5)
+            return None
+        got = [np.zeros(1) for _ in range(3)]
+        col.recv(got[0], 0, tag=9)
+        col.recv(got[1], 0, tag=5)
+        col.recv(got[2], 0, tag=5)
+        return [float(g[0]) for g in got]
+
+    assert run_ranks(2, body)[1] == [2.0, 1.0, 3.0]
+
+
+def test_p2p_does_not_disturb_collective_sequence_of_other_ranks():
+    def body(rank):
+        if rank == 0:
+            col.send(np.ones(2), 2)
+        elif rank == 2:
+            col.recv(np.zeros(2), 0)
+        x = np.full(2, rank, np.int64)
+        col.allreduce(x)
+        return x
+
+    for x in run_ranks(3, body):
+        np.testing.assert_array_equal(x, [3, 3])
+
+
+def test_several_groups_in_one_process_do_not_interfere():
+    def body(rank):
+        col.init_collective_group(1, 0, run_ranks_factory(), group_name="solo")
+        return col.get_rank("solo"), col.get_collective_group_size("solo")
+
+    from ray_collective.backends.local import LocalBackendFactory
+    from ray_collective.transport.local import LocalFabric
+
+    def run_ranks_factory():
+        return LocalBackendFactory(LocalFabric(1, "solo"))
+
+    assert run_ranks(2, body) == [(0, 1), (0, 1)]
+
+
+def test_hierarchical_path_through_the_api():
+    node_of = [0, 0, 1, 1, 1, 2]
+
+    def body(rank):
+        x = np.full(5, rank + 1, np.int64)
+        col.allreduce(x)
+        y = np.full(5, rank, np.int64) if rank == 3 else np.zeros(5, np.int64)
+        col.broadcast(y, src_rank=3)
+        z = np.full(5, rank + 1, np.int64)
+        col.reduce(z, dst_rank=4)
+        return x, y, z
+
+    results = run_ranks(6, body, node_of=node_of)
+    for rank, (x, y, z) in enumerate(results):
+        np.testing.assert_array_equal(x, [21] * 5)
+        np.testing.assert_array_equal(y, [3] * 5)
+        np.testing.assert_array_equal(z, [21] * 5 if rank == 4 else [rank + 1] * 5)
+
+
+def test_forced_algorithm_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", "allreduce=ring,broadcast=scatter_allgather")
+
+    def body(rank):
+        x = np.full(100, rank, np.float64)
+        col.allreduce(x)
+        y = np.arange(100.0) if rank == 0 else np.zeros(100)
+        col.broadcast(y)
+        return x, y
+
+    for x, y in run_ranks(5, body):
+        np.testing.assert_array_equal(x, np.full(100, 10.0))
+        np.testing.assert_array_equal(y, np.arange(100.0))
+
+
+# ------------------------------------------------------------------ failures
+
+def test_rank_that_skips_the_call_gives_a_timeout_naming_it():
+    def body(rank):
+        if rank == 2:
+            return None
+        col.allreduce(np.ones(3), timeout=0.5)
+
+    outcome = run_ranks(3, body, return_exceptions=True)
+    errors = [e for e in outcome[:2]]
+    assert any(isinstance(e, col.CollectiveTimeoutError) for e in errors)
+    timeout = next(e for e in errors if isinstance(e, col.CollectiveTimeoutError))
+    assert 2 in timeout.missing_ranks
+    assert timeout.collective == "allreduce" and timeout.seq == 0
+    assert "group 'default'" in str(timeout) and "#0" in str(timeout)
+    for err in errors:
+        assert isinstance(err, (col.CollectiveTimeoutError, col.GroupBrokenError))
+
+
+def test_group_default_timeout_applies_and_broken_group_fails_fast():
+    def body(rank):
+        if rank == 0:
+            with pytest.raises(col.CollectiveTimeoutError):
+                col.recv(np.zeros(1), 1)
+            with pytest.raises(col.GroupBrokenError, match="broken"):
+                col.allreduce(np.ones(1))
+        return True
+
+    assert run_ranks(2, body, timeout=0.3) == [True, True]
+
+
+@pytest.mark.parametrize("rank1_call, field", [
+    (lambda: col.allreduce(np.ones(4, np.float32)), "dtype"),
+    (lambda: col.allreduce(np.ones(5, np.float64)), "count"),
+    (lambda: col.allreduce(np.ones(4, np.float64), op=col.ReduceOp.MAX), "op"),
+    (lambda: col.broadcast(np.ones(4, np.float64), src_rank=0), "collective"),
+])
+def test_mismatched_calls_raise_mismatch_on_both_ranks(rank1_call, field):
+    def body(rank):
+        if rank == 0:
+            col.allreduce(np.ones(4, np.float64), timeout=10)
+        else:
+            rank1_call()
+
+    outcome = run_ranks(2, body, return_exceptions=True, timeout=10)
+    for rank, err in enumerate(outcome):
+        assert isinstance(err, col.CollectiveMismatchError), (rank, err)
+        assert field in err.differences
+        assert set(err.ranks) == {0, 1}
+        assert f"rank {rank}" in str(err)
+
+
+def test_recv_of_a_different_shape_is_a_mismatch():
+    def body(rank):
+        if rank == 0:
+            col.send(np.ones(3), 1, timeout=5)
+        else:
+            col.recv(np.ones(4), 0, timeout=5)
+
+    outcome = run_ranks(2, body, return_exceptions=True, timeout=5)
+    assert isinstance(outcome[1], col.CollectiveMismatchError)
+    assert "count" in outcome[1].differences
+
+
+# ------------------------------------------------------------------ bad input, before communication
+
+BAD_CALLS = [
+    (lambda: col.allreduce([1, 2, 3]), TypeError, "list"),
+    (lambda: col.allreduce(np.float32(1)), TypeError, "scalar"),
+    (lambda: col.allreduce(np.array(["a"])), TypeError, "dtype"),
+    (lambda: col.allreduce(np.ones((4, 4))[:, 0]), ValueError, "contiguous"),
+    (lambda: col.allreduce(np.ones(3), op="sum"), TypeError, "ReduceOp"),
+    (lambda: col.allreduce(np.ones(3), timeout=0), ValueError, "timeout"),
+    (lambda: col.allreduce(np.ones(3), timeout=-1), ValueError, "timeout"),
+    (lambda: col.reduce(np.ones(3), dst_rank=2), ValueError, "dst_rank=2"),
+    (lambda: col.broadcast(np.ones(3), src_rank=-1), ValueError, "src_rank=-1"),
+    (lambda: col.broadcast(np.ones(3), src_rank=1.0), TypeError, "src_rank"),
+    (lambda: col.allgather([np.ones(3)], np.ones(3)), ValueError, "world size|ranks"),
+    (lambda: col.allgather([np.ones(3), np.ones(4)], np.ones(3)), ValueError, "shape"),
+    (lambda: col.allgather([np.ones(3), np.ones(3, np.int32)], np.ones(3)), ValueError, "dtype"),
+    (lambda: col.allgather(np.ones(3), np.ones(3)), TypeError, "list"),
+    (lambda: col.reducescatter(np.ones(3), [np.ones(3)] * 3), ValueError, "3 tensors"),
+    (lambda: col.alltoall([np.ones(2)] * 2, [np.ones(3)] * 2), ValueError, "shape"),
+    (lambda: col.send(np.ones(3), 0), ValueError, "itself"),
+    (lambda: col.recv(np.ones(3), 5), ValueError, "src_rank=5"),
+    (lambda: col.send(np.ones(3), 1, tag=-1), ValueError, "tag"),
+    (lambda: col.recv(np.ones(3).__array__().view().setflags(write=False) or np.ones(3), 1,
+                      tag="x"), ValueError, "tag"),
+    (lambda: col.allreduce(np.ones(3), group_name=""), ValueError, "group_name"),
+    (lambda: col.allreduce(np.ones(3), group_name="nope"), col.GroupNotInitializedError,
+     "'nope' is not initialized"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", BAD_CALLS)
+def test_bad_input_raises_before_any_communication(call, error, message):
+    def body(rank):
+        if rank == 0:
+            with pytest.raises(error, match=message):
+                call()
+            # Nothing was sent: the group still works and nothing is left in flight.
+            x = np.ones(2)
+            col.allreduce(x, timeout=10)
+            return x
+        x = np.ones(2)
+        col.allreduce(x, timeout=10)
+        return x
+
+    for x in run_ranks(2, body):
+        np.testing.assert_array_equal(x, [2.0, 2.0])
+
+
+def test_read_only_output_is_refused_but_read_only_input_is_fine():
+    def body(rank):
+        frozen = np.ones(3)
+        frozen.setflags(write=False)
+        with pytest.raises(ValueError, match="read-only"):
+            col.allreduce(frozen)
+        out = [np.zeros(3) for _ in range(2)]
+        col.allgather(out, frozen)
+        return out
+
+    for out in run_ranks(2, body):
+        np.testing.assert_array_equal(out[1], np.ones(3))
+
+
+def test_gpu_tensor_on_cpu_group_names_nccl():
+    class FakeCupyArray:
+        """Stands in for a cupy array (cupy is not installed on CPU machines)."""
+        __module__ = "cupy"
+
+    def body(rank):
+        with pytest.raises(TypeError):
+            col.allreduce(FakeCupyArray())
+        return True
+
+    assert all(run_ranks(1, body))
+
+
+# ------------------------------------------------------------------ groups
+
+def test_group_lifetime_and_queries():
+    def body(rank):
+        assert col.is_group_initialized("default")
+        assert col.get_rank() == rank and col.get_collective_group_size() == 3
+        assert col.get_rank("other") == -1 and col.get_collective_group_size("other") == -1
+        assert not col.is_group_initialized("other")
+        with pytest.raises(col.GroupNotInitializedError):
+            col.destroy_collective_group("other")
+        return True
+
+    assert all(run_ranks(3, body))
+
+
+def test_double_init_and_recreate_after_destroy():
+    from ray_collective.backends.local import LocalBackendFactory
+    from ray_collective.transport.local import LocalFabric
+
+    with col.use_registry(col.GroupRegistry()):
+        col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        with pytest.raises(col.GroupAlreadyInitializedError, match="already initialized"):
+            col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        col.destroy_collective_group("g")
+        assert not col.is_group_initialized("g")
+        col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        x = np.ones(2)
+        col.allreduce(x, "g")
+        np.testing.assert_array_equal(x, [1.0, 1.0])
+        col.destroy_collective_group("g")
+
+
+@pytest.mark.parametrize("world_size, rank", [(0, 0), (-1, 0), (2, 2), (2, -1), (2.0, 0),
+                                              (True, 0)])
+def test_init_rejects_bad_world_size_and_rank(world_size, rank):
+    with col.use_registry(col.GroupRegistry()):
+        with pytest.raises(ValueError):
+            col.init_collective_group(world_size, rank)
+
+
+def test_ray_and_nccl_backends_are_not_available_yet():
+    with col.use_registry(col.GroupRegistry()):
+        for backend in ("ray", "gloo", "NCCL", col.Backend.RAY):
+            with pytest.raises(col.BackendNotAvailableError, match="not available"):
+                col.init_collective_group(2, 0, backend=backend, group_name="x")
+            assert not col.is_group_initialized("x")
+        with pytest.raises(ValueError, match="unknown backend"):
+            col.init_collective_group(2, 0, backend="mpi")
+        with pytest.raises(TypeError, match="backend"):
+            col.init_collective_group(2, 0, backend=3)
+    assert not col.nccl_available() and not col.gloo_available()
+    assert not col.is_backend_available("ray")
+    with pytest.raises(ValueError):
+        col.is_backend_available("mpi")
+    with pytest.raises(col.BackendNotAvailableError, match="nccl"):
+        col.synchronize(0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(actors=[]), "non-empty"),
+    (dict(actors=["a", "b"], world_size=3), "world_size=3"),
+    (dict(actors=["a", "b"], ranks=[0, 0]), "permutation"),
+    (dict(actors=["a", "b"], ranks=[1, 2]), "permutation"),
+    (dict(actors=["a"], group_name=""), "group_name"),
+])
+def test_declare_collective_group_validates_before_anything(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        col.declare_collective_group(**kwargs)
+
+
+def test_declare_collective_group_needs_the_ray_backend():
+    assert col.create_collective_group is col.declare_collective_group
+    with pytest.raises(col.BackendNotAvailableError, match="declare_collective_group"):
+        col.declare_collective_group(["a", "b"], world_size=2, ranks=[1, 0])
+
+
+@pytest.mark.parametrize("call", [
+    lambda: col.allreduce_multigpu([np.ones(2)]),
+    lambda: col.reduce_multigpu([np.ones(2)]),
+    lambda: col.broadcast_multigpu([np.ones(2)]),
+    lambda: col.allgather_multigpu([[np.ones(2)]], [np.ones(2)]),
+    lambda: col.reducescatter_multigpu([np.ones(2)], [[np.ones(2)]]),
+    lambda: col.send_multigpu(np.ones(2), 1, 0),
+    lambda: col.recv_multigpu(np.ones(2), 1, 0),
+])
+def test_multigpu_variants_need_the_nccl_backend(call):
+    def body(rank):
+        with pytest.raises(col.UnsupportedOperationError, match="nccl"):
+            call()
+        return True
+
+    assert all(run_ranks(1, body))
+    with col.use_registry(col.GroupRegistry()):
+        with pytest.raises(col.GroupNotInitializedError):
+            call()
+
+
+def test_ray_util_collective_reduce_op_is_accepted_by_name():
+    ray_types = pytest.importorskip("ray.util.collective.types", reason="ray is not installed")
+
+    def body(rank):
+        x = np.full(2, rank + 1.0)
+        col.allreduce(x, op=ray_types.ReduceOp.MAX)
+        return x
+
+    for x in run_ranks(2, body):
+        np.testing.assert_array_equal(x, [2.0, 2.0])
+
+
+def test_run_ranks_reports_every_failed_rank():
+    def body(rank):
+        if rank == 1:
+            raise KeyError("boom")
+        return rank
+
+    with pytest.raises(RanksFailed, match="rank 1: KeyError"):
+        run_ranks(2, body)
