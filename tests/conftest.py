@@ -1,7 +1,6 @@
 """Shared test helpers: reference reductions computed by numpy alone."""
 
 import numpy as np
-import pytest
 
 import ray_collective as col
 
@@ -34,8 +33,3 @@ def rank_data(rank, shape, dtype, op=col.ReduceOp.SUM, seed=0):
     if dtype.kind == "c":
         return (values + 1j * rng.integers(low, high, shape)).astype(dtype)
     return values.astype(dtype)
-
-
-@pytest.fixture
-def ranks_data():
-    return rank_data

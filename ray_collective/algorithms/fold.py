@@ -11,6 +11,7 @@ and by the halving reduce-scatter.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -51,26 +52,32 @@ class Survivors(Sequence):
         return Team(self, self.index)
 
 
-def fold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Reduce the buffers of the first 2r ranks pairwise onto the odd ones (no-op for p = 2^k)."""
+def _folded_pair(team: Team) -> Optional[Tuple[int, bool]]:
+    """For one of the first 2r ranks: its partner's real rank, and whether it is the even
+    (sitting-out) one of the pair; None for every other rank."""
     extra = team.size - (1 << (team.size.bit_length() - 1))
     v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Send(team.peer(v + 1), buf, step),)
-        else:
-            yield (Recv(team.peer(v - 1), buf, step, reduce=True),)
+    if v >= 2 * extra:
+        return None
+    return (team.peer(v + 1), True) if v % 2 == 0 else (team.peer(v - 1), False)
+
+
+def fold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
+    """Reduce the buffers of the first 2r ranks pairwise onto the odd ones (no-op for p = 2^k)."""
+    pair = _folded_pair(team)
+    if pair is not None:
+        partner, sits_out = pair
+        yield ((Send(partner, buf, step),) if sits_out
+               else (Recv(partner, buf, step, reduce=True),))
 
 
 def unfold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Return the result to the ranks that sat out of the fold."""
-    extra = team.size - (1 << (team.size.bit_length() - 1))
-    v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Recv(team.peer(v + 1), buf, step),)
-        else:
-            yield (Send(team.peer(v - 1), buf, step),)
+    """Hand the result to the ranks that sat out: each odd rank below 2r sends ``buf`` to the
+    even rank before it, which receives into its own ``buf``."""
+    pair = _folded_pair(team)
+    if pair is not None:
+        partner, sits_out = pair
+        yield (Recv(partner, buf, step),) if sits_out else (Send(partner, buf, step),)
 
 
 def fold_rounds(p: int) -> int:

@@ -69,9 +69,8 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
     while pending:
         if supersteps >= max_supersteps:
             raise SimulationDeadlockError(waiting_on, f"no completion in {max_supersteps} rounds")
-        fabric.touched = set()
-        moved = fabric.flush()
-        candidates = (fabric.touched | just_posted) & pending.keys()
+        got_mail = fabric.flush()
+        candidates = (got_mail | just_posted) & pending.keys()
         just_posted = set()
         for rank in sorted(candidates):
             transport = transports[rank]
@@ -79,7 +78,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
                 advance(rank, first=False)
                 if rank in pending:
                     just_posted.add(rank)
-        if not just_posted and not moved and not candidates:
+        if not just_posted and not got_mail and not candidates:
             raise SimulationDeadlockError(waiting_on)
         supersteps += 1
     if fabric.pending_messages():

@@ -87,7 +87,6 @@ class LocalFabric:
         self._cond = threading.Condition()
         self._broken: Optional[BaseException] = None
         self._started_seq = [-1] * world_size
-        self.touched: set = set()
 
     def transport(self, rank: int) -> "LocalTransport":
         """The transport of ``rank``."""
@@ -95,13 +94,14 @@ class LocalFabric:
             raise ValueError(f"rank {rank} is not in [0, {self.world_size})")
         return LocalTransport(self, rank)
 
-    def flush(self) -> int:
-        """Make the messages staged in deferred mode visible; returns how many moved."""
+    def flush(self) -> set:
+        """Make the messages staged in deferred mode visible; returns the ranks that got mail."""
         staged, self._staged = self._staged, []
+        receivers = set()
         for key, message in staged:
             self._mailboxes[key].append(message)
-            self.touched.add(key[1])
-        return len(staged)
+            receivers.add(key[1])
+        return receivers
 
     def pending_messages(self) -> int:
         """Messages posted but not yet received (stale messages left by a failed call)."""
