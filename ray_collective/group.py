@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from .backends.base import BackendFactory, CollectiveBackend, GroupCall
-from .errors import (CollectiveError, CollectiveMismatchError, GroupAlreadyInitializedError,
+from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError)
 
 

@@ -83,31 +83,3 @@ def unfold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
 def fold_rounds(p: int) -> int:
     """Rounds the fold plus unfold add at p ranks: 0 for powers of two, else 2."""
     return 0 if p & (p - 1) == 0 else 2
-
-
-def fold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Reduce the buffers of the first 2r ranks pairwise onto the odd ones (no-op for p = 2^k)."""
-    extra = team.size - (1 << (team.size.bit_length() - 1))
-    v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Send(team.peer(v + 1), buf, step),)
-        else:
-            yield (Recv(team.peer(v - 1), buf, step, reduce=True),)
-
-
-def unfold(team: Team, buf: np.ndarray, step: int) -> AlgorithmGen:
-    """Hand the result to the ranks that sat out: each odd rank below 2r sends ``buf`` to the
-    even rank before it, which receives into its own ``buf``."""
-    extra = team.size - (1 << (team.size.bit_length() - 1))
-    v = team.index
-    if v < 2 * extra:
-        if v % 2 == 0:
-            yield (Recv(team.peer(v + 1), buf, step),)
-        else:
-            yield (Send(team.peer(v - 1), buf, step),)
-
-
-def fold_rounds(p: int) -> int:
-    """Rounds the fold plus unfold add at p ranks: 0 for powers of two, else 2."""
-    return 0 if p & (p - 1) == 0 else 2
