@@ -9,7 +9,7 @@ before anything is sent.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .backends import resolve
 from .backends.base import BackendFactory, GroupCall
@@ -84,8 +84,9 @@ def _options(group: Group, collective: Collective, timeout: Optional[float], **f
     return CallOptions(collective=collective, timeout=deadline, **fields)
 
 
-def _submit(group: Group, options: CallOptions, async_op: bool, **tensors) -> Optional[Work]:
-    return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op)
+def _submit(group: Group, options: CallOptions, async_op: bool,
+            seq_key: Tuple[str, int, int] = ("", -1, 0), **tensors) -> Optional[Work]:
+    return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op, seq_key)
 
 
 # ---------------------------------------------------------------- groups
@@ -524,8 +525,7 @@ def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: 
         raise ValueError(f"tag must be an int >= 0, not {tag!r}")
     view = _view(group, tensor, collective is Collective.RECV, "tensor")
     options = _options(group, collective, timeout, peer=peer, tag=tag)
-    return group.submit(lambda seq: GroupCall(options, seq, tensor=view), async_op,
-                        seq_key=(collective.value, peer, tag))
+    return _submit(group, options, async_op, (collective.value, peer, tag), tensor=view)
 
 
 def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, *,

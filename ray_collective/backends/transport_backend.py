@@ -25,9 +25,7 @@ from .base import CollectiveBackend, GroupCall, node_map_or_none
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 
 
-def _concatenate(views: Sequence[TensorView], dtype: np.dtype) -> np.ndarray:
-    if not views:
-        return np.empty(0, dtype)
+def _concatenate(views: Sequence[TensorView]) -> np.ndarray:
     return np.concatenate([v.array for v in views])
 
 
@@ -67,11 +65,10 @@ class TransportBackend(CollectiveBackend):
                 algorithm: str) -> CallHeader:
         options = call.options
         op = options.op.name if options.collective in _REDUCING else ""
-        if view is None:
-            return CallHeader(self.group_name, self.epoch, call.seq, collective, algorithm, "", 0,
-                              (), options.root, op)
+        dtype_name, count, shape = ("", 0, ()) if view is None else (
+            view.dtype_name, view.count, tuple(view.shape))
         return CallHeader(self.group_name, self.epoch, call.seq, collective, algorithm,
-                          view.dtype_name, view.count, tuple(view.shape), options.root, op)
+                          dtype_name, count, shape, options.root, op)
 
     def _point_to_point(self, call: GroupCall) -> None:
         options, view = call.options, call.tensor
@@ -106,7 +103,7 @@ class TransportBackend(CollectiveBackend):
             np.copyto(blocks.view(buf, rank), tensor)
         elif collective in (Collective.REDUCESCATTER, Collective.ALLTOALL) or (
                 collective is Collective.SCATTER and rank == root):
-            buf = _concatenate(call.inputs, dtype)
+            buf = _concatenate(call.inputs)
         elif collective is Collective.SCATTER:
             buf = np.empty(p * count, dtype)
         else:

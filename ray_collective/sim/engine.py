@@ -81,6 +81,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
         if not just_posted and not got_mail and not candidates:
             raise SimulationDeadlockError(waiting_on)
         supersteps += 1
-    if fabric.pending_messages():
-        raise SimulationDeadlockError({}, f"{fabric.pending_messages()} messages never received")
+    unreceived = fabric.pending_messages()
+    if unreceived:
+        raise SimulationDeadlockError({}, f"{unreceived} messages never received")
     return supersteps
