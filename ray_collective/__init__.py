@@ -17,9 +17,12 @@ from .errors import (BackendNotAvailableError, CollectiveError, CollectiveMismat
                      GroupError, GroupNotInitializedError, PeerDiedError,
                      UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
+from .interop import install as _install_ray_util_collective_backend
 from .types import Backend, ReduceOp
 
 __version__ = "0.1.0"
+
+_install_ray_util_collective_backend()
 
 __all__ = [
     "init_collective_group", "declare_collective_group", "create_collective_group",

@@ -91,6 +91,9 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 
 # ---------------------------------------------------------------- groups
 
+# How long a driver-side destroy waits for busy members before removing the group anyway.
+_LEAVE_TIMEOUT_S = 60.0
+
 def init_collective_group(world_size: int, rank: int,
                           backend: Union[str, Backend, BackendFactory] = Backend.RAY,
                           group_name: str = "default", gloo_timeout: Optional[int] = None, *,
@@ -152,8 +155,11 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
     Raises:
         ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
             the number of actors, bad timeout or name.
-        BackendNotAvailableError: the backend cannot run here (the ``ray`` and ``nccl``
-            backends are not part of this version yet).
+        BackendNotAvailableError: the backend cannot run here.
+        GroupAlreadyInitializedError: this driver already declared a group of that name.
+        CollectiveTimeoutError: the actors did not all join within the timeout (the group is
+            then removed again).
+        UnsupportedOperationError: the backend cannot be declared from a driver.
     """
     if not isinstance(actors, (list, tuple)) or not actors:
         raise ValueError("actors must be a non-empty list of Ray actor handles")
@@ -172,11 +178,15 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         _check_timeout(timeout)
     if gloo_timeout is not None:
         _check_timeout(gloo_timeout, "gloo_timeout")
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
     factory = resolve(backend)
-    reason = getattr(factory, "reason", "it does not run inside Ray actors")
-    raise BackendNotAvailableError(
-        f"group '{group_name}': declare_collective_group needs a backend that runs inside Ray "
-        f"actors, and backend '{factory.name}' is not available: {reason}")
+    if not factory.available():
+        raise BackendNotAvailableError(
+            f"group '{group_name}': backend '{factory.name}' is not available in this process"
+            + (f": {factory.reason}" if hasattr(factory, "reason") else ""))
+    current_registry().declare(group_name, lambda: factory.declare(actors, ranks, world_size,
+                                                                   group_name, timeout))
 
 
 create_collective_group = declare_collective_group
@@ -185,6 +195,9 @@ create_collective_group = declare_collective_group
 def destroy_collective_group(group_name: str = "default") -> None:
     """Leave the group and release what this process holds for it.
 
+    Called in a member, it destroys that member's membership. Called in the driver that
+    declared the group, it makes every member leave and removes everything the group used.
+
     Args:
         group_name: the group.
 
@@ -192,9 +205,14 @@ def destroy_collective_group(group_name: str = "default") -> None:
         None.
 
     Raises:
-        GroupNotInitializedError: this process is not a member.
+        GroupNotInitializedError: this process is neither a member nor the declaring driver.
     """
-    current_registry().destroy(_check_group_name(group_name))
+    registry = current_registry()
+    _check_group_name(group_name)
+    if registry.is_initialized(group_name) or registry.declared(group_name) is None:
+        registry.destroy(group_name)
+    else:
+        registry.undeclare(group_name, _LEAVE_TIMEOUT_S)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:

@@ -143,3 +143,54 @@ class SimulationDeadlockError(CollectiveError):
         more = "" if len(self.waiting) <= 16 else f" (and {len(self.waiting) - 16} more)"
         super().__init__(f"deadlock: no rank can progress: {shown}{more}"
                          + (f"; {detail}" if detail else ""))
+
+
+class RankFailedError(CollectiveError):
+    """Another rank of the group failed; this is its error as this rank learned of it.
+
+    Attributes:
+        group_name: the group.
+        failed_rank: the rank whose call failed.
+        kind: the class name of its error.
+    """
+
+    def __init__(self, group_name: str, failed_rank: int, kind: str, message: str):
+        self.group_name = group_name
+        self.failed_rank = failed_rank
+        self.kind = kind
+        super().__init__(f"rank {failed_rank} of group '{group_name}' failed with {kind}: "
+                         f"{message}")
+
+
+def error_record(group_name: str, rank: int, error: BaseException) -> dict:
+    """A JSON-safe description of ``error`` raised on ``rank``, for telling the other ranks.
+
+    Errors that other ranks can meaningfully re-raise (timeouts, dead peers, mismatches) keep
+    their fields; any other error keeps its class name and message.
+    """
+    record = {"group": group_name, "rank": rank, "kind": type(error).__name__,
+              "message": str(error)}
+    if isinstance(error, CollectiveMismatchError):
+        record.update(peer=error.ranks[1], collective=error.collective, seq=error.seq,
+                      differences={k: list(v) for k, v in error.differences.items()})
+    elif isinstance(error, PeerDiedError):
+        record.update(collective=error.collective, seq=error.seq, dead=list(error.dead_ranks))
+    return record
+
+
+def error_from_record(record: dict, rank: int) -> CollectiveError:
+    """The error ``rank`` raises for a failure another rank described with :func:`error_record`.
+
+    A peer-died report becomes this rank's own :class:`PeerDiedError` (naming the dead ranks);
+    a mismatch is rebuilt as the reporting rank saw it; anything else is a
+    :class:`RankFailedError`.
+    """
+    group, reporter, kind = record["group"], record["rank"], record["kind"]
+    if kind == "CollectiveMismatchError":
+        differences = {k: tuple(v) for k, v in record["differences"].items()}
+        return CollectiveMismatchError(group, reporter, record["peer"], record["collective"],
+                                       record["seq"], differences)
+    if kind == "PeerDiedError":
+        return PeerDiedError(group, rank, record["collective"], record["seq"], record["dead"],
+                             f"reported by rank {reporter}")
+    return RankFailedError(group, reporter, kind, record["message"])

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
-from .backends.base import BackendFactory, CollectiveBackend, GroupCall
+from .backends.base import BackendFactory, CollectiveBackend, DeclaredGroup, GroupCall
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError)
 
@@ -184,6 +184,7 @@ class GroupRegistry:
 
     def __init__(self):
         self._groups: Dict[str, Group] = {}
+        self._declared: Dict[str, DeclaredGroup] = {}
         self._lock = threading.Lock()
 
     def create(self, name: str, world_size: int, rank: int, factory: BackendFactory,
@@ -236,6 +237,42 @@ class GroupRegistry:
                 raise GroupNotInitializedError(name)
             del self._groups[name]
         group.destroy()
+
+    def declare(self, name: str, declare: Callable[[], DeclaredGroup]) -> DeclaredGroup:
+        """Record a group this driver declares; ``declare`` makes the members join.
+
+        Raises:
+            GroupAlreadyInitializedError: this driver already declared ``name``.
+        """
+        with self._lock:
+            if name in self._declared:
+                raise GroupAlreadyInitializedError(name)
+            self._declared[name] = None
+        try:
+            declared = declare()
+        except BaseException:
+            with self._lock:
+                del self._declared[name]
+            raise
+        with self._lock:
+            self._declared[name] = declared
+        return declared
+
+    def declared(self, name: str) -> Optional[DeclaredGroup]:
+        """The group ``name`` if this driver declared it, else None."""
+        return self._declared.get(name)
+
+    def undeclare(self, name: str, timeout: float) -> None:
+        """Destroy a group this driver declared: every member leaves.
+
+        Raises:
+            GroupNotInitializedError: this driver did not declare ``name``.
+        """
+        with self._lock:
+            declared = self._declared.pop(name, None)
+        if declared is None:
+            raise GroupNotInitializedError(name)
+        declared.destroy(timeout)
 
     def names(self) -> Tuple[str, ...]:
         """The names of the groups held."""

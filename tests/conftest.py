@@ -33,3 +33,56 @@ def rank_data(rank, shape, dtype, op=col.ReduceOp.SUM, seed=0):
     if dtype.kind == "c":
         return (values + 1j * rng.integers(low, high, shape)).astype(dtype)
     return values.astype(dtype)
+
+
+# ------------------------------------------------------------------ real Ray actors
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+POOL_SIZE = 5
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session; workers can import the test modules."""
+    import ray
+    path = os.pathsep.join([TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield ray
+    ray.shutdown()
+
+
+class Member:
+    """A user's actor class with nothing collective about it: groups are formed around it."""
+
+    def pid(self):
+        return os.getpid()
+
+
+def start_members(ray, count):
+    """``count`` fresh member actors that need no CPU (so many fit on two cores)."""
+    actor = ray.remote(num_cpus=0)(Member)
+    members = [actor.remote() for _ in range(count)]
+    ray.get([m.pid.remote() for m in members])
+    return members
+
+
+@pytest.fixture(scope="session")
+def members(ray_session):
+    """A pool of member actors shared by the tests that leave them healthy."""
+    pool = start_members(ray_session, POOL_SIZE)
+    yield pool
+    for actor in pool:
+        ray_session.kill(actor)
+
+
+def run_in(ray, actors, function, *args, timeout=120):
+    """Run ``function(rank, *args)`` inside each actor (rank = position); returns the results."""
+    refs = [a.__ray_call__.remote(lambda _self, r=rank: function(r, *args))
+            for rank, a in enumerate(actors)]
+    return ray.get(refs, timeout=timeout)

@@ -2,8 +2,8 @@
 
 ``resolve`` turns what a caller passed as ``backend=`` (a name, a :class:`~ray_collective.types.Backend`,
 or a :class:`~ray_collective.backends.base.BackendFactory` such as the in-process one used by
-tests) into a factory. The ``ray`` and ``nccl`` backends are not part of this build yet: asking
-for them raises :class:`~ray_collective.errors.BackendNotAvailableError` that says so.
+tests) into a factory. A backend this build cannot run raises
+:class:`~ray_collective.errors.BackendNotAvailableError` that says why.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Union
 from ..errors import BackendNotAvailableError
 from ..types import Backend
 from .base import BackendFactory, CollectiveBackend
+from .ray_backend import RayBackendFactory
 
 
 class UnavailableBackend(BackendFactory):
@@ -33,10 +34,7 @@ class UnavailableBackend(BackendFactory):
 
 
 _NAMED = {
-    Backend.RAY: UnavailableBackend(
-        "ray", "the native CPU backend on Ray is not part of this version of ray_collective yet. "
-               "The collectives and algorithms can be used today in one process through "
-               "ray_collective.testing.run_ranks."),
+    Backend.RAY: RayBackendFactory(),
     Backend.NCCL: UnavailableBackend(
         "nccl", "the NCCL (GPU) backend is not part of this version of ray_collective yet."),
 }

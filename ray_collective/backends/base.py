@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from ..errors import UnsupportedOperationError
 from ..tensors import TensorView
 from ..types import CallOptions
 
@@ -76,6 +77,28 @@ class BackendFactory(ABC):
             BackendNotAvailableError: the backend cannot run here.
             CollectiveTimeoutError: the other ranks did not join within ``timeout`` seconds.
         """
+
+    def declare(self, actors: Sequence, ranks: Sequence[int], world_size: int, group_name: str,
+                timeout: float) -> "DeclaredGroup":
+        """Join ``actors[i]`` as rank ``ranks[i]``, driven from the driver.
+
+        Raises:
+            UnsupportedOperationError: this backend cannot be declared from a driver.
+        """
+        raise UnsupportedOperationError(
+            f"group '{group_name}': backend '{self.name}' cannot be declared from the driver; "
+            f"call init_collective_group inside each member instead")
+
+
+class DeclaredGroup(ABC):
+    """A group declared from this driver: what the driver needs to destroy it."""
+
+    name: str
+    actors: Tuple
+
+    @abstractmethod
+    def destroy(self, timeout: float) -> None:
+        """Make every member leave and remove what the group left behind."""
 
 
 def node_map_or_none(node_of: Optional[Sequence]) -> Optional[Tuple]:

@@ -1,0 +1,352 @@
+"""The ``ray`` backend: joins a rank to a group over Ray and runs it on the Ray transport.
+
+Joining (``RayBackendFactory.create``), inside each member process:
+
+1. find the incarnation's token and the group's private directory on this node
+   (``<Ray session dir>/rc/<hash of job, group, token>/<node>``, mode 0700), and listen on
+   ``<rank>.sock`` there;
+2. register in Ray's key-value store and wait for every rank (``backends.rendezvous``);
+3. if the group spans nodes, the lowest rank of each node starts that node's post office
+   (``backends.post_office``), the only process the library adds.
+
+Leaving (``close``) removes this rank's socket; the last member on a node removes the node's
+directory and post office, the last member of the group its keys. A group declared from the
+driver is joined by running the same code inside each actor through Ray's built-in
+``__ray_call__``, so the user's actor class needs no method for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..errors import BackendNotAvailableError, CollectiveTimeoutError
+from ..transport import uds
+from ..transport.node_state import NodeState
+from ..transport.ray_transport import Peer, RayTransport, Relay
+from . import rendezvous
+from .base import BackendFactory, CollectiveBackend, DeclaredGroup
+from .transport_backend import TransportBackend
+
+_NAMESPACE = rendezvous.NAMESPACE
+_SOCKET_PATH_MAX = 100
+
+
+def _ray():
+    import ray
+    return ray
+
+
+def _runtime() -> Tuple[str, str, str]:
+    """(job id, node id, session directory) of this process."""
+    ray = _ray()
+    if not ray.is_initialized():
+        raise BackendNotAvailableError(
+            "the 'ray' backend needs Ray: call ray.init() first (inside actors and tasks Ray "
+            "is already initialized)")
+    context = ray.get_runtime_context()
+    try:
+        from ray._private.worker import global_worker
+        session = global_worker.node.get_session_dir_path()
+    except AttributeError:
+        session = tempfile.gettempdir()
+    return context.get_job_id(), context.get_node_id(), session
+
+
+def group_root(session_dir: str, job_id: str, group_name: str, token: str) -> str:
+    """The directory holding the group's per-node directories (short, for socket paths)."""
+    digest = hashlib.sha256(f"{job_id}/{group_name}/{token}".encode()).hexdigest()[:16]
+    base = os.path.join(session_dir, "rc")
+    if len(base) + 40 > _SOCKET_PATH_MAX:
+        base = os.path.join(tempfile.gettempdir(), f"rc-{os.getuid()}")
+    return os.path.join(base, digest)
+
+
+def _private_dirs(path: str) -> None:
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        _private_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
+def post_office_name(group_key: bytes, node: str) -> str:
+    """The Ray actor name of a group's post office on ``node``."""
+    return f"post-office-{group_key.hex()}-{node[:16]}"
+
+
+class RayRelay(Relay):
+    """Reaches the other nodes of a group through their post office actors."""
+
+    def __init__(self, group_key: bytes, other_nodes: Sequence[str], deadline_s: float):
+        self.group_key = group_key
+        self.other_nodes = tuple(other_nodes)
+        self.deadline_s = deadline_s
+        self._handles: Dict[str, object] = {}
+
+    def _handle(self, node: str):
+        handle = self._handles.get(node)
+        if handle is None:
+            ray = _ray()
+            deadline = time.monotonic() + self.deadline_s
+            while True:
+                try:
+                    handle = ray.get_actor(post_office_name(self.group_key, node),
+                                           namespace=_NAMESPACE)
+                    break
+                except ValueError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+            self._handles[node] = handle
+        return handle
+
+    def deliver(self, node, messages) -> None:
+        self._handle(node).deliver.remote(messages)
+
+    def _ask(self, node: str, method: str, *args):
+        """The post office's answer; None when it is dead, [] when it does not answer soon."""
+        ray = _ray()
+        try:
+            return ray.get(getattr(self._handle(node), method).remote(*args), timeout=10)
+        except (ray.exceptions.RayActorError, ValueError):
+            return None
+        except ray.exceptions.GetTimeoutError:
+            return []
+
+    def dead_ranks(self, node, ranks) -> List[int]:
+        answer = self._ask(node, "dead_ranks", ranks)
+        return list(ranks) if answer is None else answer
+
+    def started(self, node, ranks, seq) -> List[int]:
+        return self._ask(node, "started", ranks, seq) or []
+
+    def abort(self, record) -> None:
+        for node in self.other_nodes:
+            try:
+                self._handle(node).abort.remote(record)
+            except ValueError:
+                pass  # that node's post office is gone, and its ranks with it
+
+
+class RayMembership(TransportBackend):
+    """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
+
+    def __init__(self, group_name: str, transport: RayTransport, token: str, prefix: str,
+                 directory: str, members: Sequence[rendezvous.Member],
+                 post_office: Optional[object]):
+        super().__init__(group_name, transport, epoch=int(token[:15], 16),
+                         node_of=[m.node for m in members])
+        self.token = token
+        self.prefix = prefix
+        self.directory = directory
+        self.members = tuple(members)
+        self.post_office = post_office
+
+    def close(self) -> None:
+        transport = self.transport
+        node = transport.node
+        super().close()
+        try:
+            os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
+        except FileNotFoundError:
+            pass
+        kv = rendezvous.KeyValue()
+        everyone_left = rendezvous.leave(kv, self.prefix, self.token, self.rank,
+                                         self.world_size)
+        local = {m.rank for m in self.members if m.node == node}
+        if everyone_left or local <= set(rendezvous.departed(kv, self.prefix, self.token)):
+            _shut_post_office(transport.group_key, node)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.directory))
+            except OSError:
+                pass  # another node's directory of the group is still there (same machine)
+
+
+def _shut_post_office(group_key: bytes, node: str) -> None:
+    ray = _ray()
+    try:
+        handle = ray.get_actor(post_office_name(group_key, node), namespace=_NAMESPACE)
+    except ValueError:
+        return
+    try:
+        ray.get(handle.shutdown.remote(), timeout=10)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        pass
+    ray.kill(handle)
+
+
+class RayBackendFactory(BackendFactory):
+    """Joins ranks to ``ray`` groups.
+
+    Args:
+        token: the incarnation to join (set by the driver for declared groups); None lets rank
+            0 open a new incarnation and the others follow it.
+    """
+
+    name = "ray"
+
+    def __init__(self, token: Optional[str] = None):
+        self.token = token
+
+    def available(self) -> bool:
+        return hasattr(os, "memfd_create")
+
+    def create(self, group_name: str, world_size: int, rank: int,
+               timeout: float) -> CollectiveBackend:
+        if not self.available():
+            raise BackendNotAvailableError(
+                f"group '{group_name}', rank {rank}: the 'ray' backend needs Linux (memfd and "
+                f"Unix sockets with descriptor passing)")
+        job_id, node, session = _runtime()
+        kv = rendezvous.KeyValue()
+        prefix = rendezvous.group_prefix(job_id, group_name)
+        token = self.token
+        if token is None and rank == 0:
+            token = rendezvous.open_incarnation(kv, prefix)
+        endpoint: Dict[str, object] = {}
+
+        def listen_under(current: str) -> None:
+            if "listener" in endpoint:
+                endpoint["listener"].close()
+            directory = os.path.join(group_root(session, job_id, group_name, current), node[:8])
+            _private_dirs(directory)
+            path = os.path.join(directory, f"{rank}.sock")
+            if os.path.exists(path):
+                os.unlink(path)
+            endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
+
+        me = rendezvous.Member(rank, node, os.getpid())
+        try:
+            token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
+                                             listen_under, token)
+        except BaseException:
+            if "listener" in endpoint:
+                endpoint["listener"].close()
+            raise
+        directory = endpoint["directory"]
+        group_key = bytes.fromhex(token)
+        peers = [Peer(m.node, m.pid, os.path.join(directory, f"{m.rank}.sock"))
+                 for m in members]
+        state = NodeState(directory, world_size)
+        nodes = {m.node for m in members}
+        relay, post_office = None, None
+        if len(nodes) > 1:
+            relay = RayRelay(group_key, sorted(nodes - {node}), timeout)
+            local = {m.rank: m.pid for m in members if m.node == node}
+            if rank == min(local):
+                post_office = _start_post_office(directory, group_name, group_key, world_size,
+                                                 node, local, timeout)
+        transport = RayTransport(rank, group_name, group_key, peers, endpoint["listener"], state,
+                                 relay, connect_timeout=timeout)
+        return RayMembership(group_name, transport, token, prefix, directory, members,
+                             post_office)
+
+    def declare(self, actors, ranks, world_size, group_name, timeout) -> DeclaredGroup:
+        token = declare(actors, ranks, world_size, group_name, timeout)
+        return RayDeclaredGroup(group_name, tuple(actors), token)
+
+
+class RayDeclaredGroup(DeclaredGroup):
+    """A ``ray`` group declared from this driver."""
+
+    def __init__(self, name: str, actors: Tuple, token: str):
+        self.name = name
+        self.actors = actors
+        self.token = token
+
+    def destroy(self, timeout: float) -> None:
+        undeclare(self.actors, self.name, self.token, timeout)
+
+
+def _start_post_office(directory: str, group_name: str, group_key: bytes, world_size: int,
+                       node: str, local_pids: Dict[int, int], timeout: float):
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .post_office import PostOffice
+    actor = ray.remote(PostOffice).options(
+        name=post_office_name(group_key, node), namespace=_NAMESPACE, num_cpus=0,
+        max_concurrency=1, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    return actor.remote(directory, group_name, group_key, world_size, local_pids, timeout)
+
+
+# ------------------------------------------------------------- declared from the driver
+
+def _join_in_actor(actor, group_name: str, world_size: int, rank: int, token: str,
+                   timeout: float) -> int:
+    """Run inside a member actor (through ``__ray_call__``): join the declared group."""
+    from ..group import current_registry
+    current_registry().create(group_name, world_size, rank, RayBackendFactory(token), timeout)
+    return rank
+
+
+def _leave_in_actor(actor, group_name: str) -> bool:
+    """Run inside a member actor: destroy its membership of ``group_name`` if it has one."""
+    from ..group import current_registry
+    registry = current_registry()
+    if not registry.is_initialized(group_name):
+        return False
+    registry.destroy(group_name)
+    return True
+
+
+def declare(actors: Sequence, ranks: Sequence[int], world_size: int, group_name: str,
+            timeout: float) -> str:
+    """Join ``actors[i]`` as rank ``ranks[i]`` of ``group_name``, from the driver.
+
+    Returns:
+        The incarnation's token.
+
+    Raises:
+        CollectiveTimeoutError: the actors did not all join within ``timeout`` seconds.
+        BackendNotAvailableError: Ray is not initialized.
+        Exception: an actor's own failure to join (for example a dead actor).
+    """
+    ray = _ray()
+    job_id, _, _ = _runtime()
+    kv = rendezvous.KeyValue()
+    prefix = rendezvous.group_prefix(job_id, group_name)
+    token = rendezvous.open_incarnation(kv, prefix)
+    refs = [actor.__ray_call__.remote(_join_in_actor, group_name, world_size, rank, token,
+                                      timeout) for actor, rank in zip(actors, ranks)]
+    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
+    try:
+        ray.get(ready)
+    except BaseException:
+        undeclare(actors, group_name, token, timeout)
+        raise
+    if waiting:
+        late = [ranks[refs.index(ref)] for ref in waiting]
+        undeclare(actors, group_name, token, timeout)
+        raise CollectiveTimeoutError(group_name, -1, "declare_collective_group", -1, late,
+                                     timeout)
+    return token
+
+
+def undeclare(actors: Sequence, group_name: str, token: str, timeout: float) -> None:
+    """Destroy a declared group from the driver: every member leaves, then nothing is left.
+
+    Dead or unresponsive members are skipped; the group's keys, post offices and this node's
+    directory are removed whatever they did.
+    """
+    ray = _ray()
+    job_id, _, session = _runtime()
+    kv = rendezvous.KeyValue()
+    prefix = rendezvous.group_prefix(job_id, group_name)
+    nodes = {key.rsplit("/", 2)[1] for key in kv.keys(f"{prefix}{token}/member/")}
+    refs = [actor.__ray_call__.remote(_leave_in_actor, group_name) for actor in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for node in nodes:
+        _shut_post_office(bytes.fromhex(token), node)
+    rendezvous.close_incarnation(kv, prefix, token)
+    shutil.rmtree(group_root(session, job_id, group_name, token), ignore_errors=True)
+

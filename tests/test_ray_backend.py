@@ -1,0 +1,311 @@
+"""The ``ray`` backend on real Ray actors: every collective, imperative and declared groups,
+numpy and torch tensors, several groups at once, ray.util.collective interop, and the failure
+paths (dead rank, missing rank, mismatch), checked against numpy references."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import ray_collective as col
+from conftest import numpy_reduce, rank_data, run_in, start_members
+
+OPS = {"SUM": col.ReduceOp.SUM, "MAX": col.ReduceOp.MAX, "PRODUCT": col.ReduceOp.PRODUCT,
+       "AVG": col.ReduceOp.AVG, "MIN": col.ReduceOp.MIN}
+
+
+def _as_kind(array, kind):
+    if kind == "torch":
+        import torch
+        return torch.from_numpy(array)
+    return array
+
+
+def _to_numpy(tensor):
+    return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
+
+
+def every_collective(rank, group, world_size, dtype, op_name, length, kind):
+    """Inside a member: run every collective once on deterministic inputs; return the outputs."""
+    op = OPS[op_name]
+    p, root = world_size, world_size - 1
+    mine = rank_data(rank, length, dtype, op)
+    blocks = [rank_data(rank * 100 + j, length, dtype, op) for j in range(p)]
+
+    def fresh(array):
+        return _as_kind(array.copy(), kind)
+
+    out = {}
+    tensor = fresh(mine)
+    col.allreduce(tensor, group, op)
+    out["allreduce"] = tensor
+    tensor = fresh(mine)
+    col.reduce(tensor, root, group, op)
+    out["reduce"] = tensor
+    tensor = fresh(mine)
+    col.broadcast(tensor, root, group)
+    out["broadcast"] = tensor
+    gathered = [fresh(np.zeros_like(mine)) for _ in range(p)]
+    col.allgather(gathered, fresh(mine), group)
+    out["allgather"] = gathered
+    tensor = fresh(np.zeros_like(mine))
+    col.reducescatter(tensor, [fresh(b) for b in blocks], group, op)
+    out["reducescatter"] = tensor
+    gathered = [fresh(np.zeros_like(mine)) for _ in range(p)] if rank == root else None
+    col.gather(gathered, fresh(mine), root, group)
+    out["gather"] = gathered
+    tensor = fresh(np.zeros_like(mine))
+    col.scatter(tensor, [fresh(b) for b in blocks] if rank == root else None, root, group)
+    out["scatter"] = tensor
+    received = [fresh(np.zeros_like(mine)) for _ in range(p)]
+    col.alltoall(received, [fresh(b) for b in blocks], group)
+    out["alltoall"] = received
+    col.barrier(group)
+    if p > 1:
+        tensor = fresh(np.zeros_like(mine))
+        work = col.send(fresh(mine), (rank + 1) % p, group, async_op=True)
+        col.recv(tensor, (rank - 1) % p, group)
+        work.wait()
+        out["sendrecv"] = tensor
+    return {k: ([_to_numpy(t) for t in v] if isinstance(v, list) else
+                None if v is None else _to_numpy(v)) for k, v in out.items()}
+
+
+def check_every_collective(results, world_size, dtype, op_name, length):
+    """Compare each rank's outputs of :func:`every_collective` with numpy."""
+    op = OPS[op_name]
+    p, root = world_size, world_size - 1
+    mine = [rank_data(r, length, dtype, op) for r in range(p)]
+    blocks = [[rank_data(r * 100 + j, length, dtype, op) for j in range(p)] for r in range(p)]
+    close = (np.testing.assert_allclose if np.dtype(dtype).kind == "f"
+             else np.testing.assert_array_equal)
+    for rank, got in enumerate(results):
+        close(got["allreduce"], numpy_reduce(mine, op))
+        if rank == root:
+            close(got["reduce"], numpy_reduce(mine, op))
+            for j in range(p):
+                np.testing.assert_array_equal(got["gather"][j], mine[j])
+        np.testing.assert_array_equal(got["broadcast"], mine[root])
+        for j in range(p):
+            np.testing.assert_array_equal(got["allgather"][j], mine[j])
+            np.testing.assert_array_equal(got["alltoall"][j], blocks[j][rank])
+        close(got["reducescatter"], numpy_reduce([blocks[r][rank] for r in range(p)], op))
+        np.testing.assert_array_equal(got["scatter"], blocks[root][rank])
+        if p > 1:
+            np.testing.assert_array_equal(got["sendrecv"], mine[(rank - 1) % p])
+
+
+def join(rank, group, world_size, timeout=60.0):
+    col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
+    return col.get_rank(group), col.get_collective_group_size(group)
+
+
+def leave(rank, group):
+    col.destroy_collective_group(group)
+    return col.is_group_initialized(group)
+
+
+# ------------------------------------------------------------------ correctness
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_declared_group_every_collective(ray_session, members, world_size):
+    actors = members[:world_size]
+    group = f"declared-{world_size}"
+    col.declare_collective_group(actors, backend="ray", group_name=group)
+    try:
+        cases = [("int64", "SUM", 7), ("float32", "MAX", 1000), ("int32", "PRODUCT", 1),
+                 ("float64", "AVG", 0), ("uint8", "MIN", 5000)]
+        for dtype, op_name, length in cases:
+            results = run_in(ray_session, actors, every_collective, group, world_size, dtype,
+                             op_name, length, "numpy")
+            check_every_collective(results, world_size, dtype, op_name, length)
+    finally:
+        col.destroy_collective_group(group)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_imperative_group_torch_tensors_large_messages(ray_session, members, world_size):
+    actors = members[-world_size:]
+    group = f"imperative-{world_size}"
+    assert run_in(ray_session, actors, join, group, world_size) == [
+        (r, world_size) for r in range(world_size)]
+    try:
+        for dtype, op_name, length in [("float32", "SUM", 300_000), ("int16", "MAX", 33),
+                                       ("float64", "SUM", 70_001)]:
+            results = run_in(ray_session, actors, every_collective, group, world_size, dtype,
+                             op_name, length, "torch")
+            check_every_collective(results, world_size, dtype, op_name, length)
+    finally:
+        assert run_in(ray_session, actors, leave, group) == [False] * world_size
+
+
+def _allreduce_loop(rank, group, value, rounds):
+    totals = []
+    for _ in range(rounds):
+        tensor = np.full(3, value + rank, np.int64)
+        col.allreduce(tensor, group)
+        totals.append(int(tensor[0]))
+    return totals
+
+
+def test_overlapping_groups_do_not_interfere(ray_session, members):
+    first, second = members[:3], members[1:5]
+    col.declare_collective_group(first, group_name="overlap-a")
+    col.declare_collective_group(second, group_name="overlap-b")
+    try:
+        refs = ([a.__ray_call__.remote(lambda _s, r=r: _allreduce_loop(r, "overlap-a", 10, 20))
+                 for r, a in enumerate(first)])
+        results = ray_session.get(refs)
+        assert results == [[3 * 10 + 3] * 20] * 3
+        results = run_in(ray_session, second, _allreduce_loop, "overlap-b", 100, 20)
+        assert results == [[4 * 100 + 6] * 20] * 4
+    finally:
+        col.destroy_collective_group("overlap-a")
+        col.destroy_collective_group("overlap-b")
+
+
+def _interop(rank, group, world_size):
+    import ray.util.collective as ray_col
+    ray_col.init_collective_group(world_size, rank, backend="ray", group_name=group)
+    tensor = np.full(4, rank + 1.0, np.float32)
+    ray_col.allreduce(tensor, group_name=group)
+    gathered = [np.zeros(4, np.float32) for _ in range(world_size)]
+    ray_col.allgather(gathered, np.full(4, float(rank), np.float32), group_name=group)
+    ray_col.destroy_collective_group(group)
+    return tensor.tolist(), [g[0] for g in gathered]
+
+
+def test_ray_util_collective_runs_on_this_backend(ray_session, members):
+    results = run_in(ray_session, members[:3], _interop, "interop", 3)
+    assert results == [([6.0] * 4, [0.0, 1.0, 2.0])] * 3
+
+
+# ------------------------------------------------------------------ lifetime and leftovers
+
+
+def _group_dirs(ray):
+    from ray._private.worker import global_worker
+    root = os.path.join(global_worker.node.get_session_dir_path(), "rc")
+    return set(os.listdir(root)) if os.path.isdir(root) else set()
+
+
+def _group_keys(ray, group):
+    from ray.experimental import internal_kv
+    job = ray.get_runtime_context().get_job_id()
+    return internal_kv._internal_kv_list(f"{job}/{group}/".encode(), namespace="ray_collective")
+
+
+def _named_actors(ray):
+    return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+
+
+def test_destroy_leaves_nothing_and_name_can_be_reused(ray_session, members):
+    before_dirs = _group_dirs(ray_session)
+    before_actors = _named_actors(ray_session)
+    for attempt in range(2):
+        col.declare_collective_group(members[:2], group_name="reused")
+        assert run_in(ray_session, members[:2], _allreduce_loop, "reused", attempt, 2) == [
+            [2 * attempt + 1] * 2] * 2
+        col.destroy_collective_group("reused")
+        assert _group_keys(ray_session, "reused") == []
+        assert _group_dirs(ray_session) == before_dirs
+    assert _named_actors(ray_session) == before_actors
+    assert run_in(ray_session, members[:2], join, "reused", 2) == [(0, 2), (1, 2)]
+    assert run_in(ray_session, members[:2], leave, "reused") == [False, False]
+    assert _group_keys(ray_session, "reused") == []
+    assert _group_dirs(ray_session) == before_dirs
+
+
+def test_join_times_out_naming_missing_ranks(ray_session, members):
+    with pytest.raises(Exception) as caught:
+        run_in(ray_session, members[:2], join, "incomplete", 3, 1.5)
+    assert "CollectiveTimeoutError" in str(caught.value)
+    assert "ranks [2]" in str(caught.value)
+
+
+def test_declare_validates_before_submitting(ray_session, members):
+    with pytest.raises(ValueError, match="permutation"):
+        col.declare_collective_group(members[:2], ranks=[0, 0], group_name="bad")
+    with pytest.raises(ValueError, match="world_size"):
+        col.declare_collective_group(members[:2], world_size=3, group_name="bad")
+    col.declare_collective_group(members[:2], group_name="twice")
+    try:
+        with pytest.raises(col.GroupAlreadyInitializedError):
+            col.declare_collective_group(members[:2], group_name="twice")
+    finally:
+        col.destroy_collective_group("twice")
+
+
+# ------------------------------------------------------------------ failures
+
+
+def _allreduce_expecting_error(rank, group, length, timeout):
+    tensor = np.ones(length, np.float32)
+    start = time.monotonic()
+    try:
+        col.allreduce(tensor, group, timeout=timeout)
+    except col.CollectiveError as err:
+        again = None
+        try:
+            col.allreduce(tensor, group)
+        except col.GroupBrokenError as broken:
+            again = type(broken.cause).__name__
+        return type(err).__name__, str(err), time.monotonic() - start, again
+    return None, "", time.monotonic() - start, None
+
+
+def _sleep(rank, seconds):
+    time.sleep(seconds)
+    return rank
+
+
+def test_killed_rank_gives_peer_died_error_on_the_others(ray_session):
+    actors = start_members(ray_session, 3)
+    col.declare_collective_group(actors, group_name="killed")
+    survivors = [a.__ray_call__.remote(lambda _s, r=r: _allreduce_expecting_error(
+        r, "killed", 1 << 20, 300.0)) for r, a in enumerate(actors[:2])]
+    actors[2].__ray_call__.remote(lambda _s: _sleep(2, 60))
+    time.sleep(1.0)
+    ray_session.kill(actors[2])
+    results = ray_session.get(survivors, timeout=60)
+    for kind, message, elapsed, again in results:
+        assert kind == "PeerDiedError", message
+        assert "ranks [2] died" in message
+        assert elapsed < 30
+        assert again == "PeerDiedError"
+    col.destroy_collective_group("killed")
+    for actor in actors[:2]:
+        ray_session.kill(actor)
+
+
+def test_missing_rank_times_out_naming_it(ray_session, members):
+    actors = members[:3]
+    col.declare_collective_group(actors, group_name="skipper")
+    try:
+        refs = [a.__ray_call__.remote(lambda _s, r=r: _allreduce_expecting_error(
+            r, "skipper", 10, 1.5)) for r, a in enumerate(actors[:2])]
+        results = ray_session.get(refs, timeout=60)
+        kinds = sorted(kind for kind, *_ in results)
+        assert "CollectiveTimeoutError" in kinds, results
+        timed_out = [m for kind, m, *_ in results if kind == "CollectiveTimeoutError"]
+        assert all("waiting for ranks [2]" in m for m in timed_out), timed_out
+        assert all(elapsed < 10 for _, _, elapsed, _ in results)
+    finally:
+        col.destroy_collective_group("skipper")
+
+
+def test_mismatched_shapes_raise_mismatch_on_the_ranks_involved(ray_session, members):
+    actors = members[:2]
+    col.declare_collective_group(actors, group_name="mismatch")
+    try:
+        refs = [a.__ray_call__.remote(lambda _s, r=r: _allreduce_expecting_error(
+            r, "mismatch", 10 + r, 30.0)) for r, a in enumerate(actors)]
+        results = ray_session.get(refs, timeout=60)
+        for kind, message, _, again in results:
+            assert kind == "CollectiveMismatchError", message
+            assert "count" in message
+            assert again == "CollectiveMismatchError"
+    finally:
+        col.destroy_collective_group("mismatch")
