@@ -61,7 +61,7 @@ class PostOffice:
             if payload is None:
                 link.send(packet)
                 continue
-            segment, fd, offset = self.arena.place(payload)
+            segment, fd, offset = self.arena.place(payload, self._collect_releases)
             fields = list(uds.DATA_FRAME.unpack_from(packet))
             fields[5], fields[6] = segment, offset
             first_use = segment not in link.segments_sent
@@ -107,7 +107,8 @@ class PostOffice:
         for link in self.links.values():
             for packet, fd in link.receive(uds.RELEASE_FRAME.size):
                 if packet[0] == uds.RELEASE:
-                    self.arena.release(uds.RELEASE_FRAME.unpack_from(packet)[1])
+                    _, segment, offset = uds.RELEASE_FRAME.unpack_from(packet)
+                    self.arena.release(segment, offset)
 
     def _flush(self, deadline: float) -> None:
         backlogged = [link for link in self.links.values() if link.backlogged and not link.closed]

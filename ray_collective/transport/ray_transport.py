@@ -183,7 +183,7 @@ class RayTransport(Transport):
                                         len(packed))
             self._send_on(link, frame + packed + data.tobytes(), None, request)
             return request
-        segment, fd, offset = self._arena.place(data)
+        segment, fd, offset = self._arena.place(data, self._collect_releases)
         frame = uds.DATA_FRAME.pack(uds.DATA, step, tag, len(data), nbytes, segment, offset,
                                     len(packed))
         first_use = segment not in link.segments_sent
@@ -269,7 +269,8 @@ class RayTransport(Transport):
             del payload
             self._segments.done(peer, message.segment)
             if not message.link.closed:
-                self._send_on(message.link, uds.RELEASE_FRAME.pack(uds.RELEASE, message.segment))
+                self._send_on(message.link, uds.RELEASE_FRAME.pack(uds.RELEASE, message.segment,
+                                                                   message.offset))
         request.done = True
         return True
 
@@ -290,7 +291,8 @@ class RayTransport(Transport):
             self._boxes[(link.peer, tag)].append(
                 _Arrived(step, count, nbytes, segment, offset, header, payload, link))
         elif kind == uds.RELEASE:
-            self._arena.release(uds.RELEASE_FRAME.unpack_from(packet)[1])
+            _, segment, offset = uds.RELEASE_FRAME.unpack_from(packet)
+            self._arena.release(segment, offset)
         elif kind == uds.HELLO:
             _, sender, key = uds.HELLO_FRAME.unpack_from(packet)
             if key != self.group_key or not 0 <= sender < self.world_size:
@@ -328,6 +330,12 @@ class RayTransport(Transport):
                 self._poll.modify(fd, select.POLLIN | select.POLLOUT)
             else:
                 self._poll.modify(fd, select.POLLIN)
+
+    def _collect_releases(self) -> None:
+        """Read what the links this rank sends on have received (releases) without waiting."""
+        for link in list(self._out_links.values()):
+            for packet, passed_fd in link.receive(self._receive_limit):
+                self._on_packet(link, packet, passed_fd)
 
     def _drop_link(self, link: uds.Link) -> None:
         if self._links_by_fd.pop(link.fd, None) is None:

@@ -6,17 +6,19 @@ Unix socket. The receiver maps it (:class:`PeerSegments`) and reduces or copies 
 the sender's memory, then tells the sender it is done with that message (a release). Anonymous
 segments leave nothing behind in the file system, even if a process is killed.
 
-Sizing follows the messages in flight, not the number of ranks: the arena starts empty, grows
-(doubling) only when a payload does not fit beside the messages still unreleased, and retires a
-smaller segment once its last message is released. Steady state is one segment about twice the
-largest volume a rank has in flight at once; it is freed when the group is destroyed.
+Sizing follows the messages in flight, not the number of ranks: the arena starts empty, places
+each payload in the first free gap of its segment, grows (doubling) only when a payload does not
+fit beside the messages still unreleased (after collecting the releases that have arrived), and
+retires a smaller segment once its last message is released. Steady state is one segment at
+least as large as the volume a rank has in flight at once; it is freed when the group is
+destroyed.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -29,7 +31,7 @@ def _round_up(n: int, to: int) -> int:
 
 
 class _Segment:
-    __slots__ = ("id", "fd", "size", "map", "array", "top", "unreleased")
+    __slots__ = ("id", "fd", "size", "map", "array", "live")
 
     def __init__(self, segment_id: int, size: int, name: str):
         self.id = segment_id
@@ -38,8 +40,16 @@ class _Segment:
         os.ftruncate(self.fd, size)
         self.map = mmap.mmap(self.fd, size)
         self.array = np.frombuffer(self.map, np.uint8)
-        self.top = 0
-        self.unreleased = 0
+        self.live: Dict[int, int] = {}
+
+    def gap(self, nbytes: int) -> Optional[int]:
+        """The lowest offset with ``nbytes`` free after it (first fit), or None."""
+        start = 0
+        for offset in sorted(self.live):
+            if offset - start >= nbytes:
+                return start
+            start = self.live[offset]
+        return start if self.size - start >= nbytes else None
 
     def close(self) -> None:
         self.array = None
@@ -67,52 +77,54 @@ class SendArena:
         self._current: Optional[_Segment] = None
         self._draining: Dict[int, _Segment] = {}
 
-    def place(self, data: np.ndarray) -> Tuple[int, int, int]:
+    def place(self, data: np.ndarray,
+              reclaim: Optional[Callable[[], None]] = None) -> Tuple[int, int, int]:
         """Copy ``data`` into the arena.
+
+        Args:
+            data: the payload.
+            reclaim: called once when the payload does not fit beside the unreleased ones,
+                to collect releases that have arrived, before the arena grows.
 
         Returns:
             ``(segment id, segment fd, byte offset)``; the caller owes one :meth:`release` of
-            that segment id once the receiver has read the payload.
+            that place once the receiver has read the payload.
         """
-        nbytes = data.nbytes
-        segment = self._room_for(nbytes)
-        offset = segment.top
-        segment.top = _round_up(offset + nbytes, _ALIGN)
-        segment.unreleased += 1
-        np.copyto(segment.array[offset:offset + nbytes], data.view(np.uint8).reshape(-1))
+        nbytes = max(data.nbytes, 1)
+        segment, offset = self._room_for(nbytes, reclaim)
+        segment.live[offset] = offset + _round_up(nbytes, _ALIGN)
+        np.copyto(segment.array[offset:offset + data.nbytes], data.view(np.uint8).reshape(-1))
         return segment.id, segment.fd, offset
 
-    def release(self, segment_id: int) -> None:
-        """A receiver is done with one payload of ``segment_id``."""
+    def release(self, segment_id: int, offset: int) -> None:
+        """A receiver is done with the payload placed at ``offset`` of ``segment_id``."""
         segment = self._current
         if segment is None or segment.id != segment_id:
             segment = self._draining.get(segment_id)
             if segment is None:
                 return
-        segment.unreleased -= 1
-        if segment.unreleased == 0:
-            if segment is self._current:
-                segment.top = 0
-            else:
-                del self._draining[segment_id]
-                segment.close()
+        segment.live.pop(offset, None)
+        if not segment.live and segment is not self._current:
+            del self._draining[segment_id]
+            segment.close()
 
-    def _room_for(self, nbytes: int) -> _Segment:
+    def _room_for(self, nbytes: int, reclaim) -> Tuple[_Segment, int]:
         current = self._current
         if current is not None:
-            if current.top + nbytes <= current.size:
-                return current
-            if current.unreleased == 0 and nbytes <= current.size:
-                current.top = 0
-                return current
-            if current.unreleased:
+            offset = current.gap(nbytes)
+            if offset is None and reclaim is not None:
+                reclaim()
+                offset = current.gap(nbytes)
+            if offset is not None:
+                return current, offset
+            if current.live:
                 self._draining[current.id] = current
             else:
                 current.close()
         size = _round_up(max(nbytes, 2 * (current.size if current else 0), 1 << 20), _PAGE)
         self._current = _Segment(self._next_id, size, self.name)
         self._next_id += 1
-        return self._current
+        return self._current, 0
 
     def in_use(self) -> int:
         """Bytes of shared memory this arena holds now."""

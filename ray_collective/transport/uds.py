@@ -11,7 +11,8 @@ Frames:
 - ``DATA``: one message: step, channel, element count, byte size, the packed call header, and
   either the payload inline (small) or a place in the sender's shared memory (segment id, byte
   offset), with the segment's file descriptor attached the first time (``SCM_RIGHTS``).
-- ``RELEASE``: from receiver back to sender: one shared-memory payload of a segment was read.
+- ``RELEASE``: from receiver back to sender: the shared-memory payload at (segment id, byte
+  offset) was read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ COLLECTIVE_TAG = -1
 
 HELLO_FRAME = struct.Struct("<Bi16s")
 DATA_FRAME = struct.Struct("<BiqqqiQH")
-RELEASE_FRAME = struct.Struct("<Bi")
+RELEASE_FRAME = struct.Struct("<BiQ")
 
 SOCKET_BUFFER = 1 << 21
 _FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))
