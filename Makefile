@@ -23,7 +23,7 @@ $(STAMP_TEST): $(STAMP_BASE)
 venv: $(STAMP_BASE)
 
 demo: $(STAMP_BASE)
-	$(BIN)/python examples/local_allreduce.py
+	$(BIN)/python examples/imperative_allreduce.py
 	$(BIN)/python -m ray_collective.sim --collective allreduce --ranks 4096 --bytes 1048576
 
 test: $(STAMP_TEST)

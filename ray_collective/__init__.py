@@ -14,7 +14,7 @@ from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, 
                   send_multigpu, synchronize)
 from .errors import (BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
-                     GroupError, GroupNotInitializedError, PeerDiedError,
+                     GroupError, GroupNotInitializedError, PeerDiedError, RankFailedError,
                      UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
@@ -35,5 +35,5 @@ __all__ = [
     "ReduceOp", "Backend", "Work", "GroupRegistry", "use_registry",
     "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
-    "BackendNotAvailableError", "UnsupportedOperationError",
+    "BackendNotAvailableError", "UnsupportedOperationError", "RankFailedError",
 ]

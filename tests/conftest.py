@@ -51,7 +51,7 @@ def ray_session():
     """One local Ray instance for the whole test session; workers can import the test modules."""
     import ray
     path = os.pathsep.join([TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
