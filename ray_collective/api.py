@@ -153,6 +153,7 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         None.
 
     Raises:
+        TypeError: an element of ``actors`` is not a Ray actor handle.
         ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
             the number of actors, bad timeout or name.
         BackendNotAvailableError: the backend cannot run here.
@@ -178,6 +179,10 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         _check_timeout(timeout)
     if gloo_timeout is not None:
         _check_timeout(gloo_timeout, "gloo_timeout")
+    strangers = [a for a in actors if not hasattr(a, "__ray_call__")]
+    if strangers:
+        raise TypeError(f"actors must be Ray actor handles (made with ActorClass.remote()), "
+                        f"not {type(strangers[0]).__name__}: {strangers[0]!r}")
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
     factory = resolve(backend)
@@ -269,10 +274,10 @@ def is_backend_available(backend: Union[str, Backend]) -> bool:
 
 
 def nccl_available() -> bool:
-    """Whether the NCCL backend can run in this process.
+    """Whether the NCCL backend can run in this process: CuPy imports and NCCL loads.
 
     Returns:
-        True if it can.
+        True if they do (creating a group also needs a visible GPU).
     """
     return is_backend_available(Backend.NCCL)
 
@@ -593,32 +598,64 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 
 # ---------------------------------------------------------------- multi-GPU variants
 
-def _multigpu(name: str, group_name: str) -> None:
+def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
+    """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
+    from .backends.nccl import NcclBackend
+    from .backends.nccl.arguments import GpuArguments
     group = _group(group_name)
-    raise UnsupportedOperationError(
-        f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this process; "
-        f"group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
-        f"{name.replace('_multigpu', '')} with one tensor instead.")
+    if not isinstance(group.backend, NcclBackend):
+        raise UnsupportedOperationError(
+            f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this "
+            f"process; group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
+            f"{name.replace('_multigpu', '')} with one tensor instead.")
+    return group, GpuArguments(group.backend.devices, group.name, group.world_size)
+
+
+def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,
+                             group_name: str, n_elements: int) -> None:
+    sending = collective is Collective.SEND
+    name = "send_multigpu" if sending else "recv_multigpu"
+    group, gpu = _multigpu_group(name, group_name)
+    peer = _check_rank(peer, group, "dst_rank" if sending else "src_rank")
+    if peer == group.rank:
+        raise ValueError(f"rank {group.rank} of group '{group.name}' cannot {name} to itself; "
+                         f"copy between this process's GPUs directly instead (cupy: "
+                         f"dst.data.copy_from_device(src.data, nbytes); torch: dst.copy_(src))")
+    peer_index = gpu.index(peer_index, "dst_gpu_index" if sending else "src_gpu_index")
+    view, count = gpu.tensor(tensor, n_elements)
+    options = _options(group, collective, None, peer=peer)
+    group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
+                          n_elements=count), False, (name, peer, 0))
 
 
 def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
                        op: ReduceOp = ReduceOp.SUM) -> None:
     """Allreduce across every GPU of every rank; ``tensor_list`` has one tensor per local GPU.
 
+    Every GPU of the group ends with the reduction of all of them (AVG divides by the number
+    of GPUs in the group).
+
     Args:
-        tensor_list: one GPU tensor per device of this process.
+        tensor_list: one GPU tensor per device of this process, in the order of the group's
+            devices; each is overwritten with the result.
         group_name: the group (an ``nccl`` group).
         op: the reduction.
 
     Returns:
-        None.
+        None, once the result is in place.
 
     Raises:
-        UnsupportedOperationError: the group is not on the NCCL backend (the only one with
-            multi-GPU support, not part of this version yet).
+        UnsupportedOperationError: the group is not on the NCCL backend.
         GroupNotInitializedError: no such group here.
+        TypeError, ValueError: bad arguments (one tensor per GPU, same shape and dtype).
+        CollectiveError: timeout, dead peer or broken group.
     """
-    _multigpu("allreduce_multigpu", group_name)
+    group, gpu = _multigpu_group("allreduce_multigpu", group_name)
+    op = _check_op(op)
+    views = gpu.tensors(tensor_list, "tensor_list")
+    check_op(op, views[0].dtype_name)
+    options = _options(group, Collective.ALLREDUCE, None, op=op)
+    group.submit(gpu.call(options, device_tensors=views), False)
 
 
 def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
@@ -626,19 +663,28 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
     """Reduce across every GPU of every rank onto ``tensor_list[dst_tensor]`` of ``dst_rank``.
 
     Args:
-        tensor_list: one GPU tensor per device of this process.
+        tensor_list: one GPU tensor per device of this process; only the destination GPU's
+            tensor is overwritten.
         dst_rank: the receiving rank.
         dst_tensor: index of the receiving GPU tensor on ``dst_rank``.
         group_name: the group (an ``nccl`` group).
         op: the reduction.
 
     Returns:
-        None.
+        None, once the result is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("reduce_multigpu", group_name)
+    group, gpu = _multigpu_group("reduce_multigpu", group_name)
+    op = _check_op(op)
+    dst_rank = _check_rank(dst_rank, group, "dst_rank")
+    dst_tensor = gpu.index(dst_tensor, "dst_tensor")
+    views = gpu.tensors(tensor_list, "tensor_list")
+    check_op(op, views[0].dtype_name)
+    options = _options(group, Collective.REDUCE, None, op=op, root=dst_rank)
+    group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), False)
 
 
 def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
@@ -646,18 +692,25 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
     """Broadcast ``tensor_list[src_tensor]`` of ``src_rank`` to every GPU of every rank.
 
     Args:
-        tensor_list: one GPU tensor per device of this process.
+        tensor_list: one GPU tensor per device of this process; all but the source are
+            overwritten.
         src_rank: the sending rank.
         src_tensor: index of the sending GPU tensor on ``src_rank``.
         group_name: the group (an ``nccl`` group).
 
     Returns:
-        None.
+        None, once the result is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("broadcast_multigpu", group_name)
+    group, gpu = _multigpu_group("broadcast_multigpu", group_name)
+    src_rank = _check_rank(src_rank, group, "src_rank")
+    src_tensor = gpu.index(src_tensor, "src_tensor")
+    views = gpu.tensors(tensor_list, "tensor_list")
+    options = _options(group, Collective.BROADCAST, None, root=src_rank)
+    group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), False)
 
 
 def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
@@ -665,36 +718,55 @@ def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: 
     """Allgather the tensors of every GPU of every rank into each GPU's output list.
 
     Args:
-        output_tensor_lists: per local GPU, a list with one tensor per GPU in the group.
+        output_tensor_lists: per local GPU, a list with one tensor per GPU in the group (all on
+            that local GPU); entry ``r * k + i`` receives GPU ``i`` of rank ``r``.
         input_tensor_list: one GPU tensor per device of this process.
         group_name: the group (an ``nccl`` group).
 
     Returns:
-        None.
+        None, once the results are in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("allgather_multigpu", group_name)
+    group, gpu = _multigpu_group("allgather_multigpu", group_name)
+    inputs = gpu.tensors(input_tensor_list, "input_tensor_list")
+    outputs = gpu.tensor_lists(output_tensor_lists, "output_tensor_lists", inputs,
+                               "input_tensor_list")
+    options = _options(group, Collective.ALLGATHER, None)
+    group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), False)
 
 
 def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: List[List[Any]],
                            group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
     """Reduce-scatter across every GPU of every rank.
 
+    GPU ``i`` of rank ``r`` receives the reduction of entry ``r * k + i`` of every GPU's input
+    list.
+
     Args:
         output_tensor_list: one GPU tensor per device of this process, receiving its part.
-        input_tensor_lists: per local GPU, a list with one tensor per GPU in the group.
+        input_tensor_lists: per local GPU, a list with one tensor per GPU in the group (all on
+            that local GPU).
         group_name: the group (an ``nccl`` group).
         op: the reduction.
 
     Returns:
-        None.
+        None, once the results are in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("reducescatter_multigpu", group_name)
+    group, gpu = _multigpu_group("reducescatter_multigpu", group_name)
+    op = _check_op(op)
+    outputs = gpu.tensors(output_tensor_list, "output_tensor_list")
+    inputs = gpu.tensor_lists(input_tensor_lists, "input_tensor_lists", outputs,
+                              "output_tensor_list")
+    check_op(op, outputs[0].dtype_name)
+    options = _options(group, Collective.REDUCESCATTER, None, op=op)
+    group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), False)
 
 
 def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",
@@ -702,19 +774,21 @@ def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: st
     """Send a GPU tensor to GPU ``dst_gpu_index`` of ``dst_rank``.
 
     Args:
-        tensor: the GPU tensor.
-        dst_rank: the receiving rank.
+        tensor: the GPU tensor, on one of this process's GPUs in the group.
+        dst_rank: the receiving rank (not this rank).
         dst_gpu_index: the receiving GPU's index on that rank.
         group_name: the group (an ``nccl`` group).
-        n_elements: elements to send (0: all).
+        n_elements: elements to send from the start of the tensor (0: all).
 
     Returns:
-        None.
+        None, once the data has left.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("send_multigpu", group_name)
+    _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index, group_name,
+                             n_elements)
 
 
 def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: str = "default",
@@ -722,34 +796,35 @@ def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: st
     """Receive into a GPU tensor from GPU ``src_gpu_index`` of ``src_rank``.
 
     Args:
-        tensor: the GPU tensor to fill.
-        src_rank: the sending rank.
+        tensor: the GPU tensor to fill, on one of this process's GPUs in the group.
+        src_rank: the sending rank (not this rank).
         src_gpu_index: the sending GPU's index on that rank.
         group_name: the group (an ``nccl`` group).
-        n_elements: elements to receive (0: all).
+        n_elements: elements to receive into the start of the tensor (0: all).
 
     Returns:
-        None.
+        None, once the data is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
+        CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _multigpu("recv_multigpu", group_name)
+    _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index, group_name,
+                             n_elements)
 
 
 def synchronize(gpu_id: int) -> None:
-    """Wait for the collectives queued on GPU ``gpu_id`` to finish.
+    """Wait until all work queued on GPU ``gpu_id``, collectives included, has finished.
 
     Args:
-        gpu_id: the GPU device index.
+        gpu_id: the GPU's index among the devices this process sees.
 
     Returns:
         None.
 
     Raises:
-        BackendNotAvailableError: the NCCL backend (and with it GPU streams) is not available.
+        BackendNotAvailableError: CuPy with NCCL is not available in this process.
+        ValueError: ``gpu_id`` is not a visible GPU.
     """
-    if not nccl_available():
-        raise BackendNotAvailableError(
-            f"synchronize({gpu_id}) needs the 'nccl' backend, which is not available in this "
-            f"process; CPU collectives complete before they return")
+    from .backends.nccl import synchronize_device
+    synchronize_device(gpu_id)

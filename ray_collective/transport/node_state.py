@@ -65,10 +65,15 @@ class NodeState:
 
     def aborted(self) -> Optional[dict]:
         """The failure published by :meth:`abort`, or None."""
-        if not self._words[0]:
+        flag = int(self._words[0])
+        if not flag:
             return None
-        with open(os.path.join(self.directory, "abort.json")) as source:
-            return json.load(source)
+        try:
+            with open(os.path.join(self.directory, "abort.json")) as source:
+                return json.load(source)
+        except (OSError, ValueError):
+            return {"group": os.path.basename(self.directory), "rank": flag - 1,
+                    "kind": "unknown error", "message": "its description could not be read"}
 
     def close(self) -> None:
         """Unmap the page."""
