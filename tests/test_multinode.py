@@ -1,0 +1,71 @@
+"""A ``ray`` group across three Ray nodes on one machine (``ray.cluster_utils.Cluster``), two
+ranks per node: every collective correct on small and large tensors, the hierarchical path taken
+(only one rank per node, or the root, sends across nodes), one post office per node while the
+group lives and nothing left after it is destroyed; for a declared and an imperative group.
+
+The cluster runs in a subprocess (tests/multinode_cluster.py), since it cannot share the test
+session's Ray instance; the script reports what it saw as JSON and the assertions live here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+SCRIPT_TIMEOUT_S = 240
+RANKS_PER_NODE = 2
+WORLD_SIZE = 6
+
+
+@pytest.fixture(scope="module")
+def summary():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")]))
+    finished = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "multinode_cluster.py")],
+                              check=False, capture_output=True, text=True,
+                              timeout=SCRIPT_TIMEOUT_S, env=env)
+    lines = [line for line in finished.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert finished.returncode == 0 and lines, finished.stdout[-5000:] + finished.stderr[-5000:]
+    return json.loads(lines[-1][len("SUMMARY "):])
+
+
+def test_cluster_has_three_distinct_nodes(summary):
+    assert len(set(summary["nodes"])) == 3
+
+
+@pytest.mark.parametrize("scenario", ["declared", "imperative"])
+def test_results_match_numpy_across_nodes(summary, scenario):
+    # declared: every collective, send/recv and barrier; imperative: allreduce, broadcast, reduce
+    assert summary[scenario]["failures"] == []
+
+
+@pytest.mark.parametrize("scenario", ["declared", "imperative"])
+def test_hierarchical_path_is_taken(summary, scenario):
+    seen = summary[scenario]
+    expected_nodes = [summary["nodes"][r // RANKS_PER_NODE] for r in range(WORLD_SIZE)]
+    assert seen["rank_nodes"] == expected_nodes
+    assert seen["memberships"] == ["RayMembership"]
+    assert seen["node_of"] == [expected_nodes] * WORLD_SIZE
+    assert set(seen["selected"].values()) == {"hierarchical"}, seen["selected"]
+    # Node leaders (the lowest rank of each node) and the broadcast/reduce root head their
+    # nodes; under a flat algorithm every rank would send across nodes.
+    leaders = {expected_nodes.index(node) for node in expected_nodes}
+    assert seen["ranks_that_crossed_nodes"] == sorted(leaders | {seen["root"]})
+
+
+@pytest.mark.parametrize("scenario", ["declared", "imperative"])
+def test_one_post_office_per_node_and_nothing_left_after_destroy(summary, scenario):
+    seen = summary[scenario]
+    assert sorted(seen["post_office_nodes"]) == sorted(summary["nodes"])
+    assert seen["post_offices_gone_after_s"] >= 0, "post offices still named 10 s after destroy"
+    assert seen["keys_left"] == []
+
+
+def test_imperative_members_join_and_leave(summary):
+    seen = summary["imperative"]
+    assert seen["joined"] == [[rank, WORLD_SIZE] for rank in range(WORLD_SIZE)]
+    assert seen["still_initialized_after_leave"] == [False] * WORLD_SIZE
