@@ -156,11 +156,11 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         TypeError: an element of ``actors`` is not a Ray actor handle.
         ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
             the number of actors, bad timeout or name.
-        BackendNotAvailableError: the backend cannot run here.
+        BackendNotAvailableError: Ray is not initialized, or the backend cannot run in the
+            actors (raised from the actor that failed).
         GroupAlreadyInitializedError: this driver already declared a group of that name.
         CollectiveTimeoutError: the actors did not all join within the timeout (the group is
             then removed again).
-        UnsupportedOperationError: the backend cannot be declared from a driver.
     """
     if not isinstance(actors, (list, tuple)) or not actors:
         raise ValueError("actors must be a non-empty list of Ray actor handles")
@@ -186,10 +186,6 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
     factory = resolve(backend)
-    if not factory.available():
-        raise BackendNotAvailableError(
-            f"group '{group_name}': backend '{factory.name}' is not available in this process"
-            + (f": {factory.reason}" if hasattr(factory, "reason") else ""))
     current_registry().declare(group_name, lambda: factory.declare(actors, ranks, world_size,
                                                                    group_name, timeout))
 

@@ -45,6 +45,8 @@ class Work:
         try:
             self._future.result(timeout)
         except FutureTimeout:
+            if self._future.done():
+                raise  # the call itself timed out (CollectiveTimeoutError is a TimeoutError)
             raise TimeoutError(f"{self._description} is still running after {timeout:g}s; it "
                                f"goes on until it completes or reaches its own deadline") from None
 
@@ -126,6 +128,7 @@ class Group:
         """
         self._raise_if_broken()
         call = make_call(self.next_seq(*seq_key))
+        self.backend.on_submit(call)
         with self._lock:
             queued = self._queued
             if async_op or queued:

@@ -208,6 +208,18 @@ def test_work_wait_timeout_raises_while_the_call_goes_on():
         np.testing.assert_array_equal(x, [2.0, 2.0])
 
 
+def test_work_wait_raises_the_calls_own_timeout_not_still_running():
+    def body(rank):
+        if rank == 1:
+            return None
+        work = col.allreduce(np.ones(2), async_op=True, timeout=0.2)
+        with pytest.raises(col.CollectiveTimeoutError, match="waiting for ranks \\[1\\]"):
+            work.wait(timeout=30)
+        return "timed out"
+
+    assert run_ranks(2, body, return_exceptions=True)[0] == "timed out"
+
+
 def test_send_recv_tags_match_in_order_per_tag():
     def body(rank):
         if rank == 0:

@@ -238,6 +238,16 @@ def test_declare_validates_before_submitting(ray_session, members):
         col.destroy_collective_group("twice")
 
 
+def test_declared_nccl_group_reports_the_actors_missing_gpu(ray_session, members):
+    if col.nccl_available():
+        pytest.skip("this machine has CuPy and NCCL; the test needs actors without them")
+    with pytest.raises(col.BackendNotAvailableError, match="nccl|NCCL|CuPy|cupy"):
+        col.declare_collective_group(members[:2], backend="nccl", group_name="no-gpu",
+                                     timeout=20)
+    assert run_in(ray_session, members[:2], lambda rank: col.is_group_initialized("no-gpu")) \
+        == [False, False]
+
+
 # ------------------------------------------------------------------ failures
 
 

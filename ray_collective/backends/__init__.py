@@ -10,33 +10,15 @@ from __future__ import annotations
 
 from typing import Union
 
-from ..errors import BackendNotAvailableError
 from ..types import Backend
-from .base import BackendFactory, CollectiveBackend
+from .base import BackendFactory
+from .nccl import NcclBackendFactory
 from .ray_backend import RayBackendFactory
-
-
-class UnavailableBackend(BackendFactory):
-    """A backend name this build knows but cannot run; ``create`` explains why."""
-
-    def __init__(self, name: str, reason: str):
-        self.name = name
-        self.reason = reason
-
-    def available(self) -> bool:
-        return False
-
-    def create(self, group_name: str, world_size: int, rank: int,
-               timeout: float) -> CollectiveBackend:
-        raise BackendNotAvailableError(
-            f"group '{group_name}', rank {rank}: backend '{self.name}' is not available: "
-            f"{self.reason}")
 
 
 _NAMED = {
     Backend.RAY: RayBackendFactory(),
-    Backend.NCCL: UnavailableBackend(
-        "nccl", "the NCCL (GPU) backend is not part of this version of ray_collective yet."),
+    Backend.NCCL: NcclBackendFactory(),
 }
 
 

@@ -11,7 +11,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from ..errors import UnsupportedOperationError
 from ..tensors import TensorView
 from ..types import CallOptions
 
@@ -50,6 +49,14 @@ class CollectiveBackend(ABC):
                 a power-of-two group), detected before any communication.
         """
 
+    def on_submit(self, call: GroupCall) -> None:
+        """Called in the caller's thread when ``call`` is submitted, before it may be queued.
+
+        A backend that needs the caller's thread state captures it here: the NCCL backend
+        records an event on the caller's current CUDA stream, which is per thread and would be
+        lost once the call runs on the group's worker thread. The default does nothing.
+        """
+
     @abstractmethod
     def abort(self, error: BaseException) -> None:
         """Tell every other member that the group is broken by ``error``."""
@@ -82,12 +89,15 @@ class BackendFactory(ABC):
                 timeout: float) -> "DeclaredGroup":
         """Join ``actors[i]`` as rank ``ranks[i]``, driven from the driver.
 
+        The default runs :meth:`create` inside each actor (``backends.declared``); a backend
+        overrides it to prepare the incarnation first or to clean up after it.
+
         Raises:
-            UnsupportedOperationError: this backend cannot be declared from a driver.
+            CollectiveTimeoutError: the actors did not all join within ``timeout`` seconds.
+            Exception: an actor's own failure to join.
         """
-        raise UnsupportedOperationError(
-            f"group '{group_name}': backend '{self.name}' cannot be declared from the driver; "
-            f"call init_collective_group inside each member instead")
+        from .declared import declare_in_actors  # here: declared.py builds on this module
+        return declare_in_actors(self, actors, ranks, world_size, group_name, timeout)
 
 
 class DeclaredGroup(ABC):

@@ -11,8 +11,7 @@ Joining (``RayBackendFactory.create``), inside each member process:
 
 Leaving (``close``) removes this rank's socket; the last member on a node removes the node's
 directory and post office, the last member of the group its keys. A group declared from the
-driver is joined by running the same code inside each actor through Ray's built-in
-``__ray_call__``, so the user's actor class needs no method for it.
+driver is joined by running the same code inside each actor (``backends.declared``).
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import BackendNotAvailableError, CollectiveTimeoutError
+from ..errors import BackendNotAvailableError
 from ..transport import uds
 from ..transport.node_state import NodeState
 from ..transport.ray_transport import Peer, RayTransport, Relay
 from . import rendezvous
 from .base import BackendFactory, CollectiveBackend, DeclaredGroup
+from .declared import declare_in_actors
 from .transport_backend import TransportBackend
 
 _NAMESPACE = rendezvous.NAMESPACE
@@ -250,20 +250,12 @@ class RayBackendFactory(BackendFactory):
                              post_office)
 
     def declare(self, actors, ranks, world_size, group_name, timeout) -> DeclaredGroup:
-        token = declare(actors, ranks, world_size, group_name, timeout)
-        return RayDeclaredGroup(group_name, tuple(actors), token)
-
-
-class RayDeclaredGroup(DeclaredGroup):
-    """A ``ray`` group declared from this driver."""
-
-    def __init__(self, name: str, actors: Tuple, token: str):
-        self.name = name
-        self.actors = actors
-        self.token = token
-
-    def destroy(self, timeout: float) -> None:
-        undeclare(self.actors, self.name, self.token, timeout)
+        job_id, _, _ = _runtime()
+        token = rendezvous.open_incarnation(rendezvous.KeyValue(),
+                                            rendezvous.group_prefix(job_id, group_name))
+        return declare_in_actors(RayBackendFactory(token), actors, ranks, world_size,
+                                 group_name, timeout,
+                                 lambda: _remove_incarnation(group_name, token))
 
 
 def _start_post_office(directory: str, group_name: str, group_key: bytes, world_size: int,
@@ -281,72 +273,13 @@ def _start_post_office(directory: str, group_name: str, group_key: bytes, world_
 
 # ------------------------------------------------------------- declared from the driver
 
-def _join_in_actor(actor, group_name: str, world_size: int, rank: int, token: str,
-                   timeout: float) -> int:
-    """Run inside a member actor (through ``__ray_call__``): join the declared group."""
-    from ..group import current_registry
-    current_registry().create(group_name, world_size, rank, RayBackendFactory(token), timeout)
-    return rank
-
-
-def _leave_in_actor(actor, group_name: str) -> bool:
-    """Run inside a member actor: destroy its membership of ``group_name`` if it has one."""
-    from ..group import current_registry
-    registry = current_registry()
-    if not registry.is_initialized(group_name):
-        return False
-    registry.destroy(group_name)
-    return True
-
-
-def declare(actors: Sequence, ranks: Sequence[int], world_size: int, group_name: str,
-            timeout: float) -> str:
-    """Join ``actors[i]`` as rank ``ranks[i]`` of ``group_name``, from the driver.
-
-    Returns:
-        The incarnation's token.
-
-    Raises:
-        CollectiveTimeoutError: the actors did not all join within ``timeout`` seconds.
-        BackendNotAvailableError: Ray is not initialized.
-        Exception: an actor's own failure to join (for example a dead actor).
-    """
-    ray = _ray()
-    job_id, _, _ = _runtime()
-    kv = rendezvous.KeyValue()
-    prefix = rendezvous.group_prefix(job_id, group_name)
-    token = rendezvous.open_incarnation(kv, prefix)
-    refs = [actor.__ray_call__.remote(_join_in_actor, group_name, world_size, rank, token,
-                                      timeout) for actor, rank in zip(actors, ranks)]
-    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
-    try:
-        ray.get(ready)
-    except BaseException:
-        undeclare(actors, group_name, token, timeout)
-        raise
-    if waiting:
-        late = [ranks[refs.index(ref)] for ref in waiting]
-        undeclare(actors, group_name, token, timeout)
-        raise CollectiveTimeoutError(group_name, -1, "declare_collective_group", -1, late,
-                                     timeout)
-    return token
-
-
-def undeclare(actors: Sequence, group_name: str, token: str, timeout: float) -> None:
-    """Destroy a declared group from the driver: every member leaves, then nothing is left.
-
-    Dead or unresponsive members are skipped; the group's keys, post offices and this node's
-    directory are removed whatever they did.
-    """
-    ray = _ray()
+def _remove_incarnation(group_name: str, token: str) -> None:
+    """Remove what a group leaves outside its members: keys, post offices, this node's files."""
     job_id, _, session = _runtime()
     kv = rendezvous.KeyValue()
     prefix = rendezvous.group_prefix(job_id, group_name)
     nodes = {key.rsplit("/", 2)[1] for key in kv.keys(f"{prefix}{token}/member/")}
-    refs = [actor.__ray_call__.remote(_leave_in_actor, group_name) for actor in actors]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout)
     for node in nodes:
         _shut_post_office(bytes.fromhex(token), node)
     rendezvous.close_incarnation(kv, prefix, token)
     shutil.rmtree(group_root(session, job_id, group_name, token), ignore_errors=True)
-

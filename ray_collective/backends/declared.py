@@ -1,0 +1,95 @@
+"""Groups declared from the driver: the members join and leave by code the driver sends them.
+
+``declare_collective_group`` runs the ordinary join inside each actor through Ray's built-in
+``__ray_call__`` (so the user's actor class needs no method for it), all actors at once, and
+waits for all of them. Destroying the group from the driver runs the ordinary leave the same
+way, skipping members that are dead or stay busy, then lets the backend remove what is left.
+Works for any backend whose factory can be sent to the actors.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from ..errors import CollectiveTimeoutError
+from .base import BackendFactory, DeclaredGroup
+
+
+def _join_in_actor(actor, factory: BackendFactory, group_name: str, world_size: int, rank: int,
+                   timeout: float) -> int:
+    """Run inside a member actor: join the declared group through the process's registry."""
+    from ..group import current_registry
+    current_registry().create(group_name, world_size, rank, factory, timeout)
+    return rank
+
+
+def _leave_in_actor(actor, group_name: str) -> bool:
+    """Run inside a member actor: destroy its membership of ``group_name`` if it has one."""
+    from ..group import current_registry
+    registry = current_registry()
+    if not registry.is_initialized(group_name):
+        return False
+    registry.destroy(group_name)
+    return True
+
+
+class ActorGroup(DeclaredGroup):
+    """A group declared from this driver over ``actors``.
+
+    Args:
+        name: the group's name.
+        actors: the member actors.
+        clean_up: removes what the backend keeps outside the members, after they left.
+    """
+
+    def __init__(self, name: str, actors: Sequence, clean_up: Optional[Callable[[], None]]):
+        self.name = name
+        self.actors = tuple(actors)
+        self._clean_up = clean_up
+
+    def destroy(self, timeout: float) -> None:
+        import ray
+        refs = [actor.__ray_call__.remote(_leave_in_actor, self.name) for actor in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if self._clean_up is not None:
+            self._clean_up()
+
+
+def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence[int],
+                      world_size: int, group_name: str, timeout: float,
+                      clean_up: Optional[Callable[[], None]] = None) -> ActorGroup:
+    """Join ``actors[i]`` as rank ``ranks[i]`` through ``factory``, from the driver.
+
+    Args:
+        factory: what each member joins with (sent to the actors).
+        actors: the member actors.
+        ranks: the rank of each actor.
+        world_size: ranks in the group.
+        group_name: the group's name.
+        timeout: seconds the members may take to join.
+        clean_up: what to remove after the members leave (also on a failed declaration).
+
+    Returns:
+        The declared group.
+
+    Raises:
+        CollectiveTimeoutError: some actors did not join in time (it names their ranks).
+        Exception: an actor's own failure to join (for example a dead actor, or a backend
+            that cannot run there); the members that did join leave again.
+    """
+    import ray
+    group = ActorGroup(group_name, actors, clean_up)
+    refs = [actor.__ray_call__.remote(_join_in_actor, factory, group_name, world_size, rank,
+                                      timeout) for actor, rank in zip(actors, ranks)]
+    ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
+    try:
+        ray.get(ready)
+    except BaseException:
+        group.destroy(timeout)
+        raise
+    if waiting:
+        late = [ranks[refs.index(ref)] for ref in waiting]
+        group.destroy(timeout)
+        raise CollectiveTimeoutError(group_name, -1, "declare_collective_group", -1, late,
+                                     timeout)
+    return group

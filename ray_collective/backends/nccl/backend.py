@@ -1,0 +1,659 @@
+"""The NCCL backend: GPU collectives through ``cupy.cuda.nccl``, one dedicated stream per GPU.
+
+How one call runs:
+
+1. **After the caller's work.** When the call is submitted, in the caller's own thread, an event
+   is recorded on the caller's current stream of each GPU the call uses (CuPy's or torch's,
+   following the tensor's kind). The GPU's dedicated stream waits for that event, so the
+   collective sees everything the caller queued before it, without blocking the host.
+2. **Launch.** The NCCL calls go on the dedicated streams, inside one NCCL group when there are
+   several: the ``*_multigpu`` variants (one communicator per GPU) and gather, scatter and
+   alltoall, which are built from send/recv. allgather and reducescatter take lists of separate
+   tensors while NCCL wants one buffer, so they go through scratch memory with device copies on
+   the same stream.
+3. **Before the caller's later work.** An event recorded after the launch is waited for by the
+   caller's stream, so work queued after the call sees its result.
+4. **Completion.** The host polls that event until the work has finished, so a blocking call
+   returns with the result in place and an ``async_op=True`` work handle completes when the GPU
+   has; polling (never a blocking synchronize) keeps the deadline.
+5. **Failures.** A launch or a wait that passes the deadline, or an error NCCL reports, aborts
+   every communicator of the group (``ncclCommAbort``; never a blocking destroy after an error)
+   and raises :class:`~ray_collective.errors.CollectiveTimeoutError` or
+   :class:`~ray_collective.errors.PeerDiedError`. ``close`` destroys the communicators of a
+   healthy group, and releases every stream and event.
+
+A process may own several GPUs (the group's ``devices``): the group's main NCCL clique then has
+one communicator per GPU and serves the ``*_multigpu`` variants; a plain collective on GPU ``i``
+uses a clique of GPU ``i`` of every process, created on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTimeoutError,
+                       PeerDiedError)
+from ...tensors import TensorView
+from ...types import Collective, ReduceOp
+from ..base import BackendFactory, CollectiveBackend, GroupCall
+from .arguments import MultiGpuCall, device_of
+from .bootstrap import CliqueJoin
+from .completion import LaunchWatchdog, NcclOptions, wait_for_events
+from .library import NcclLibrary, load_library
+from .rendezvous import InProcessRendezvous, RayRendezvous, Rendezvous
+from .wire import WireFormat, movement_format, reduction_format
+
+# NCCL result codes that mean the call itself was wrong, not that a peer or the network failed.
+_NCCL_INVALID_ARGUMENT = 4
+_NCCL_INVALID_USAGE = 5
+
+_LIST_NAMES = {Collective.ALLTOALL: ("input_tensor_list", "output_tensor_list")}
+
+
+@dataclass(frozen=True)
+class _Lane:
+    """One communicator on one GPU, with the GPU's dedicated stream and completion event."""
+
+    device: int
+    communicator: Any
+    stream: int
+    done: int
+
+
+@dataclass
+class _Plan:
+    """What one call queues, in order, on the streams of its lanes.
+
+    Attributes:
+        lanes: the communicators taking part, one per GPU.
+        peers: the ranks a timeout or a peer failure names.
+        before: device copies into scratch memory, ahead of the NCCL calls.
+        launches: the NCCL calls (grouped when there are several).
+        after: device copies out of scratch memory.
+        scratch: allocations that must live until the call completes.
+    """
+
+    lanes: Tuple[_Lane, ...]
+    peers: Tuple[int, ...]
+    before: List[Callable[[], None]] = field(default_factory=list)
+    launches: List[Callable[[], None]] = field(default_factory=list)
+    after: List[Callable[[], None]] = field(default_factory=list)
+    scratch: List[Any] = field(default_factory=list)
+
+
+# ``device -> (caller's stream, event recorded on it)``: where a call must start on each GPU.
+CallerOrder = Dict[int, Tuple[int, int]]
+
+
+class NcclBackend(CollectiveBackend):
+    """One process's membership of an NCCL group.
+
+    Args:
+        group_name: the group.
+        world_size: processes in the group.
+        rank: this process's rank.
+        devices: the GPUs this process uses, in order.
+        library: the NCCL library.
+        rendezvous: where ranks meet to create further cliques.
+        options: the waiting policy.
+        communicators: the main clique's communicators, one per device.
+    """
+
+    accepts_gpu_tensors = True
+
+    def __init__(self, group_name: str, world_size: int, rank: int, devices: Sequence[int],
+                 library: NcclLibrary, rendezvous: Rendezvous, options: NcclOptions,
+                 communicators: Sequence[Any]):
+        self.group_name = group_name
+        self.world_size = world_size
+        self.rank = rank
+        self.devices = tuple(devices)
+        self._library = library
+        self._rendezvous = rendezvous
+        self._options = options
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._closed = False
+        self._communicators = list(communicators)
+        self._streams: Dict[int, int] = {}
+        self._done_events: Dict[int, int] = {}
+        self._spare_events: Dict[int, List[int]] = {device: [] for device in self.devices}
+        self._orders: Dict[int, CallerOrder] = {}
+        self._barrier_scratch: Dict[int, Any] = {}
+        self._watchdog = LaunchWatchdog(self._abort_communicators,
+                                        options.watchdog_period_seconds,
+                                        f"ray_collective[{group_name}] nccl watchdog")
+        try:
+            for device in self.devices:
+                self._streams[device] = library.create_stream(device)
+                self._done_events[device] = library.create_event(device)
+        except BaseException:
+            self.abort(None)
+            self.close()
+            raise
+        self._main = tuple(self._lane(device, communicator)
+                           for device, communicator in zip(self.devices, communicators,
+                                                           strict=True))
+        # With one GPU per process the main clique is also the single-GPU clique.
+        self._single: Dict[int, _Lane] = (
+            {self.devices[0]: self._main[0]} if len(self.devices) == 1 else {})
+
+    def _lane(self, device: int, communicator: Any) -> _Lane:
+        return _Lane(device, communicator, self._streams[device], self._done_events[device])
+
+    # ------------------------------------------------------------ caller order
+
+    def on_submit(self, call: GroupCall) -> None:
+        """Record where ``call`` must start on each GPU: the caller's streams, now."""
+        order = self._record_caller_order(call)
+        with self._lock:
+            self._orders[id(call)] = order
+
+    def _record_caller_order(self, call: GroupCall) -> CallerOrder:
+        order: CallerOrder = {}
+        for view in _views_of(call):
+            if not view.device.startswith("cuda:"):
+                continue  # run() refuses it with a message
+            device = int(view.device.split(":", 1)[1])
+            if device in order or device not in self._spare_events:
+                continue
+            stream = self._library.caller_stream(view.kind, device)
+            event = self._take_event(device)
+            self._library.record(event, stream)
+            order[device] = (stream, event)
+        return order
+
+    def _take_event(self, device: int) -> int:
+        with self._lock:
+            spare = self._spare_events[device]
+            if spare:
+                return spare.pop()
+        return self._library.create_event(device)
+
+    def _release(self, order: CallerOrder) -> None:
+        with self._lock:
+            for device, (_, event) in order.items():
+                self._spare_events[device].append(event)
+
+    # ------------------------------------------------------------ running a call
+
+    def run(self, call: GroupCall) -> None:
+        with self._lock:
+            order = self._orders.pop(id(call), None)
+        try:
+            plan = self._plan(call)
+            if order is None:
+                order = self._record_caller_order(call)
+            self._execute(call, plan, order)
+        finally:
+            if order:
+                self._release(order)
+
+    def _execute(self, call: GroupCall, plan: _Plan, order: CallerOrder) -> None:
+        library = self._library
+        for lane in plan.lanes:
+            if lane.device in order:
+                library.wait(lane.stream, order[lane.device][1])
+        deadline = time.monotonic() + call.options.timeout
+        self._watchdog.arm(deadline)
+        try:
+            for step in plan.before:
+                step()
+            self._launch(plan.launches)
+            for step in plan.after:
+                step()
+            for lane in plan.lanes:
+                library.record(lane.done, lane.stream)
+        except (library.nccl_error, library.cuda_error) as err:
+            self._watchdog.disarm()
+            raise self._failure(call, plan, err) from err
+        if self._watchdog.disarm():
+            raise self._failure(call, plan, None)
+        for lane in plan.lanes:
+            if lane.device in order:
+                library.wait(order[lane.device][0], lane.done)
+        try:
+            completed = wait_for_events(library, [lane.done for lane in plan.lanes],
+                                        [lane.communicator for lane in plan.lanes], deadline,
+                                        self._options)
+        except (library.nccl_error, library.cuda_error) as err:
+            raise self._failure(call, plan, err) from err
+        if not completed:
+            raise self._failure(call, plan, None)
+
+    def _launch(self, launches: Sequence[Callable[[], None]]) -> None:
+        if len(launches) <= 1:
+            for launch in launches:
+                launch()
+            return
+        self._library.group_start()
+        try:
+            for launch in launches:
+                launch()
+        finally:
+            self._library.group_end()
+
+    def _failure(self, call: GroupCall, plan: _Plan, error: Optional[BaseException]) -> Exception:
+        """Abort the communicators and return the error the call raises."""
+        timed_out = error is None or self._watchdog.expired
+        self._abort_communicators()
+        name, seq, rank = _call_name(call), call.seq, self.rank
+        if timed_out:
+            return CollectiveTimeoutError(self.group_name, rank, name, seq, plan.peers,
+                                          call.options.timeout)
+        status = getattr(error, "status", None)
+        if isinstance(error, self._library.nccl_error) and status not in (
+                _NCCL_INVALID_ARGUMENT, _NCCL_INVALID_USAGE):
+            return PeerDiedError(
+                self.group_name, rank, name, seq, plan.peers,
+                f"NCCL reported '{error}'; NCCL does not say which peer failed, so every rank "
+                f"this call needed is listed")
+        return CollectiveError(
+            f"rank {rank} of group '{self.group_name}': {name} #{seq} failed on the GPU "
+            f"({type(error).__name__}: {error}). The communicators are aborted and the group "
+            f"is broken: destroy it and create it again.")
+
+    # ------------------------------------------------------------ planning
+
+    def _plan(self, call: GroupCall) -> _Plan:
+        if isinstance(call, MultiGpuCall):
+            return self._plan_multigpu(call)
+        collective = call.options.collective
+        device = self._device_of_call(call)
+        lane = self._single_lane(device, call)
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        peers = (call.options.peer,) if collective in (Collective.SEND, Collective.RECV) \
+            else others
+        plan = _Plan((lane,), peers)
+        if collective is Collective.BARRIER:
+            self._plan_barrier(plan, lane)
+        else:
+            _SINGLE_PLANNERS[collective](self, plan, lane, call)
+        return plan
+
+    def _device_of_call(self, call: GroupCall) -> int:
+        # The API layer has checked that every tensor of a call shares the first one's kind
+        # and device, so the first tells where the call runs.
+        for name, view in _named_views(call):
+            return device_of(view, self.devices, self.group_name, name)
+        return self.devices[0]  # barrier: no tensor; any GPU of the process will do
+
+    def _single_lane(self, device: int, call: GroupCall) -> _Lane:
+        lane = self._single.get(device)
+        if lane is None:
+            index = self.devices.index(device)
+            join = CliqueJoin(self._rendezvous, self._library, self.group_name, f"gpu{index}",
+                              self.world_size, self.rank, [device], _call_name(call),
+                              call.seq, call.options.timeout)
+            communicator = join.run()[0]
+            with self._lock:
+                self._communicators.append(communicator)
+            lane = self._single[device] = self._lane(device, communicator)
+        return lane
+
+    def _reduction(self, view: TensorView, op: ReduceOp) -> WireFormat:
+        return reduction_format(self._library, view.dtype_name, op)
+
+    def _movement(self, view: TensorView) -> WireFormat:
+        return movement_format(self._library, view.dtype_name, view.wire_dtype.itemsize)
+
+    def _plan_barrier(self, plan: _Plan, lane: _Lane) -> None:
+        # NCCL has no barrier: a one-byte allreduce completes only once every rank has joined.
+        scratch = self._barrier_scratch.get(lane.device)
+        if scratch is None:
+            scratch = self._barrier_scratch[lane.device] = self._library.allocate(lane.device, 1)
+        uint8, nccl_max = self._library.constant("NCCL_UINT8"), self._library.constant("NCCL_MAX")
+        plan.launches.append(functools.partial(lane.communicator.allReduce, scratch.ptr,
+                                               scratch.ptr, 1, uint8, nccl_max, lane.stream))
+
+    def _add_allreduce(self, plan: _Plan, lane: _Lane, view: TensorView, op: ReduceOp) -> None:
+        fmt = self._reduction(view, op)
+        _add_launch(plan, view, lane.communicator.allReduce, self._ptr(view), self._ptr(view),
+                    view.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream)
+
+    def _add_reduce(self, plan: _Plan, lane: _Lane, view: TensorView, op: ReduceOp,
+                    root: int) -> None:
+        fmt = self._reduction(view, op)
+        _add_launch(plan, view, lane.communicator.reduce, self._ptr(view), self._ptr(view),
+                    view.count * fmt.per_element, fmt.datatype, fmt.op, root, lane.stream)
+
+    def _add_broadcast(self, plan: _Plan, lane: _Lane, view: TensorView, root: int) -> None:
+        fmt = self._movement(view)
+        _add_launch(plan, view, lane.communicator.broadcast, self._ptr(view), self._ptr(view),
+                    view.count * fmt.per_element, fmt.datatype, root, lane.stream)
+
+    def _allreduce(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        self._add_allreduce(plan, lane, call.tensor, call.options.op)
+
+    def _reduce(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        self._add_reduce(plan, lane, call.tensor, call.options.op, call.options.root)
+
+    def _broadcast(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        self._add_broadcast(plan, lane, call.tensor, call.options.root)
+
+    def _allgather(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        self._gather_through_scratch(plan, lane, call.tensor, call.outputs)
+
+    def _reducescatter(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        self._reduce_scatter_through_scratch(plan, lane, call.inputs, call.tensor,
+                                             call.options.op)
+
+    def _point_to_point(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        if call.options.collective is Collective.SEND:
+            self._add_send(plan, lane, call.tensor, call.options.peer)
+        else:
+            self._add_recv(plan, lane, call.tensor, call.options.peer)
+
+    def _gather(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        view, root = call.tensor, call.options.root
+        if self.rank != root:
+            self._add_send(plan, lane, view, root)
+            return
+        for peer, output in enumerate(call.outputs):
+            if peer == self.rank:
+                self._add_copy(plan.before, lane, output, view)
+            else:
+                self._add_recv(plan, lane, output, peer)
+
+    def _scatter(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        view, root = call.tensor, call.options.root
+        if self.rank != root:
+            self._add_recv(plan, lane, view, root)
+            return
+        for peer, part in enumerate(call.inputs):
+            if peer == self.rank:
+                self._add_copy(plan.before, lane, view, part)
+            else:
+                self._add_send(plan, lane, part, peer)
+
+    def _alltoall(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+        for peer, (part, output) in enumerate(zip(call.inputs, call.outputs, strict=True)):
+            if peer == self.rank:
+                self._add_copy(plan.before, lane, output, part)
+            else:
+                self._add_send(plan, lane, part, peer)
+                self._add_recv(plan, lane, output, peer)
+
+    def _add_send(self, plan: _Plan, lane: _Lane, view: TensorView, peer: int) -> None:
+        fmt = self._movement(view)
+        _add_launch(plan, view, lane.communicator.send, self._ptr(view),
+                    view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
+
+    def _add_recv(self, plan: _Plan, lane: _Lane, view: TensorView, peer: int) -> None:
+        fmt = self._movement(view)
+        _add_launch(plan, view, lane.communicator.recv, self._ptr(view),
+                    view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
+
+    def _add_copy(self, steps: List[Callable[[], None]], lane: _Lane, destination: TensorView,
+                  source: TensorView) -> None:
+        nbytes = _nbytes(source)
+        if nbytes:
+            steps.append(functools.partial(self._library.copy, self._ptr(destination),
+                                           self._ptr(source), nbytes, lane.stream))
+
+    def _gather_through_scratch(self, plan: _Plan, lane: _Lane, source: TensorView,
+                                outputs: Sequence[TensorView]) -> None:
+        nbytes = _nbytes(source)
+        if not nbytes:
+            return
+        fmt = self._movement(source)
+        scratch = self._library.allocate(lane.device, nbytes * len(outputs))
+        plan.scratch.append(scratch)
+        plan.launches.append(functools.partial(
+            lane.communicator.allGather, self._ptr(source), scratch.ptr,
+            source.count * fmt.per_element, fmt.datatype, lane.stream))
+        for i, output in enumerate(outputs):
+            plan.after.append(functools.partial(self._library.copy, self._ptr(output),
+                                                scratch.ptr + i * nbytes, nbytes, lane.stream))
+
+    def _reduce_scatter_through_scratch(self, plan: _Plan, lane: _Lane,
+                                        inputs: Sequence[TensorView], output: TensorView,
+                                        op: ReduceOp) -> None:
+        nbytes = _nbytes(output)
+        fmt = self._reduction(output, op)
+        if not nbytes:
+            return
+        scratch = self._library.allocate(lane.device, nbytes * len(inputs))
+        plan.scratch.append(scratch)
+        for i, part in enumerate(inputs):
+            plan.before.append(functools.partial(self._library.copy, scratch.ptr + i * nbytes,
+                                                 self._ptr(part), nbytes, lane.stream))
+        plan.launches.append(functools.partial(
+            lane.communicator.reduceScatter, scratch.ptr, self._ptr(output),
+            output.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream))
+
+    def _ptr(self, view: TensorView) -> int:
+        return self._library.pointer(view)
+
+    # ------------------------------------------------------------ multi-GPU planning
+
+    def _plan_multigpu(self, call: MultiGpuCall) -> _Plan:
+        options = call.options
+        gpus = len(self.devices)
+        if options.collective in (Collective.SEND, Collective.RECV):
+            view = call.device_tensors[0]
+            lane = self._main[self.devices.index(int(view.device.split(":", 1)[1]))]
+            plan = _Plan((lane,), (options.peer,))
+            fmt = self._movement(view)
+            nccl_call = (lane.communicator.send if options.collective is Collective.SEND
+                         else lane.communicator.recv)
+            if call.n_elements:
+                plan.launches.append(functools.partial(
+                    nccl_call, self._ptr(view), call.n_elements * fmt.per_element,
+                    fmt.datatype, options.peer * gpus + call.peer_index, lane.stream))
+            return plan
+        plan = _Plan(self._main, tuple(r for r in range(self.world_size) if r != self.rank))
+        # GPU i of rank r is NCCL rank r * gpus + i of the main clique.
+        root = options.root * gpus + call.root_index
+        for i, (lane, view) in enumerate(zip(self._main, call.device_tensors, strict=True)):
+            if options.collective is Collective.ALLGATHER:
+                self._gather_through_scratch(plan, lane, view, call.device_lists[i])
+            elif options.collective is Collective.REDUCESCATTER:
+                self._reduce_scatter_through_scratch(plan, lane, call.device_lists[i], view,
+                                                     options.op)
+            elif options.collective is Collective.BROADCAST:
+                self._add_broadcast(plan, lane, view, root)
+            elif options.collective is Collective.REDUCE:
+                self._add_reduce(plan, lane, view, options.op, root)
+            else:
+                self._add_allreduce(plan, lane, view, options.op)
+        return plan
+
+    # ------------------------------------------------------------ failure and release
+
+    def _abort_communicators(self) -> None:
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            communicators = list(self._communicators)
+        for communicator in communicators:
+            self._library.abort(communicator)
+
+    def abort(self, error: Optional[BaseException]) -> None:
+        """Abort every communicator: the peers' pending NCCL calls fail instead of hanging."""
+        self._abort_communicators()
+
+    def close(self) -> None:
+        """Destroy the communicators (unless aborted) and release every stream and event."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            aborted = self._aborted
+            communicators, self._communicators = self._communicators, []
+            events = list(self._done_events.values())
+            events += [event for spare in self._spare_events.values() for event in spare]
+            events += [event for order in self._orders.values() for _, event in order.values()]
+            streams = list(self._streams.values())
+            self._done_events, self._streams, self._orders = {}, {}, {}
+            self._spare_events = {device: [] for device in self.devices}
+            self._barrier_scratch = {}
+        self._watchdog.close()
+        if not aborted:
+            for communicator in communicators:
+                self._library.destroy(communicator)
+        for event in events:
+            self._library.destroy_event(event)
+        for stream in streams:
+            self._library.destroy_stream(stream)
+
+
+def _add_launch(plan: _Plan, view: TensorView, nccl_call: Callable, *args: Any) -> None:
+    # An empty tensor moves nothing; every rank holds the same shape, so all skip alike.
+    if view.count:
+        plan.launches.append(functools.partial(nccl_call, *args))
+
+
+def _nbytes(view: TensorView) -> int:
+    return view.count * view.wire_dtype.itemsize
+
+
+def _call_name(call: GroupCall) -> str:
+    name = call.options.collective.value
+    return f"{name}_multigpu" if isinstance(call, MultiGpuCall) else name
+
+
+def _named_views(call: GroupCall) -> Iterator[Tuple[str, TensorView]]:
+    inputs_name, outputs_name = _LIST_NAMES.get(call.options.collective,
+                                                ("tensor_list", "tensor_list"))
+    if call.tensor is not None:
+        yield "tensor", call.tensor
+    for i, view in enumerate(call.inputs):
+        yield f"{inputs_name}[{i}]", view
+    for i, view in enumerate(call.outputs):
+        yield f"{outputs_name}[{i}]", view
+
+
+def _views_of(call: GroupCall) -> Iterator[TensorView]:
+    for _, view in _named_views(call):
+        yield view
+    if isinstance(call, MultiGpuCall):
+        yield from call.device_tensors
+        for views in call.device_lists:
+            yield from views
+
+
+_SINGLE_PLANNERS = {
+    Collective.ALLREDUCE: NcclBackend._allreduce,
+    Collective.REDUCE: NcclBackend._reduce,
+    Collective.BROADCAST: NcclBackend._broadcast,
+    Collective.ALLGATHER: NcclBackend._allgather,
+    Collective.REDUCESCATTER: NcclBackend._reducescatter,
+    Collective.GATHER: NcclBackend._gather,
+    Collective.SCATTER: NcclBackend._scatter,
+    Collective.ALLTOALL: NcclBackend._alltoall,
+    Collective.SEND: NcclBackend._point_to_point,
+    Collective.RECV: NcclBackend._point_to_point,
+}
+
+
+class NcclBackendFactory(BackendFactory):
+    """Joins processes to NCCL groups; ``backend="nccl"`` uses one with Ray's rendezvous.
+
+    Args:
+        rendezvous: where ranks exchange the NCCL unique id. Default: Ray's key-value store
+            (:class:`RayRendezvous`) for groups of several processes; an
+            :class:`InProcessRendezvous` shared by every rank when the ranks are threads of one
+            process (tests, scripts without Ray).
+        devices: the GPUs this process uses (indices of the visible devices). Default: every
+            visible GPU, which inside a Ray actor are the ones Ray assigned to it.
+        library: the NCCL library; default: CuPy's, loaded on first use.
+        options: how the backend waits for completion; default :class:`NcclOptions()`.
+    """
+
+    name = "nccl"
+
+    def __init__(self, rendezvous: Optional[Rendezvous] = None,
+                 devices: Optional[Sequence[int]] = None,
+                 library: Optional[NcclLibrary] = None,
+                 options: Optional[NcclOptions] = None):
+        self._rendezvous = rendezvous
+        self._devices = None if devices is None else tuple(devices)
+        self._library = library
+        self._options = options if options is not None else NcclOptions()
+
+    def available(self) -> bool:
+        """Whether CuPy and the NCCL library load in this process.
+
+        Returns:
+            True if they do.
+        """
+        if self._library is not None:
+            return True
+        try:
+            load_library()
+        except BackendNotAvailableError:
+            return False
+        return True
+
+    def create(self, group_name: str, world_size: int, rank: int,
+               timeout: float) -> CollectiveBackend:
+        """Join the group: check GPU counts, exchange the unique id, create the communicators.
+
+        Args:
+            group_name: the group.
+            world_size: processes in the group.
+            rank: this process's rank.
+            timeout: seconds the other ranks have to join.
+
+        Returns:
+            The membership.
+
+        Raises:
+            BackendNotAvailableError: no CuPy/NCCL, no visible GPU, or no Ray to meet through.
+            ValueError: bad ``devices``, or processes that own different numbers of GPUs.
+            CollectiveTimeoutError: a rank did not join within ``timeout``.
+            CollectiveError: NCCL could not create the communicators.
+        """
+        library = self._library if self._library is not None else load_library()
+        devices = self._resolve_devices(library, group_name, rank)
+        rendezvous = self._rendezvous
+        if rendezvous is None:
+            rendezvous = RayRendezvous() if world_size > 1 else InProcessRendezvous()
+        communicators = CliqueJoin(rendezvous, library, group_name, "world", world_size, rank,
+                                   devices, "init", 0, timeout).run()
+        return NcclBackend(group_name, world_size, rank, devices, library, rendezvous,
+                           self._options, communicators)
+
+    def _resolve_devices(self, library: NcclLibrary, group_name: str,
+                         rank: int) -> Tuple[int, ...]:
+        count = library.device_count()
+        if self._devices is None:
+            if count == 0:
+                raise BackendNotAvailableError(
+                    f"group '{group_name}', rank {rank}: the 'nccl' backend needs a GPU, and "
+                    f"this process sees none. Inside Ray, create the actor with num_gpus=1 (or "
+                    f"more); otherwise check CUDA_VISIBLE_DEVICES.")
+            return tuple(range(count))
+        if not self._devices or len(set(self._devices)) != len(self._devices) or any(
+                isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < count
+                for d in self._devices):
+            raise ValueError(
+                f"group '{group_name}', rank {rank}: devices={list(self._devices)} must be "
+                f"distinct GPU indices among the {count} GPUs this process sees "
+                f"(0..{count - 1}).")
+        return self._devices
+
+
+def synchronize_device(gpu_id: int, library: Optional[NcclLibrary] = None) -> None:
+    """Block until all work queued on GPU ``gpu_id`` (collectives included) has finished.
+
+    Args:
+        gpu_id: the GPU index among the visible devices.
+        library: the NCCL library; default: CuPy's.
+
+    Raises:
+        BackendNotAvailableError: CuPy or NCCL is not available.
+        ValueError: ``gpu_id`` is not a visible GPU.
+    """
+    library = library if library is not None else load_library()
+    count = library.device_count()
+    if isinstance(gpu_id, bool) or not isinstance(gpu_id, int) or not 0 <= gpu_id < count:
+        raise ValueError(f"gpu_id must be the index of a visible GPU (0..{count - 1}), not "
+                         f"{gpu_id!r}")
+    library.synchronize(gpu_id)
