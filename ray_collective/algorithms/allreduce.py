@@ -1,6 +1,6 @@
 """Allreduce: every rank ends with the elementwise reduction of all ranks' buffers.
 
-Four algorithms, all for any number of ranks p and any length n (here in elements):
+Five algorithms, all for any number of ranks p and any length n (here in elements):
 
 - **recursive doubling** — in round i, rank v exchanges its whole buffer with v XOR 2^i and
   reduces. log2(p) rounds, n·log2(p) elements sent per rank. Best for small messages, where
@@ -15,6 +15,12 @@ Four algorithms, all for any number of ranks p and any length n (here in element
 - **ring** — ring reduce-scatter then ring allgather over p blocks: 2(p-1) rounds,
   2·n·(p-1)/p elements per rank, every rank sends to one fixed neighbour only. Chosen for large
   messages on few ranks, where its single neighbour and pipelining win over log rounds.
+- **reduce-broadcast** — binomial reduce onto rank 0, then binomial broadcast from it:
+  2·ceil(log2 p) rounds, n elements sent per rank, but only 2(p-1) messages in all against
+  p·log2(p) for recursive doubling. Meant for small messages on a node that holds more ranks
+  than cores, where every message costs a process wake-up on a shared core, so the count of
+  messages rather than the rounds may set the time. The selector does not pick it yet (no
+  clean measurement of the crossover); force it with ``RAY_COLLECTIVE_ALGORITHM``.
 - **hierarchical** (in ``hierarchical.py``, with the node-aware broadcast and reduce) —
   binomial reduce onto a leader per node, an allreduce between the leaders (the selector's
   choice for their count), binomial broadcast inside each node. Only leaders cross node
@@ -28,9 +34,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import allgather, reducescatter
+from . import allgather, broadcast, reduce, reducescatter
 from .core import Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team
 from .fold import Survivors, fold, fold_rounds, unfold
+
+_BROADCAST_PHASE = 1 << 20
 
 
 def recursive_doubling(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
@@ -70,6 +78,18 @@ def ring(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> Algorithm
     yield from allgather.ring(team, buf, blocks, ctx, step0 + team.size - 1)
 
 
+def reduce_broadcast(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Allreduce ``buf`` in place: binomial reduce onto member 0, binomial broadcast back."""
+    yield from reduce.binomial(team, buf, 0, ctx, step0)
+    yield from broadcast.binomial(team, buf, 0, ctx, step0 + _BROADCAST_PHASE)
+
+
+def reduce_broadcast_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """2·ceil(log2 p) rounds; a rank sends n elements up and at most n·log2 p down (the root)."""
+    rounds = reduce.log_rounds(p)
+    return Cost(2 * rounds, count * rounds if p > 1 else 0)
+
+
 def recursive_doubling_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """log2(p') (+2 with the fold) rounds; count·log2(p') elements (+count with the fold)."""
     levels = p.bit_length() - 1
@@ -105,4 +125,5 @@ ALGORITHMS = (
     Algorithm("allreduce", "recursive_doubling", recursive_doubling, recursive_doubling_cost),
     Algorithm("allreduce", "rabenseifner", rabenseifner, rabenseifner_cost),
     Algorithm("allreduce", "ring", ring, ring_cost),
+    Algorithm("allreduce", "reduce_broadcast", reduce_broadcast, reduce_broadcast_cost),
 )
