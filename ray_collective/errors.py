@@ -16,7 +16,23 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 
 class CollectiveError(RuntimeError):
-    """Base class of every error raised by a collective operation or group."""
+    """Base class of every error raised by a collective operation or group.
+
+    Errors cross process boundaries (an actor's error reaches the driver through Ray). Their
+    constructors take structured arguments, so they pickle as their message and attributes
+    rather than as constructor calls.
+    """
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls, args, state):
+    # A timeout is also an OSError, whose layout only OSError's own constructor may allocate.
+    error = (OSError if issubclass(cls, OSError) else Exception).__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

@@ -220,6 +220,23 @@ def test_work_wait_raises_the_calls_own_timeout_not_still_running():
     assert run_ranks(2, body, return_exceptions=True)[0] == "timed out"
 
 
+@pytest.mark.parametrize("error", [
+    col.PeerDiedError("g", 1, "allreduce", 3, [2], "its process exited"),
+    col.CollectiveTimeoutError("g", 0, "barrier", 1, [2, 3], 1.5),
+    col.CollectiveMismatchError("g", 0, 1, "allreduce", 2, {"count": (1, 2)}),
+    col.GroupBrokenError("g", 0, col.PeerDiedError("g", 1, "allreduce", 3, [2])),
+    col.RankFailedError("g", 1, "ValueError", "bad"),
+    col.GroupNotInitializedError("g"),
+])
+def test_errors_survive_pickling_as_ray_sends_them_to_the_driver(error):
+    import pickle
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert vars(copy).keys() == vars(error).keys()
+    if isinstance(error, col.GroupBrokenError):
+        assert copy.cause.dead_ranks == (2,)
+
+
 def test_send_recv_tags_match_in_order_per_tag():
     def body(rank):
         if rank == 0:

@@ -1,0 +1,187 @@
+"""The command line: ``python -m benchmarks --collective allreduce --world-size 2,4 ...``."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import shlex
+import sys
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .collectives import COLLECTIVES
+from .harness import SweepOptions, run_sweep
+from .peers import PEERS
+from .report import format_progress, format_table, to_json
+
+_SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_MULTIPLIERS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: an integer with an optional binary suffix (``8``, ``1K``, ``64MiB``).
+
+    Args:
+        text: the text.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE_PATTERN.match(text)
+    if not match:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 8, 4096, 1K, 64M)")
+    return int(match.group(1)) * _SIZE_MULTIPLIERS[match.group(2).lower()]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be >= 1, not {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, not {value}")
+    return value
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    return check
+
+
+def _comma_list(item: Callable) -> Callable[[str], Tuple]:
+    """An argparse type for a comma-separated list whose items ``item`` parses, no duplicates."""
+    def parse(text: str) -> Tuple:
+        try:
+            values = tuple(item(part.strip()) for part in text.split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+        if not values:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"repeated values in {text!r}")
+        return values
+    return parse
+
+
+def _dtype_name(text: str) -> str:
+    try:
+        return np.dtype(text).name
+    except TypeError as exc:
+        raise argparse.ArgumentTypeError(f"not a numpy dtype: {text!r}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m benchmarks``.
+
+    Returns:
+        The parser.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Time collectives on Ray actors over ray_collective and its peers, "
+                    "interleaved in one run. Comma-separated lists are axes of the sweep.")
+    parser.add_argument("--collective", "--collectives", dest="collectives",
+                        type=_comma_list(_choice(tuple(COLLECTIVES))), default=("allreduce",),
+                        help=f"collectives, of: {','.join(COLLECTIVES)} (default: allreduce)")
+    parser.add_argument("--backends", type=_comma_list(_choice(tuple(PEERS))),
+                        default=("ray", "gloo"),
+                        help="ray: this library; gloo: ray.util.collective with "
+                             "torch.distributed Gloo (default: ray,gloo)")
+    parser.add_argument("--world-size", dest="world_sizes", type=_comma_list(_positive_int),
+                        default=(2, 4, 8), help="ranks, one actor each (default: 2,4,8)")
+    parser.add_argument("--bytes", dest="sizes", type=_comma_list(parse_size),
+                        default=(8, 2**20, 64 * 2**20),
+                        help="message sizes as nccl-tests counts them: allreduce/broadcast/"
+                             "reduce the tensor, allgather the gathered output, reducescatter "
+                             "the input list; suffixes K, M, G are binary "
+                             "(default: 8,1M,64M)")
+    parser.add_argument("--dtype", type=_dtype_name, default="float32",
+                        help="numpy dtype of the tensors (default: float32)")
+    parser.add_argument("--iters", dest="iterations", type=_positive_int, default=None,
+                        help="timed iterations per point (default: from the size, 200 for "
+                             "<= 64 KiB down to 20 above 16 MiB)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=None,
+                        help="untimed iterations per point and backend (default: from the "
+                             "size, 20 down to 5)")
+    parser.add_argument("--blocks", type=_positive_int, default=4,
+                        help="interleaved blocks the timed iterations are split into "
+                             "(default: 4)")
+    parser.add_argument("--baseline", default="gloo",
+                        help="backend the speed-up is relative to, or 'none' (default: gloo)")
+    parser.add_argument("--timeout", dest="timeout_s", type=float, default=300.0,
+                        help="seconds any one step may take: actor start, group setup, one "
+                             "block; also the libraries' per-call deadline (default: 300)")
+    parser.add_argument("--ray-address", default=None,
+                        help="use this running Ray cluster instead of starting a local one")
+    parser.add_argument("--json", dest="json_path", type=pathlib.Path, default=None,
+                        help="write every row and the run's metadata to this file")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress line per point on stderr")
+    return parser
+
+
+def options_from_arguments(arguments: argparse.Namespace,
+                           parser: argparse.ArgumentParser) -> SweepOptions:
+    """The sweep options the parsed command line asks for.
+
+    Args:
+        arguments: from ``build_parser().parse_args``.
+        parser: for reporting a bad combination (exits with status 2).
+
+    Returns:
+        The options.
+    """
+    baseline = None if arguments.baseline.lower() == "none" else arguments.baseline
+    if baseline is not None and baseline not in arguments.backends:
+        parser.error(f"--baseline {baseline} is not among --backends "
+                     f"{','.join(arguments.backends)} (or give --baseline none)")
+    if arguments.timeout_s <= 0:
+        parser.error(f"--timeout must be positive, not {arguments.timeout_s}")
+    return SweepOptions(collectives=arguments.collectives, backends=arguments.backends,
+                        world_sizes=arguments.world_sizes, sizes=arguments.sizes,
+                        dtype=arguments.dtype, iterations=arguments.iterations,
+                        warmup=arguments.warmup, blocks=arguments.blocks, baseline=baseline,
+                        timeout_s=arguments.timeout_s, ray_address=arguments.ray_address)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the sweep the command line asks for, print the table, write the JSON.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 once the sweep has run, even if some rows report errors (the table and the JSON
+        say which); argparse exits with 2 on bad arguments.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    options = options_from_arguments(arguments, parser)
+
+    def progress(rows) -> None:
+        if not arguments.quiet:
+            print(format_progress(rows), file=sys.stderr, flush=True)
+
+    result = run_sweep(options, command=shlex.join(["python", "-m", "benchmarks", *argv]),
+                       on_rows=progress)
+    print(format_table(result.rows))
+    for note in result.notes:
+        print(f"note: {note}")
+    if arguments.json_path is not None:
+        arguments.json_path.parent.mkdir(parents=True, exist_ok=True)
+        arguments.json_path.write_text(to_json(result) + "\n")
+        print(f"wrote {arguments.json_path}")
+    return 0
