@@ -55,3 +55,20 @@ def test_forced_algorithm_must_exist_and_fit(monkeypatch):
         select("allgather", 2, 4, 6, forced="recursive_doubling")
     with pytest.raises(ValueError, match="rank-to-node map"):
         select("allreduce", 2, 4, 6, forced="hierarchical")
+
+
+def test_oversubscribed_nodes_take_the_allreduce_with_fewest_messages():
+    assert select("allreduce", 2, 4, 8, None, oversubscribed=True).name == "reduce_broadcast"
+    assert select("allreduce", 2, 4, 8, None).name == "recursive_doubling"
+    assert select("allreduce", 2, 4, 2, None, oversubscribed=True).name == "recursive_doubling"
+    assert select("allreduce", 1 << 20, 4, 8, None, oversubscribed=True).name == "ring"
+    assert select("broadcast", 2, 4, 8, None, oversubscribed=True).name == "binomial"
+
+
+def test_oversubscription_is_judged_from_the_shared_membership():
+    from ray_collective.backends.rendezvous import Member
+    from ray_collective.backends.ray_backend import _oversubscribed
+    two_cores = [Member(r, "a", 100 + r, 2) for r in range(2)]
+    assert not _oversubscribed(two_cores)
+    assert _oversubscribed(two_cores + [Member(2, "a", 102, 2)])
+    assert not _oversubscribed(two_cores + [Member(2, "b", 102, 1)])

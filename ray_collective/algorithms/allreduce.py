@@ -17,10 +17,9 @@ Five algorithms, all for any number of ranks p and any length n (here in element
   messages on few ranks, where its single neighbour and pipelining win over log rounds.
 - **reduce-broadcast** — binomial reduce onto rank 0, then binomial broadcast from it:
   2·ceil(log2 p) rounds, n elements sent per rank, but only 2(p-1) messages in all against
-  p·log2(p) for recursive doubling. Meant for small messages on a node that holds more ranks
-  than cores, where every message costs a process wake-up on a shared core, so the count of
-  messages rather than the rounds may set the time. The selector does not pick it yet (no
-  clean measurement of the crossover); force it with ``RAY_COLLECTIVE_ALGORITHM``.
+  p·log2(p) for recursive doubling. Chosen for small messages when a node holds more ranks
+  than cores: there every message costs a process wake-up on a shared core, so the count of
+  messages rather than the rounds sets the time.
 - **hierarchical** (in ``hierarchical.py``, with the node-aware broadcast and reduce) —
   binomial reduce onto a leader per node, an allreduce between the leaders (the selector's
   choice for their count), binomial broadcast inside each node. Only leaders cross node

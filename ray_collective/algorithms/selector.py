@@ -5,6 +5,10 @@ The rules, and why:
 - several nodes (and some node with several ranks): the hierarchical variants of allreduce,
   broadcast and reduce, so that only one rank per node crosses nodes;
 - small messages are latency-bound: log-round algorithms (recursive doubling, Bruck, binomial);
+  but where a node runs more ranks than it has cores, every message costs a process wake-up
+  on a shared core, and allreduce goes by binomial reduce + broadcast (2(p-1) messages instead
+  of p·log2 p): measured on 2 cores at 8 B, 1.13× faster than recursive doubling at 8 ranks,
+  1.2× at 16, 1.45× at 64;
 - large messages are bandwidth-bound: ring on few ranks (one neighbour, 2(p-1)/p·n bytes),
   Rabenseifner / recursive halving+doubling on many ranks (same bytes, log rounds instead of
   2(p-1): a ring over hundreds of ranks pays hundreds of latencies);
@@ -59,12 +63,12 @@ def _is_power_of_two(p: int) -> bool:
     return p & (p - 1) == 0
 
 
-def _flat(collective: str, nbytes: int, world_size: int) -> str:
+def _flat(collective: str, nbytes: int, world_size: int, oversubscribed: bool = False) -> str:
     p = world_size
     small = nbytes < SMALL_MESSAGE_BYTES
     if collective == "allreduce":
         if small:
-            return "recursive_doubling"
+            return "reduce_broadcast" if oversubscribed and p > 2 else "recursive_doubling"
         return "ring" if p <= RING_MAX_RANKS else "rabenseifner"
     if collective == "broadcast":
         return "binomial" if small or p < 3 else "scatter_allgather"
@@ -84,7 +88,8 @@ def _flat(collective: str, nbytes: int, world_size: int) -> str:
 
 
 def select(collective: str, count: int, itemsize: int, world_size: int,
-           node_of: Optional[Sequence] = None, forced: Optional[str] = None) -> Algorithm:
+           node_of: Optional[Sequence] = None, forced: Optional[str] = None,
+           oversubscribed: bool = False) -> Algorithm:
     """The algorithm to run.
 
     Args:
@@ -94,6 +99,7 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
         world_size: ranks in the group.
         node_of: node id of every rank, or None for one node.
         forced: an algorithm name that overrides the rules (else the environment's, if any).
+        oversubscribed: some node runs more ranks than it has cores.
 
     Returns:
         The chosen :class:`Algorithm`.
@@ -108,7 +114,7 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
                 and collective in ("allreduce", "broadcast", "reduce")):
             name = "hierarchical"
         else:
-            name = _flat(collective, count * itemsize, world_size)
+            name = _flat(collective, count * itemsize, world_size, oversubscribed)
     algorithm = lookup(collective, name)
     if algorithm.power_of_two_only and not _is_power_of_two(world_size):
         raise ValueError(f"{collective} algorithm {name!r} needs a power-of-two number of ranks, "

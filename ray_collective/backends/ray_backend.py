@@ -135,6 +135,17 @@ class RayRelay(Relay):
                 pass  # that node's post office is gone, and its ranks with it
 
 
+def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
+    """Whether some node runs more ranks of the group than it has cores (the same answer on
+    every rank, since it comes from the shared membership)."""
+    ranks: Dict[str, int] = {}
+    cores: Dict[str, int] = {}
+    for member in members:
+        ranks[member.node] = ranks.get(member.node, 0) + 1
+        cores[member.node] = max(cores.get(member.node, 0), member.cores)
+    return any(ranks[node] > cores[node] for node in ranks)
+
+
 class RayMembership(TransportBackend):
     """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
 
@@ -142,7 +153,8 @@ class RayMembership(TransportBackend):
                  directory: str, members: Sequence[rendezvous.Member],
                  post_office: Optional[object]):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
-                         node_of=[m.node for m in members])
+                         node_of=[m.node for m in members],
+                         oversubscribed=_oversubscribed(members))
         self.token = token
         self.prefix = prefix
         self.directory = directory
@@ -223,7 +235,7 @@ class RayBackendFactory(BackendFactory):
                 os.unlink(path)
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
-        me = rendezvous.Member(rank, node, os.getpid())
+        me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)))
         try:
             token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
                                              listen_under, token)
@@ -278,7 +290,7 @@ def _remove_incarnation(group_name: str, token: str) -> None:
     job_id, _, session = _runtime()
     kv = rendezvous.KeyValue()
     prefix = rendezvous.group_prefix(job_id, group_name)
-    nodes = {key.rsplit("/", 2)[1] for key in kv.keys(f"{prefix}{token}/member/")}
+    nodes = {key.rsplit("/", 3)[1] for key in kv.keys(f"{prefix}{token}/member/")}
     for node in nodes:
         _shut_post_office(bytes.fromhex(token), node)
     rendezvous.close_incarnation(kv, prefix, token)

@@ -6,7 +6,8 @@ may use the same group name. One incarnation of a group is identified by a rando
 - ``<prefix>token`` holds the current token. Whoever opens an incarnation (rank 0 of an
   imperative group, or the driver of a declared one) first clears the prefix, so keys left by a
   crashed earlier incarnation cannot pose as members.
-- ``<prefix><token>/member/<rank>/<node id>/<pid>`` announces one member. Everything a peer needs
+- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>`` announces one member (``cores``:
+  the CPUs its process may run on). Everything a peer needs
   is in the key itself, so one ``list`` call reads the whole membership.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
@@ -61,6 +62,7 @@ class Member:
     rank: int
     node: str
     pid: int
+    cores: int = 1
 
 
 def group_prefix(job_id: str, group_name: str) -> str:
@@ -107,8 +109,8 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
         current = token or kv.get(prefix + "token")
         if current is not None and current != registered:
             on_token(current)
-            existed = kv.put(f"{prefix}{current}/member/{me.rank}/{me.node}/{me.pid}", "",
-                             overwrite=False)
+            existed = kv.put(f"{prefix}{current}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}",
+                             "", overwrite=False)
             others = [m for m in _members(kv, prefix, current) if m.rank == me.rank and m != me]
             if existed or others:
                 raise ValueError(f"group '{group_name}': rank {me.rank} has already joined from "
@@ -131,8 +133,8 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
 def _members(kv: KeyValue, prefix: str, token: str) -> List[Member]:
     found = []
     for key in kv.keys(f"{prefix}{token}/member/"):
-        rank, node, pid = key.rsplit("/", 3)[1:]
-        found.append(Member(int(rank), node, int(pid)))
+        rank, node, pid, cores = key.rsplit("/", 4)[1:]
+        found.append(Member(int(rank), node, int(pid), int(cores)))
     return found
 
 

@@ -43,14 +43,17 @@ class TransportBackend(CollectiveBackend):
         epoch: the group's incarnation; a re-created group with the same name gets a new one,
             so stale messages of the old one are recognised.
         node_of: node id of every rank, or None when all ranks share one node.
+        oversubscribed: some node runs more ranks than it has cores (the selector then
+            prefers algorithms with fewer messages).
     """
 
     def __init__(self, group_name: str, transport: Transport, epoch: int = 0,
-                 node_of: Optional[Sequence] = None):
+                 node_of: Optional[Sequence] = None, oversubscribed: bool = False):
         self.group_name = group_name
         self.transport = transport
         self.epoch = epoch
         self.node_of = node_map_or_none(node_of)
+        self.oversubscribed = oversubscribed
         self.rank = transport.rank
         self.world_size = transport.world_size
 
@@ -89,7 +92,7 @@ class TransportBackend(CollectiveBackend):
             dtype, count = reference.wire_dtype, reference.count
             itemsize = dtype.itemsize
         algorithm = select(collective.value, count, itemsize, p, self.node_of,
-                           forced=options.algorithm)
+                           forced=options.algorithm, oversubscribed=self.oversubscribed)
         combine = combiner(options.op, reference.dtype_name) if collective in _REDUCING else None
         ctx = Context(dtype, combine, node_of=self.node_of, choose=chooser(itemsize))
         team = Team.world(p, rank)
