@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .backends import resolve
 from .backends.base import BackendFactory, GroupCall
-from .errors import BackendNotAvailableError, UnsupportedOperationError
+from .errors import UnsupportedOperationError
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
 from .types import DEFAULT_TIMEOUT_S, Backend, CallOptions, Collective, ReduceOp

@@ -19,7 +19,6 @@ interval.
 
 from __future__ import annotations
 
-import os
 import select
 import time
 from collections import defaultdict, deque
