@@ -60,7 +60,7 @@ def test_forced_algorithm_must_exist_and_fit(monkeypatch):
 def test_oversubscribed_nodes_take_the_allreduce_with_fewest_messages():
     assert select("allreduce", 2, 4, 8, None, oversubscribed=True).name == "reduce_broadcast"
     assert select("allreduce", 2, 4, 8, None).name == "recursive_doubling"
-    assert select("allreduce", 2, 4, 2, None, oversubscribed=True).name == "recursive_doubling"
+    assert select("allreduce", 2, 4, 4, None, oversubscribed=True).name == "recursive_doubling"
     assert select("allreduce", 1 << 20, 4, 8, None, oversubscribed=True).name == "ring"
     assert select("broadcast", 2, 4, 8, None, oversubscribed=True).name == "binomial"
 
