@@ -110,6 +110,32 @@ class Request(ABC):
     done: bool
 
 
+class SendRequest(Request):
+    """A posted send; transports whose sends complete at once create it done."""
+
+    __slots__ = ("peer", "done")
+
+    def __init__(self, peer: int, done: bool = False):
+        self.peer = peer
+        self.done = done
+
+
+class RecvRequest(Request):
+    """A posted receive: where its message comes from (``key``) and what it must look like."""
+
+    __slots__ = ("peer", "done", "key", "header", "step", "out", "combine")
+
+    def __init__(self, peer: int, key: Hashable, header: CallHeader, step: int, out: np.ndarray,
+                 combine: Optional[Callable[[np.ndarray, np.ndarray], None]]):
+        self.peer = peer
+        self.done = False
+        self.key = key
+        self.header = header
+        self.step = step
+        self.out = out
+        self.combine = combine
+
+
 class Transport(ABC):
     """Moves flat buffers between the ranks of one group.
 

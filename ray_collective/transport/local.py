@@ -23,7 +23,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import GroupBrokenError
-from .base import CallHeader, Request, Transport, check_arrival
+from .base import CallHeader, RecvRequest, Request, SendRequest, Transport, check_arrival
 
 
 class _Message:
@@ -34,27 +34,6 @@ class _Message:
         self.step = step
         self.payload = payload
         self.count = count
-
-
-class _SendRequest(Request):
-    __slots__ = ("peer", "done")
-
-    def __init__(self, peer: int):
-        self.peer = peer
-        self.done = True
-
-
-class _RecvRequest(Request):
-    __slots__ = ("peer", "done", "key", "header", "step", "out", "combine")
-
-    def __init__(self, peer, key, header, step, out, combine):
-        self.peer = peer
-        self.done = False
-        self.key = key
-        self.header = header
-        self.step = step
-        self.out = out
-        self.combine = combine
 
 
 class LocalFabric:
@@ -139,12 +118,12 @@ class LocalTransport(Transport):
         if fabric.node_of is not None and fabric.node_of[peer] != fabric.node_of[self.rank]:
             fabric.inter_node_messages[self.rank] += 1
         fabric._post((self.rank, peer, channel), _Message(header, step, payload, len(data)))
-        return _SendRequest(peer)
+        return SendRequest(peer, done=True)
 
     def irecv(self, peer: int, channel: Hashable, header: CallHeader, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
-        return _RecvRequest(peer, (peer, self.rank, channel), header, step, out, combine)
+        return RecvRequest(peer, (peer, self.rank, channel), header, step, out, combine)
 
     def test(self, request: Request) -> bool:
         if request.done:

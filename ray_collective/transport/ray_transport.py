@@ -29,7 +29,8 @@ import numpy as np
 
 from ..errors import (GroupBrokenError, PeerDiedError, error_from_record, error_record)
 from . import uds
-from .base import COLLECTIVE_CHANNEL, CallHeader, Request, Transport, check_arrival
+from .base import (COLLECTIVE_CHANNEL, CallHeader, RecvRequest, Request, SendRequest, Transport,
+                   check_arrival)
 from .node_state import NodeState
 from .shm import PeerSegments, SendArena
 
@@ -83,27 +84,6 @@ def process_alive(pid: int) -> bool:
             return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-
-
-class _Send(Request):
-    __slots__ = ("peer", "done")
-
-    def __init__(self, peer: int, done: bool = False):
-        self.peer = peer
-        self.done = done
-
-
-class _Recv(Request):
-    __slots__ = ("peer", "done", "key", "header", "step", "out", "combine")
-
-    def __init__(self, peer, key, header, step, out, combine):
-        self.peer = peer
-        self.done = False
-        self.key = key
-        self.header = header
-        self.step = step
-        self.out = out
-        self.combine = combine
 
 
 class _Arrived:
@@ -176,7 +156,7 @@ class RayTransport(Transport):
         if self.peers[peer].node != self.node:
             return self._send_remote(peer, tag, packed, step, data)
         link = self._link_to(peer)
-        request = _Send(peer)
+        request = SendRequest(peer)
         if nbytes <= INLINE_LIMIT:
             frame = uds.DATA_FRAME.pack(uds.DATA, step, tag, len(data), nbytes, uds.INLINE, 0,
                                         len(packed))
@@ -191,7 +171,7 @@ class RayTransport(Transport):
         return request
 
     def _send_on(self, link: uds.Link, packet: bytes, fd: Optional[int] = None,
-                 request: Optional[_Send] = None) -> None:
+                 request: Optional[SendRequest] = None) -> None:
         link.send(packet, fd, request)
         if link.closed:
             self._drop_link(link)
@@ -207,7 +187,7 @@ class RayTransport(Transport):
             frame += data.tobytes()
         batch = self._remote_batches.setdefault(self.peers[peer].node, [])
         batch.append((self.rank, peer, frame, data.copy() if large else None))
-        return _Send(peer, done=True)
+        return SendRequest(peer, done=True)
 
     def _flush_remote(self) -> None:
         if self._remote_batches:
@@ -239,12 +219,12 @@ class RayTransport(Transport):
     def irecv(self, peer: int, channel: Hashable, header: CallHeader, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
-        return _Recv(peer, (peer, channel_tag(channel)), header, step, out, combine)
+        return RecvRequest(peer, (peer, channel_tag(channel)), header, step, out, combine)
 
     def test(self, request: Request) -> bool:
         if request.done:
             return True
-        if isinstance(request, _Send):
+        if isinstance(request, SendRequest):
             return False
         box = self._boxes.get(request.key)
         if not box:
