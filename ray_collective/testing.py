@@ -15,9 +15,11 @@ that uses collectives, and how this project tests its own API.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import api
+from .backends.base import BackendFactory
 from .backends.local import LocalBackendFactory
 from .group import GroupRegistry, use_registry
 from .transport.local import LocalFabric
@@ -35,33 +37,44 @@ class RanksFailed(Exception):
 
 def run_ranks(world_size: int, body: Callable[[int], Any], *, group_name: str = "default",
               timeout: float = 60.0, node_of: Optional[Sequence] = None,
-              return_exceptions: bool = False) -> List[Any]:
-    """Run ``body(rank)`` for every rank in its own thread, inside an initialized group.
+              return_exceptions: bool = False,
+              factory_of: Optional[Callable[[int], BackendFactory]] = None,
+              join_timeout: Optional[float] = None) -> List[Any]:
+    """Run ``body(rank)`` for every rank in its own thread (named ``rank-<rank>``), inside an
+    initialized group.
 
     Args:
         world_size: number of ranks.
         body: called with the rank once the group is joined; its return value is collected.
         group_name: the name the group is joined under.
-        timeout: the group's default call deadline in seconds; the threads are also joined
-            with this bound plus a margin, so a hang surfaces as an error, not a stuck test.
+        timeout: the group's default call deadline in seconds.
         node_of: an optional pretend rank→node map (exercises the node-aware algorithms).
         return_exceptions: put each rank's exception in the result list instead of raising.
+        factory_of: the backend factory each rank joins through; by default one in-process
+            fabric for all ranks.
+        join_timeout: seconds all threads may take together (default ``timeout`` + 30), so a
+            hang surfaces as an error, not a stuck test.
 
     Returns:
         ``body``'s return value per rank (or the exception it raised).
 
     Raises:
         RanksFailed: some rank raised (unless ``return_exceptions``).
-        TimeoutError: a rank thread did not finish within the join bound.
+        TimeoutError: a rank thread did not finish within ``join_timeout``.
     """
-    factory = LocalBackendFactory(LocalFabric(world_size, group_name), node_of)
+    if factory_of is None:
+        shared = LocalBackendFactory(LocalFabric(world_size, group_name), node_of)
+
+        def factory_of(rank: int) -> BackendFactory:
+            return shared
+    join_timeout = timeout + 30.0 if join_timeout is None else join_timeout
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
 
     def rank_main(rank: int) -> None:
         with use_registry(GroupRegistry()):
             try:
-                api.init_collective_group(world_size, rank, factory, group_name,
+                api.init_collective_group(world_size, rank, factory_of(rank), group_name,
                                           timeout=timeout)
                 try:
                     results[rank] = body(rank)
@@ -70,14 +83,17 @@ def run_ranks(world_size: int, body: Callable[[int], Any], *, group_name: str = 
             except BaseException as err:  # reported per rank to the caller
                 errors[rank] = err
 
-    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True,
-                                name=f"ray_collective-rank-{rank}") for rank in range(world_size)]
+    # Daemon threads: a hung rank fails the caller without keeping the interpreter alive.
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True, name=f"rank-{rank}")
+               for rank in range(world_size)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + join_timeout
     for thread in threads:
-        thread.join(timeout + 30.0)
-        if thread.is_alive():
-            raise TimeoutError(f"{thread.name} did not finish within {timeout + 30.0:g}s")
+        thread.join(max(0.0, deadline - time.monotonic()))
+    hung = [thread.name for thread in threads if thread.is_alive()]
+    if hung:
+        raise TimeoutError(f"{', '.join(hung)} did not finish within {join_timeout:g}s")
     if return_exceptions:
         return [errors[r] if errors[r] is not None else results[r] for r in range(world_size)]
     if any(err is not None for err in errors):
