@@ -34,6 +34,16 @@ def _check_timeout(timeout: Any, what: str = "timeout") -> float:
     return float(timeout)
 
 
+def _group_timeout(timeout: Any, gloo_timeout: Any) -> float:
+    """A group's default deadline in seconds: ``timeout``, else ``gloo_timeout`` (milliseconds,
+    as ``ray.util.collective`` takes it), else 1800 s; each checked when given."""
+    if gloo_timeout is not None:
+        _check_timeout(gloo_timeout, "gloo_timeout")
+    if timeout is not None:
+        return _check_timeout(timeout)
+    return DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
+
+
 def _check_rank(rank: Any, group: Group, what: str) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"{what} must be an int, not {type(rank).__name__}")
@@ -124,12 +134,9 @@ def init_collective_group(world_size: int, rank: int,
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
     _check_group_name(group_name)
-    if timeout is None:
-        timeout = (DEFAULT_TIMEOUT_S if gloo_timeout is None
-                   else _check_timeout(gloo_timeout, "gloo_timeout") / 1000.0)
+    timeout = _group_timeout(timeout, gloo_timeout)
     factory = resolve(backend)
-    current_registry().create(group_name, world_size, rank, factory,
-                              _check_timeout(timeout))
+    current_registry().create(group_name, world_size, rank, factory, timeout)
 
 
 def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = None,
@@ -175,16 +182,11 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         raise ValueError(f"ranks must be a permutation of 0..{world_size - 1}, one per actor, "
                          f"not {ranks!r}")
     _check_group_name(group_name)
-    if timeout is not None:
-        _check_timeout(timeout)
-    if gloo_timeout is not None:
-        _check_timeout(gloo_timeout, "gloo_timeout")
+    timeout = _group_timeout(timeout, gloo_timeout)
     strangers = [a for a in actors if not hasattr(a, "__ray_call__")]
     if strangers:
         raise TypeError(f"actors must be Ray actor handles (made with ActorClass.remote()), "
                         f"not {type(strangers[0]).__name__}: {strangers[0]!r}")
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
     factory = resolve(backend)
     current_registry().declare(group_name, lambda: factory.declare(actors, ranks, world_size,
                                                                    group_name, timeout))
