@@ -159,6 +159,7 @@ class RayMembership(TransportBackend):
         self.prefix = prefix
         self.directory = directory
         self.members = tuple(members)
+        # Held, never called: a post office lives as long as its creator holds a handle to it.
         self.post_office = post_office
 
     def close(self) -> None:
@@ -169,11 +170,9 @@ class RayMembership(TransportBackend):
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
         except FileNotFoundError:
             pass
-        kv = rendezvous.KeyValue()
-        everyone_left = rendezvous.leave(kv, self.prefix, self.token, self.rank,
-                                         self.world_size)
-        local = {m.rank for m in self.members if m.node == node}
-        if everyone_left or local <= set(rendezvous.departed(kv, self.prefix, self.token)):
+        gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
+                                self.world_size)
+        if {m.rank for m in self.members if m.node == node} <= gone:
             _shut_post_office(transport.group_key, node)
             shutil.rmtree(self.directory, ignore_errors=True)
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 from ..errors import CollectiveTimeoutError
 
@@ -138,22 +138,17 @@ def _members(kv: KeyValue, prefix: str, token: str) -> List[Member]:
     return found
 
 
-def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int) -> bool:
+def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int) -> Set[int]:
     """Mark ``rank`` as gone; the last member out deletes the incarnation's keys.
 
     Returns:
-        Whether every member has now left.
+        The ranks that have left so far, this one included.
     """
     kv.put(f"{prefix}{token}/left/{rank}")
-    if len(kv.keys(f"{prefix}{token}/left/")) < world_size:
-        return False
-    close_incarnation(kv, prefix, token)
-    return True
-
-
-def departed(kv: KeyValue, prefix: str, token: str) -> List[int]:
-    """The ranks that have left the incarnation."""
-    return [int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")]
+    gone = {int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")}
+    if len(gone) >= world_size:
+        close_incarnation(kv, prefix, token)
+    return gone
 
 
 def close_incarnation(kv: KeyValue, prefix: str, token: str) -> None:
