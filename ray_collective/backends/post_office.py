@@ -47,7 +47,7 @@ class PostOffice:
         self.group_key = group_key
         self.local_pids = dict(local_pids)
         self.timeout = timeout
-        self.state = NodeState(directory, world_size)
+        self.state = NodeState(directory, group_name, world_size)
         self.arena = SendArena(f"ray_collective-{group_name}-post-office")
         self.links: Dict[Tuple[int, int], uds.Link] = {}
 

@@ -246,7 +246,7 @@ class RayBackendFactory(BackendFactory):
         group_key = bytes.fromhex(token)
         peers = [Peer(m.node, m.pid, os.path.join(directory, f"{m.rank}.sock"))
                  for m in members]
-        state = NodeState(directory, world_size)
+        state = NodeState(directory, group_name, world_size)
         nodes = {m.node for m in members}
         relay, post_office = None, None
         if len(nodes) > 1:

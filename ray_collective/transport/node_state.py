@@ -25,11 +25,13 @@ class NodeState:
 
     Args:
         directory: the group's private directory on this node.
+        group_name: the group's name (errors).
         world_size: ranks in the group.
     """
 
-    def __init__(self, directory: str, world_size: int):
+    def __init__(self, directory: str, group_name: str, world_size: int):
         self.directory = directory
+        self.group_name = group_name
         self.world_size = world_size
         size = 8 * (_HEAD + world_size)
         fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -72,7 +74,7 @@ class NodeState:
             with open(os.path.join(self.directory, "abort.json")) as source:
                 return json.load(source)
         except (OSError, ValueError):
-            return {"group": os.path.basename(self.directory), "rank": flag - 1,
+            return {"group": self.group_name, "rank": flag - 1,
                     "kind": "unknown error", "message": "its description could not be read"}
 
     def close(self) -> None:
