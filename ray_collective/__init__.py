@@ -1,7 +1,9 @@
 """ray_collective: collective communication for Ray actors, a drop-in for ``ray.util.collective``.
 
 ``import ray_collective as col`` gives the same functions with the same arguments, plus
-``gather``, ``scatter``, ``alltoall``, ``ReduceOp.AVG``, ``async_op=``, ``timeout=`` and ``tag=``.
+``gather``, ``scatter``, ``alltoall``, ``ReduceOp.AVG``, ``async_op=``, ``timeout=`` and ``tag=``,
+the declarative ``*_refs`` collectives, and ``batch_remote`` / ``ActorPool`` for calling one
+method on many actors at once.
 Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
 """
 
@@ -12,12 +14,15 @@ from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, 
                   is_backend_available, is_group_initialized, nccl_available, recv, recv_multigpu,
                   reduce, reduce_multigpu, reducescatter, reducescatter_multigpu, scatter, send,
                   send_multigpu, synchronize)
+from .batch import BatchRemoteHandle, PerActor, batch_remote
 from .errors import (BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
                      GroupError, GroupNotInitializedError, PeerDiedError, RankFailedError,
-                     UnsupportedOperationError)
+                     TensorRefError, UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
+from .refs import (allgather_refs, allreduce_refs, broadcast_refs, reduce_refs,
+                   reducescatter_refs, send_ref)
 from .types import Backend, ReduceOp
 
 __version__ = "0.1.0"
@@ -36,4 +41,17 @@ __all__ = [
     "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
     "BackendNotAvailableError", "UnsupportedOperationError", "RankFailedError",
+    "TensorRefError",
+    "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",
+    "send_ref",
+    "batch_remote", "BatchRemoteHandle", "PerActor", "ActorPool",
 ]
+
+
+def __getattr__(name: str):
+    # ActorPool subclasses ray.util.ActorPool; importing it here would make every
+    # ``import ray_collective`` import Ray.
+    if name == "ActorPool":
+        from .actor_pool import ActorPool
+        return ActorPool
+    raise AttributeError(f"module 'ray_collective' has no attribute '{name}'")

@@ -178,6 +178,27 @@ class RankFailedError(CollectiveError):
                          f"{message}")
 
 
+class TensorRefError(CollectiveError):
+    """A member could not resolve the ObjectRef of its tensor in a declarative ``*_refs`` call.
+
+    Attributes:
+        group_name: the group.
+        rank: the member whose ref failed.
+        collective: the declarative call (``"allreduce_refs"``, ...).
+        detail: why (the producer's error, a timeout, a value that is not a tensor).
+    """
+
+    def __init__(self, group_name: str, rank: int, collective: str, detail: str):
+        self.group_name = group_name
+        self.rank = rank
+        self.collective = collective
+        self.detail = detail
+        super().__init__(
+            f"rank {rank} of group '{group_name}': {collective} could not get its tensor: "
+            f"{detail}. The group is broken (the other members fail fast with this error): "
+            f"destroy it and declare it again.")
+
+
 def error_record(group_name: str, rank: int, error: BaseException) -> dict:
     """A JSON-safe description of ``error`` raised on ``rank``, for telling the other ranks.
 

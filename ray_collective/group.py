@@ -173,6 +173,19 @@ class Group:
             self.backend.abort(err)
             raise
 
+    def fail(self, error: BaseException) -> None:
+        """Break the group with ``error`` raised outside a call, and tell the other members.
+
+        For a failure that keeps this rank from entering a call the others are waiting in
+        (a declarative call whose input could not be resolved): they fail fast with it instead
+        of waiting for their deadline.
+        """
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._broken = error
+        self.backend.abort(error)
+
     def destroy(self) -> None:
         """Finish queued calls, then release the backend membership."""
         with self._lock:

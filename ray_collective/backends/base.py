@@ -105,6 +105,8 @@ class DeclaredGroup(ABC):
 
     name: str
     actors: Tuple
+    members: Tuple
+    """The member actors in rank order: ``members[r]`` is rank r."""
 
     @abstractmethod
     def destroy(self, timeout: float) -> None:

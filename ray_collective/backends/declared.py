@@ -39,12 +39,16 @@ class ActorGroup(DeclaredGroup):
     Args:
         name: the group's name.
         actors: the member actors.
+        ranks: the rank of each actor.
         clean_up: removes what the backend keeps outside the members, after they left.
     """
 
-    def __init__(self, name: str, actors: Sequence, clean_up: Optional[Callable[[], None]]):
+    def __init__(self, name: str, actors: Sequence, ranks: Sequence[int],
+                 clean_up: Optional[Callable[[], None]]):
         self.name = name
         self.actors = tuple(actors)
+        self.members = tuple(actor for _, actor in sorted(zip(ranks, actors),
+                                                          key=lambda pair: pair[0]))
         self._clean_up = clean_up
 
     def destroy(self, timeout: float) -> None:
@@ -78,7 +82,7 @@ def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence
             that cannot run there); the members that did join leave again.
     """
     import ray
-    group = ActorGroup(group_name, actors, clean_up)
+    group = ActorGroup(group_name, actors, ranks, clean_up)
     refs = [actor.__ray_call__.remote(_join_in_actor, factory, group_name, world_size, rank,
                                       timeout) for actor, rank in zip(actors, ranks)]
     ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
