@@ -22,6 +22,7 @@ RDT transport) are submitted through the full path instead, actor by actor.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass, replace
@@ -78,12 +79,103 @@ class _CallOptions:
     enable_task_events: Optional[bool] = None
 
 
-@dataclass(frozen=True)
-class _Submission:
-    """How one actor class's method is submitted: the resolved options, or None for the full
-    path."""
+_DIRECT_PARAMETERS = ("language", "actor_id", "function_descriptor", "args", "name",
+                      "num_returns", "max_retries", "retry_exceptions",
+                      "retry_exception_allowlist", "num_method_cpus", "concurrency_group_name",
+                      "generator_backpressure_num_objects", "num_objects_per_yield",
+                      "enable_task_events", "tensor_transport", "labels")
+"""The parameters of Ray's ``CoreWorker.submit_actor_task`` this module knows how to fill (Ray
+2.60). With any other parameter list, every call takes the full ``.remote()`` path."""
 
-    method_kwargs: Optional[Mapping[str, Any]]
+_PER_ACTOR_POSITIONS = {name: _DIRECT_PARAMETERS.index(name) for name in (
+    "language", "actor_id", "function_descriptor", "args", "num_method_cpus")}
+
+
+@functools.lru_cache(maxsize=1)
+def _core_worker_speaks_direct_calls() -> bool:
+    """Whether the running Ray's ``submit_actor_task`` takes exactly ``_DIRECT_PARAMETERS``."""
+    from ray._raylet import CoreWorker
+    try:
+        parameters = list(inspect.signature(CoreWorker.submit_actor_task).parameters)
+    except (TypeError, ValueError):
+        return False
+    return tuple(parameters[1:]) == _DIRECT_PARAMETERS
+
+
+@dataclass(frozen=True)
+class _DirectCall:
+    """One actor class's method, resolved once for a batch: only the actor and the flattened
+    arguments remain to be filled in per call.
+
+    Attributes:
+        method_name: the method.
+        signature: the method's parameters, as Ray extracted them.
+        positional: ``submit_actor_task``'s arguments in order, the per-actor ones None.
+    """
+
+    method_name: str
+    signature: Sequence[Any]
+    positional: tuple
+
+    @staticmethod
+    def resolve(actor: Any, method: Any, method_name: str, options: _CallOptions
+                ) -> Optional["_DirectCall"]:
+        """Resolve the options of ``method`` as ``ActorMethod._remote`` does; None when the
+        call needs the full path (cross-language actor, tracing decorator, tensor transport,
+        a generator's streaming returns, or a Ray whose core worker takes other arguments)."""
+        num_returns = method._num_returns if options.num_returns is None \
+            else options.num_returns
+        if actor._ray_is_cross_language or getattr(method, "_decorator", None) is not None \
+                or getattr(method, "_tensor_transport", None) is not None \
+                or isinstance(num_returns, bool) or not isinstance(num_returns, int) \
+                or num_returns < 0 or not _core_worker_speaks_direct_calls():
+            return None
+        retries = method._max_task_retries if options.max_task_retries is None \
+            else options.max_task_retries
+        retry = method._retry_exceptions if options.retry_exceptions is None \
+            else options.retry_exceptions
+        allowlist = tuple(retry) if isinstance(retry, (list, tuple)) else None
+        backpressure = method._generator_backpressure_num_objects
+        events = method._enable_task_events if options.enable_task_events is None \
+            else options.enable_task_events
+        settings = {
+            "name": options.name,
+            "num_returns": num_returns,
+            "max_retries": retries or 0,
+            "retry_exceptions": allowlist is not None or bool(retry),
+            "retry_exception_allowlist": allowlist,
+            "concurrency_group_name": options.concurrency_group or b"",
+            "generator_backpressure_num_objects": -1 if backpressure is None else backpressure,
+            "num_objects_per_yield": getattr(method, "_num_objects_per_yield", None) or 1,
+            "enable_task_events": events,
+            "tensor_transport": None,
+            "labels": None,
+        }
+        return _DirectCall(method_name, actor._ray_method_signatures[method_name],
+                           tuple(settings.get(name) for name in _DIRECT_PARAMETERS))
+
+    def flatten(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list:
+        """The arguments in the flat form the core worker takes (Ray's own flattening)."""
+        if not args and not kwargs:
+            return []
+        from ray import actor as ray_actor
+        return ray_actor.signature.flatten_args(self.signature, args, kwargs)
+
+    def submit(self, actor: Any, flat_args: list) -> Any:
+        """Submit the call to ``actor``; returns what ``.remote()`` would (a ref, a list of
+        refs, or None)."""
+        import ray
+        values = list(self.positional)
+        values[_PER_ACTOR_POSITIONS["language"]] = actor._ray_actor_language
+        values[_PER_ACTOR_POSITIONS["actor_id"]] = actor._ray_actor_id
+        values[_PER_ACTOR_POSITIONS["function_descriptor"]] = \
+            actor._ray_function_descriptor[self.method_name]
+        values[_PER_ACTOR_POSITIONS["args"]] = flat_args
+        values[_PER_ACTOR_POSITIONS["num_method_cpus"]] = actor._ray_actor_method_cpus
+        refs = ray._private.worker.global_worker.core_worker.submit_actor_task(*values)
+        if len(refs) == 1:
+            return refs[0]
+        return None if not refs else refs
 
 
 class BatchRemoteHandle:
@@ -201,68 +293,47 @@ class BatchMethod:
                 :class:`PerActor` has not one value per actor (nothing is submitted).
         """
         per_actor = _per_actor_arguments(args, kwargs, len(self._actors))
-        submissions = self._plan(args, kwargs, per_actor)
+        plans = self._plan(args, kwargs, per_actor)
         shared_args = [_put_if_large(value) for value in args]
         shared_kwargs = {key: _put_if_large(value) for key, value in kwargs.items()}
+        flat_args: Dict[int, list] = {}
         refs = []
-        for index, actor in enumerate(self._actors):
+        for index, (actor, plan) in enumerate(zip(self._actors, plans)):
             call_args, call_kwargs = _with_actor_values(shared_args, shared_kwargs, per_actor,
                                                         index)
-            submission = submissions[_class_key(actor, self._method_name)]
-            if submission.method_kwargs is None:
+            if plan is None:
                 method = getattr(actor, self._method_name)
                 refs.append(method._remote(call_args, call_kwargs,
                                            **self._full_path_options()))
-            else:
-                refs.append(actor._actor_method_call(self._method_name, args=call_args,
-                                                     kwargs=call_kwargs,
-                                                     **submission.method_kwargs))
+                continue
+            if per_actor or id(plan) not in flat_args:
+                flat_args[id(plan)] = plan.flatten(call_args, call_kwargs)
+            refs.append(plan.submit(actor, flat_args[id(plan)]))
         return refs
 
     def _plan(self, args: Sequence[Any], kwargs: Mapping[str, Any],
-              per_actor: Mapping[Any, PerActor]) -> Dict[Hashable, _Submission]:
-        """Check the method and its arguments once per actor class; resolve the options."""
+              per_actor: Mapping[Any, PerActor]) -> List[Optional["_DirectCall"]]:
+        """Check the method and its arguments once per actor class, and resolve how each
+        actor's call is submitted: a direct call, or None for the full ``.remote()`` path."""
         sample_args, sample_kwargs = _with_actor_values(args, kwargs, per_actor, 0)
         rdt_refs = _has_transport_managed_refs(list(sample_args) + list(sample_kwargs.values()))
-        plans: Dict[Hashable, _Submission] = {}
+        by_class: Dict[Hashable, Optional[_DirectCall]] = {}
+        plans = []
         for actor in self._actors:
             key = _class_key(actor, self._method_name)
-            if key in plans:
-                continue
-            if self._method_name not in actor._ray_method_signatures:
-                methods = sorted(name for name in actor._ray_method_signatures
-                                 if not name.startswith("__"))
-                raise AttributeError(f"actor {actor!r} has no method '{self._method_name}' "
-                                     f"(its methods: {methods}); nothing was submitted")
-            method = getattr(actor, self._method_name)
-            _check_binds(method, self._method_name, sample_args, sample_kwargs)
-            plans[key] = _Submission(None if rdt_refs else self._resolved(method))
+            if key not in by_class:
+                if self._method_name not in actor._ray_method_signatures:
+                    methods = sorted(name for name in actor._ray_method_signatures
+                                     if not name.startswith("__"))
+                    raise AttributeError(f"actor {actor!r} has no method "
+                                         f"'{self._method_name}' (its methods: {methods}); "
+                                         f"nothing was submitted")
+                method = getattr(actor, self._method_name)
+                _check_binds(method, self._method_name, sample_args, sample_kwargs)
+                by_class[key] = None if rdt_refs else _DirectCall.resolve(
+                    actor, method, self._method_name, self._options)
+            plans.append(by_class[key])
         return plans
-
-    def _resolved(self, method: Any) -> Optional[Mapping[str, Any]]:
-        """The keyword arguments of ``_actor_method_call`` for this method, as ``ActorMethod``
-        resolves them; None when the method needs the full path."""
-        if getattr(method, "_decorator", None) is not None \
-                or getattr(method, "_tensor_transport", None) is not None:
-            return None
-        options = self._options
-        retry_exceptions = (method._retry_exceptions if options.retry_exceptions is None
-                            else options.retry_exceptions)
-        max_task_retries = (method._max_task_retries if options.max_task_retries is None
-                            else options.max_task_retries)
-        backpressure = method._generator_backpressure_num_objects
-        return {
-            "name": options.name,
-            "num_returns": (method._num_returns if options.num_returns is None
-                            else options.num_returns),
-            "max_task_retries": 0 if max_task_retries is None else max_task_retries,
-            "retry_exceptions": retry_exceptions,
-            "concurrency_group_name": options.concurrency_group,
-            "generator_backpressure_num_objects": -1 if backpressure is None else backpressure,
-            "enable_task_events": (method._enable_task_events
-                                   if options.enable_task_events is None
-                                   else options.enable_task_events),
-        }
 
     def _full_path_options(self) -> Dict[str, Any]:
         options = self._options

@@ -191,3 +191,33 @@ def test_actor_pool_keeps_its_api_and_batches_over_all_its_actors(ray_session, r
     assert isinstance(pool, col.ActorPool)
     from ray.util import ActorPool as RayActorPool
     assert isinstance(pool, RayActorPool)
+
+
+def test_direct_submission_is_used_on_this_ray_and_matches_the_full_path(ray_session,
+                                                                          recorders):
+    ray = ray_session
+    assert batch_module._core_worker_speaks_direct_calls(), \
+        "Ray's submit_actor_task changed: batch_remote fell back to the full .remote() path"
+    plans = col.batch_remote(recorders).echo._plan((1,), {}, {})
+    assert all(plan is not None for plan in plans)
+    direct = ray.get(col.batch_remote(recorders).echo.remote(3, scale=2))
+    loop = ray.get([a.echo.remote(3, scale=2) for a in recorders])
+    assert direct == loop
+
+
+def test_benchmark_runs_every_table_on_a_tiny_sweep(ray_session):
+    from benchmarks import batch_remote as bench
+    options = bench.Options(sizes=(10, 200 * 1024), size_table_actors=2, actor_counts=(2,),
+                            count_table_size=200 * 1024, object_ref_size=1024, repeats=2)
+    rows = bench.run(ray_session, options)
+    assert [(r.table, r.actors, r.size) for r in rows] == [
+        ("size", 2, 10), ("size", 2, 200 * 1024), ("actors", 2, 200 * 1024),
+        ("no_args", 2, 0), ("object_ref", 2, 1024)]
+    for row in rows:
+        assert row.repeats == 2
+        assert row.foreach_submit_ms["p50"] > 0 and row.batch_submit_ms["p50"] > 0
+        assert row.done_speedup > 0 and row.submit_speedup > 0
+    table = bench.format_tables(rows)
+    assert "Argument size sweep" in table and "| 2 | 200 KiB |" in table
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--sizes", "0"])
