@@ -10,14 +10,15 @@ A :class:`BatchRemoteHandle` does the per-call work once per batch:
 - every argument larger than the inline limit is put into the object store once, and the same
   ObjectRef goes to every actor (Ray resolves a top-level ObjectRef argument before the method
   runs, so the actors still receive values, as with a normal call);
-- each actor's task is then submitted straight through the handle's submission routine, with the
-  options resolved once.
+- the options are resolved and the arguments flattened once, and each actor's task goes straight
+  to Ray's core worker (``submit_actor_task``, the routine ``.remote()`` ends in).
 
-Ray has no public batch-submission call (the proposal this module follows adds one to Ray's
-C++ core worker). This module reaches one level below ``ActorMethod.remote``, into
-``ActorHandle._actor_method_call``, the routine every actor call ends in; methods that need the
-extra steps of the full path (a tracing decorator, a tensor transport, tensors passed by the
-RDT transport) are submitted through the full path instead, actor by actor.
+Ray has no public batch-submission call (the proposal this module follows adds one to Ray's C++
+core worker), so the last step reaches below ``ActorMethod.remote``. It is taken only when the
+running Ray's ``submit_actor_task`` has exactly the parameters this module fills; otherwise, and
+for calls that need the extra steps of the full path (a cross-language actor, a tracing
+decorator, a tensor transport, streaming returns, tensors moved by the RDT transport), each
+actor's call goes through ``.remote()``'s own path, keeping the single validation and put.
 """
 
 from __future__ import annotations
