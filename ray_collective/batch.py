@@ -409,18 +409,32 @@ def _put_if_large(value: Any) -> Any:
 
 
 def _serialized_size(value: Any) -> int:
-    """Bytes Ray's serializer makes of ``value`` (buffers are measured without serializing)."""
-    if isinstance(value, np.ndarray):
-        return value.nbytes
-    if isinstance(value, (bytes, bytearray)):
-        return len(value)
-    if isinstance(value, memoryview):
-        return value.nbytes
+    """Bytes Ray's serializer makes of ``value``.
+
+    A buffer far from the inline limit is judged by its length alone; anything else is
+    serialized once to be measured, since Ray's metadata decides an array whose data is just
+    under the limit (a 100 KiB numpy array serializes to a little more than 100 KiB).
+    """
     if isinstance(value, (int, float, bool, complex)):
         return 0
+    length = _buffer_length(value)
+    limit = inline_limit_bytes()
+    if length is not None and not limit // 2 <= length <= 2 * limit:
+        return length
     import ray
     context = ray._private.worker.global_worker.get_serialization_context()
     try:
         return context.serialize(value).total_bytes
     finally:
         context.get_and_clear_contained_object_refs()
+
+
+def _buffer_length(value: Any) -> Optional[int]:
+    """The data length of a numpy array or a bytes-like object, else None."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    return None
