@@ -78,6 +78,9 @@ def test_large_argument_is_put_once_and_actors_receive_the_value(ray_session, re
     puts.clear()
     results = ray.get(col.batch_remote(recorders).echo.remote(value=small))
     assert puts == []
+    at_limit = np.zeros(batch_module.inline_limit_bytes(), dtype=np.uint8)  # + Ray's metadata
+    ray.get(col.batch_remote(recorders).echo.remote(at_limit))
+    assert len(puts) == 1 and puts[0] is at_limit
     assert [r[2] for r in results] == [16.0] * 4
 
 
