@@ -1,11 +1,15 @@
 """Benchmarks of ray_collective against the libraries a user would pick instead.
 
-``python -m benchmarks`` times collectives on Ray actors over this library and its peers in one
-run, interleaved, and prints latency and nccl-tests bandwidths side by side (see README.md).
+``python -m benchmarks`` times collectives on Ray actors over this library and its peers (Gloo
+through ``ray.util.collective``, plain Ray with a central actor, mpi4py under ``mpiexec``) in
+one run, interleaved, and prints latency, nccl-tests bandwidths, processes and memory side by
+side (see README.md); ``make bench`` reruns the README's results page.
 
 Modules: ``cli`` (the command line), ``harness`` (actors, interleaved sweep, rows),
-``worker`` (the rank actor that times calls), ``peers`` (one class per library),
+``worker`` (the rank that times calls), ``peers`` (one class per library), ``plain_ray`` (the
+plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and its channel),
 ``collectives`` (sizes and bus factors), ``stats`` (percentiles, bandwidths), ``report``
-(table and JSON). ``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call cost
-against raw ``cupy.cuda.nccl``, one GPU per rank, without Ray.
+(table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the README's tables).
+``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call cost against raw
+``cupy.cuda.nccl``, one GPU per rank, without Ray.
 """

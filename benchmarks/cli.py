@@ -12,9 +12,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .collectives import COLLECTIVES
-from .harness import SweepOptions, run_sweep
+from .harness import SweepOptions, count_points, run_sweep
 from .peers import PEERS
-from .report import format_progress, format_table, to_json
+from .report import ProgressBar, format_progress, format_table, to_json
+
+DEFAULT_BACKENDS = ("ray", "gloo", "ray-plain", "mpi4py")
+"""Every CPU backend, this library first."""
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_MULTIPLIERS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -96,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         type=_comma_list(_choice(tuple(COLLECTIVES))), default=("allreduce",),
                         help=f"collectives, of: {','.join(COLLECTIVES)} (default: allreduce)")
     parser.add_argument("--backends", type=_comma_list(_choice(tuple(PEERS))),
-                        default=("ray", "gloo"),
-                        help="ray: this library; gloo: ray.util.collective with "
-                             "torch.distributed Gloo (default: ray,gloo)")
+                        default=DEFAULT_BACKENDS,
+                        help="in table order, of: ray (this library), gloo "
+                             "(ray.util.collective with torch.distributed Gloo), ray-plain "
+                             "(ray.put/ray.get and one central actor), mpi4py (MPICH under "
+                             f"mpiexec) (default: {','.join(DEFAULT_BACKENDS)})")
     parser.add_argument("--world-size", dest="world_sizes", type=_comma_list(_positive_int),
                         default=(2, 4, 8), help="ranks, one actor each (default: 2,4,8)")
     parser.add_argument("--bytes", dest="sizes", type=_comma_list(parse_size),
@@ -118,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blocks", type=_positive_int, default=4,
                         help="interleaved blocks the timed iterations are split into "
                              "(default: 4)")
-    parser.add_argument("--baseline", default="gloo",
-                        help="backend the speed-up is relative to, or 'none' (default: gloo)")
+    parser.add_argument("--baseline", default=None,
+                        help="backend the speed-up (baseline p50 / backend p50) is relative "
+                             "to, or 'none' (default: the first of --backends)")
     parser.add_argument("--timeout", dest="timeout_s", type=float, default=300.0,
                         help="seconds any one step may take: actor start, group setup, one "
                              "block; also the libraries' per-call deadline (default: 300)")
@@ -127,8 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="use this running Ray cluster instead of starting a local one")
     parser.add_argument("--json", dest="json_path", type=pathlib.Path, default=None,
                         help="write every row and the run's metadata to this file")
+    parser.add_argument("--plots", dest="plots_path", type=pathlib.Path, default=None,
+                        help="write PNG plots (latency and bus bandwidth against size, time "
+                             "against world size) into this directory")
     parser.add_argument("--quiet", action="store_true",
-                        help="no progress line per point on stderr")
+                        help="no progress bar on stderr")
     return parser
 
 
@@ -143,7 +152,10 @@ def options_from_arguments(arguments: argparse.Namespace,
     Returns:
         The options.
     """
-    baseline = None if arguments.baseline.lower() == "none" else arguments.baseline
+    if arguments.baseline is None:
+        baseline = arguments.backends[0]
+    else:
+        baseline = None if arguments.baseline.lower() == "none" else arguments.baseline
     if baseline is not None and baseline not in arguments.backends:
         parser.error(f"--baseline {baseline} is not among --backends "
                      f"{','.join(arguments.backends)} (or give --baseline none)")
@@ -171,9 +183,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     arguments = parser.parse_args(argv)
     options = options_from_arguments(arguments, parser)
 
+    bar = ProgressBar(count_points(options), sys.stderr)
+
     def progress(rows) -> None:
         if not arguments.quiet:
-            print(format_progress(rows), file=sys.stderr, flush=True)
+            bar.advance(format_progress(rows))
 
     result = run_sweep(options, command=shlex.join(["python", "-m", "benchmarks", *argv]),
                        on_rows=progress)
@@ -184,4 +198,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         arguments.json_path.parent.mkdir(parents=True, exist_ok=True)
         arguments.json_path.write_text(to_json(result) + "\n")
         print(f"wrote {arguments.json_path}")
+    if arguments.plots_path is not None:
+        from dataclasses import asdict
+
+        from .plots import write_plots
+        written = write_plots([asdict(row) for row in result.rows], arguments.plots_path)
+        print(f"wrote {len(written)} plots into {arguments.plots_path}")
     return 0

@@ -2,7 +2,8 @@
 
 Sizes follow nccl-tests (its ``PERFORMANCE.md``): the size of a row is the full message of the
 collective — the tensor for allreduce, reduce and broadcast; the gathered output of allgather;
-the whole input list of reducescatter — so that algorithm bandwidth is ``size / time`` and bus
+the whole input list of reducescatter and scatter, the gathered output of gather, one rank's
+whole input list of alltoall, the tensor of a send/recv round trip — so that algorithm bandwidth is ``size / time`` and bus
 bandwidth, ``algbw`` times the collective's factor, is comparable across collectives and rank
 counts. A size that does not split into whole elements per rank is rounded down (at least one
 element per rank), and the row reports the size actually moved.
@@ -30,6 +31,11 @@ def _rooted_factor(world_size: int) -> float:
     return 1.0
 
 
+def _round_trip_factor(world_size: int) -> float:
+    """A send/recv round trip between ranks 0 and 1: nccl-tests' sendrecv factor, 1."""
+    return 1.0
+
+
 def _no_payload_factor(world_size: int) -> float:
     """A barrier carries no payload; its bandwidths are reported as zero."""
     return 0.0
@@ -44,12 +50,15 @@ class CollectiveSpec:
         bus_factor: ``busbw / algbw`` for a world size (nccl-tests definitions).
         partitioned: True when the size is split across ranks: each rank holds ``size / n``
             (allgather's input, reducescatter's output) and a list of ``n`` such parts.
+        list_count: how many lists of ``n`` parts a rank holds (alltoall: an input and an
+            output list); only for partitioned collectives.
         has_payload: False for barrier, which moves no tensor (its size is always 0).
     """
 
     name: str
     bus_factor: Callable[[int], float]
     partitioned: bool = False
+    list_count: int = 1
     has_payload: bool = True
 
 
@@ -60,6 +69,10 @@ COLLECTIVES: Mapping[str, CollectiveSpec] = types.MappingProxyType({
         CollectiveSpec("broadcast", _rooted_factor),
         CollectiveSpec("allgather", _partitioned_factor, partitioned=True),
         CollectiveSpec("reducescatter", _partitioned_factor, partitioned=True),
+        CollectiveSpec("gather", _partitioned_factor, partitioned=True),
+        CollectiveSpec("scatter", _partitioned_factor, partitioned=True),
+        CollectiveSpec("alltoall", _partitioned_factor, partitioned=True, list_count=2),
+        CollectiveSpec("sendrecv", _round_trip_factor),
         CollectiveSpec("barrier", _no_payload_factor, has_payload=False),
     )
 })
@@ -72,13 +85,15 @@ class MessageLayout:
 
     Attributes:
         elements_per_tensor: length of the single tensor (the part, for partitioned ones).
-        list_length: how many parts the tensor list holds (0: the collective takes no list).
+        list_length: how many parts each tensor list holds (0: the collective takes no list).
         nbytes: the size the row reports: what the collective moves, nccl-tests style.
+        list_count: how many such lists a rank holds (alltoall: input and output).
     """
 
     elements_per_tensor: int
     list_length: int
     nbytes: int
+    list_count: int = 0
 
 
 def message_layout(collective: str, requested_bytes: int, world_size: int,
@@ -108,6 +123,6 @@ def message_layout(collective: str, requested_bytes: int, world_size: int,
     if spec.partitioned:
         part = max(1, requested_bytes // (world_size * itemsize))
         return MessageLayout(elements_per_tensor=part, list_length=world_size,
-                             nbytes=part * world_size * itemsize)
+                             nbytes=part * world_size * itemsize, list_count=spec.list_count)
     count = max(1, requested_bytes // itemsize)
     return MessageLayout(elements_per_tensor=count, list_length=0, nbytes=count * itemsize)

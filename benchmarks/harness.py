@@ -1,7 +1,9 @@
 """The sweep: actors per world size, a group per backend, interleaved blocks, one row per point.
 
 For each world size the harness starts that many rank actors (``num_cpus=0``) and forms one
-group per backend inside them, so every backend runs in the same processes. For each
+group per backend inside them, so every in-actor backend runs in the same processes; the
+``mpi4py`` peer runs in an ``mpiexec`` job of its own (``mpi_job``), driven through the same
+``call`` interface, and ``ray-plain`` gets its central actor from the harness. For each
 (collective, size) it splits the timed iterations into blocks and alternates the backends
 block by block, reversing the order every other block (A B, B A, A B, ...), so that drift of
 a shared machine — other load, frequency, memory pressure — falls on every backend alike.
@@ -24,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .collectives import COLLECTIVES, message_layout
+from .peers import PEERS
 from .stats import (IterationCounts, algorithm_bandwidth, bus_bandwidth,
                     default_iteration_counts, iteration_latencies, percentiles, speedup)
 from .worker import BlockSpec, RankWorker
@@ -61,7 +64,8 @@ class SweepOptions:
             (``stats.default_iteration_counts``).
         warmup: untimed iterations per point and backend; None: from the size.
         blocks: how many interleaved blocks the timed iterations are split into.
-        baseline: the backend the speed-up is relative to (None: no speed-up column).
+        baseline: the backend the speed-up is relative to (None: no speed-up column; the CLI
+            defaults to the first of ``backends``).
         timeout_s: deadline of each step (actor start, group setup, one block), and the
             libraries' own per-call deadline.
         ray_address: a running Ray cluster to use; None starts a local one.
@@ -75,7 +79,7 @@ class SweepOptions:
     iterations: Optional[int] = None
     warmup: Optional[int] = None
     blocks: int = 4
-    baseline: Optional[str] = "gloo"
+    baseline: Optional[str] = None
     timeout_s: float = 300.0
     ray_address: Optional[str] = None
 
@@ -113,6 +117,15 @@ class Row:
             there is no baseline or either row failed.
         baseline: the backend ``speedup`` compares with.
         error: why the row has no numbers, or None.
+        note: why the row was not measured although nothing failed (a collective the
+            backend does not offer), or None.
+        peak_rss_bytes: the largest peak resident memory of a process that ran a rank of
+            this backend, by the end of this point (in-actor backends share the rank actors,
+            so theirs is the actor's peak whatever backend caused it).
+        setup_rss_bytes: the most a rank's resident memory grew while joining this backend's
+            group (torch's import, for ``gloo``).
+        processes: processes the backend started beyond the rank actors (a helper actor,
+            ``mpiexec``'s job), counted after its group was formed.
     """
 
     collective: str
@@ -131,6 +144,25 @@ class Row:
     speedup: Optional[float] = None
     baseline: Optional[str] = None
     error: Optional[str] = None
+    note: Optional[str] = None
+    peak_rss_bytes: Optional[int] = None
+    setup_rss_bytes: Optional[int] = None
+    processes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one backend costs the machine at one world size.
+
+    Attributes:
+        processes: processes it started beyond the rank actors.
+        setup_rss_bytes: the largest growth of a rank's resident memory while joining.
+        peak_rss_bytes: the largest peak resident memory of its rank processes so far.
+    """
+
+    processes: Optional[int] = None
+    setup_rss_bytes: Optional[int] = None
+    peak_rss_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +218,29 @@ def _ranks_phrase(ranks: Sequence[int]) -> str:
     return "ranks " + ",".join(map(str, ranks))
 
 
+def summarize_failures(late: Sequence[int], ranks_by_failure: Dict[str, List[int]], method: str,
+                       timeout_s: float) -> str:
+    """One error text for a call some ranks failed or did not finish, at most a few causes.
+
+    Args:
+        late: the ranks that did not answer in time.
+        ranks_by_failure: each distinct failure and the ranks that reported it.
+        method: the call.
+        timeout_s: its deadline.
+
+    Returns:
+        The text.
+    """
+    failures = [f"{_ranks_phrase(late)} did not finish {method} within {timeout_s:g} s"
+                ] if late else []
+    failures.extend(f"{_ranks_phrase(ranks)}: {failure}"
+                    for failure, ranks in ranks_by_failure.items())
+    shown = failures[:MAX_FAILURES_SHOWN]
+    if len(failures) > len(shown):
+        shown.append(f"and {len(failures) - len(shown)} more failures")
+    return "; ".join(shown)
+
+
 def split_iterations(iterations: int, blocks: int) -> List[int]:
     """Split ``iterations`` into at most ``blocks`` near-equal positive parts.
 
@@ -220,8 +275,9 @@ def block_order(backends: Sequence[str], block_index: int) -> List[str]:
 
 
 def summarize_point(options: SweepOptions, collective: str, world_size: int, requested_bytes: int,
-                    durations: Dict[str, List[List[float]]],
-                    errors: Dict[str, str]) -> List[Row]:
+                    durations: Dict[str, List[List[float]]], errors: Dict[str, str],
+                    notes: Optional[Dict[str, str]] = None,
+                    footprints: Optional[Dict[str, Footprint]] = None) -> List[Row]:
     """The rows of one (collective, world size, size) point, one per backend.
 
     Args:
@@ -232,6 +288,8 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
         durations: per backend that ran, for each rank, its seconds per timed iteration
             (all blocks concatenated, in the same order on every rank).
         errors: per backend that failed, why.
+        notes: per backend that did not run the point by design, why.
+        footprints: per backend, its processes and memory.
 
     Returns:
         A row per backend of ``options.backends``, in that order, with the speed-up filled in.
@@ -240,9 +298,17 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
                             np.dtype(options.dtype).itemsize).nbytes
     factor = COLLECTIVES[collective].bus_factor(world_size)
     rows = {}
+    notes = notes or {}
+    footprints = footprints or {}
     for backend in options.backends:
+        footprint = footprints.get(backend, Footprint())
         common = dict(collective=collective, world_size=world_size, nbytes=nbytes,
-                      dtype=options.dtype, backend=backend)
+                      dtype=options.dtype, backend=backend, processes=footprint.processes,
+                      setup_rss_bytes=footprint.setup_rss_bytes,
+                      peak_rss_bytes=footprint.peak_rss_bytes)
+        if backend in notes:
+            rows[backend] = Row(**common, note=notes[backend])
+            continue
         if backend in errors or backend not in durations:
             rows[backend] = Row(**common, error=errors.get(backend, "did not run"))
             continue
@@ -304,15 +370,8 @@ class RankPool:
                 except Exception as exc:  # a rank's failure becomes the row's error
                     ranks_by_failure.setdefault(describe_exception(exc), []).append(rank)
         late = [rank for rank, ref in enumerate(refs) if ref not in finished]
-        failures = [f"{_ranks_phrase(late)} did not finish {method} within {timeout_s:g} s"
-                    ] if late else []
-        failures.extend(f"{_ranks_phrase(ranks)}: {failure}"
-                        for failure, ranks in ranks_by_failure.items())
-        shown = failures[:MAX_FAILURES_SHOWN]
-        if len(failures) > len(shown):
-            shown.append(f"and {len(failures) - len(shown)} more failures")
-        return CallOutcome(results=tuple(results), error="; ".join(shown) or None,
-                           stuck=bool(late))
+        error = summarize_failures(late, ranks_by_failure, method, timeout_s)
+        return CallOutcome(results=tuple(results), error=error or None, stuck=bool(late))
 
     def kill(self) -> None:
         """Kill every actor of the pool (without restart); safe to call twice."""
@@ -320,6 +379,39 @@ class RankPool:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
+
+
+def unsupported_reason(backend: str, collective: str, world_size: int) -> Optional[str]:
+    """Why ``backend`` does not run ``collective`` at ``world_size``, or None if it does.
+
+    Args:
+        backend: a name of ``peers.PEERS``.
+        collective: a name of ``collectives.COLLECTIVES``.
+        world_size: number of ranks.
+
+    Returns:
+        The row's note, or None.
+    """
+    if collective in PEERS[backend].unsupported:
+        return f"not supported by this backend ({backend} has no {collective})"
+    if collective == "sendrecv" and world_size < 2:
+        return "a send/recv round trip needs 2 ranks"
+    return None
+
+
+def alive_actor_count() -> int:
+    """How many actors of this job are alive, from the GCS's actor table.
+
+    Ray's public state API needs the dashboard, which the harness does not start; the actor
+    table is what it reads. Each actor is one process.
+
+    Returns:
+        The count.
+    """
+    import ray
+    from ray._private import state
+    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    return len(state.actors(job_id=job_id, actor_state_name="ALIVE"))
 
 
 class WorldSession:
@@ -338,6 +430,9 @@ class WorldSession:
         self._failed: Dict[str, str] = {}
         self._generation = 0
         self._pool: Optional[RankPool] = None
+        self._mpi_job = None
+        self._hubs: Dict[str, object] = {}
+        self._footprints: Dict[str, Footprint] = {}
         self.backend_info: Dict[str, dict] = {}
 
     def start(self) -> None:
@@ -353,15 +448,16 @@ class WorldSession:
                 self._setup(backend)
 
     def close(self) -> None:
-        """Leave every group (errors become notes) and kill the actors."""
+        """Leave every group (errors become notes), stop the helpers and kill the actors."""
         if self._pool is None:
             return
         for backend in self._live_backends():
-            outcome = self._pool.call("teardown", backend,
-                                      timeout_s=min(TEARDOWN_TIMEOUT_S, self._options.timeout_s))
+            outcome = self._runner(backend).call(
+                "teardown", backend, timeout_s=min(TEARDOWN_TIMEOUT_S, self._options.timeout_s))
             if outcome.error:
                 self._notes.append(f"{backend} teardown at world size {self._world_size}: "
                                    f"{outcome.error}")
+        self._stop_helpers()
         self._pool.kill()
         self._pool = None
 
@@ -381,49 +477,109 @@ class WorldSession:
         counts = self._options.counts(requested_bytes)
         durations: Dict[str, List[List[float]]] = {}
         errors: Dict[str, str] = {}
+        notes = {backend: reason for backend in self._options.backends
+                 if (reason := unsupported_reason(backend, collective, self._world_size))}
         blocks = split_iterations(counts.iterations, self._options.blocks)
         for index, iterations in enumerate(blocks):
-            running = [backend for backend in self._live_backends() if backend not in errors]
+            running = [backend for backend in self._live_backends()
+                       if backend not in errors and backend not in notes]
             for backend in block_order(running, index):
                 block = BlockSpec(collective=collective, requested_bytes=requested_bytes,
                                   dtype=self._options.dtype, iterations=iterations,
                                   warmup=counts.warmup if index == 0 else REWARM_ITERATIONS)
-                outcome = self._pool.call("time_block", backend, block,
-                                          timeout_s=self._options.timeout_s + GRACE_S)
+                outcome = self._runner(backend).call(
+                    "time_block", backend, block, timeout_s=self._options.timeout_s + GRACE_S)
                 if outcome.error:
                     errors[backend] = outcome.error
                     if outcome.stuck:
                         self._replace_pool(backend, outcome.error)
                     continue
                 per_rank = durations.setdefault(backend, [[] for _ in outcome.results])
-                for rank_durations, new in zip(per_rank, outcome.results):
-                    rank_durations.extend(new)
+                for rank_durations, answer in zip(per_rank, outcome.results):
+                    rank_durations.extend(answer["durations"])
+                self._record_peak(backend, max(answer["peak_rss_bytes"]
+                                               for answer in outcome.results))
         errors.update({backend: reason for backend, reason in self._failed.items()
                        if backend not in errors})
         return summarize_point(self._options, collective, self._world_size, requested_bytes,
                                {backend: values for backend, values in durations.items()
-                                if backend not in errors}, errors)
+                                if backend not in errors}, errors, notes, self._footprints)
+
+    def _record_peak(self, backend: str, peak_rss_bytes: int) -> None:
+        footprint = self._footprints.get(backend, Footprint())
+        self._footprints[backend] = replace(
+            footprint, peak_rss_bytes=max(peak_rss_bytes, footprint.peak_rss_bytes or 0))
 
     def _live_backends(self) -> List[str]:
         return [backend for backend in self._options.backends if backend not in self._failed]
 
+    def _runner(self, backend: str):
+        """Where ``backend``'s ranks run: the ``mpiexec`` job or the rank actors."""
+        return self._mpi_job if PEERS[backend].runs_in_mpiexec else self._pool
+
     def _setup(self, backend: str) -> None:
+        from .mpi_job import MpiJob
+        from .plain_ray import PlainRayHub
+        peer_class = PEERS[backend]
         group_name = f"bench-{backend}-w{self._world_size}-g{self._generation}"
-        outcome = self._pool.call("setup", backend, group_name, self._options.timeout_s,
-                                  timeout_s=self._options.timeout_s + GRACE_S)
+        actors_before = alive_actor_count()
+        hub = None
+        try:
+            if peer_class.runs_in_mpiexec:
+                self._stop_mpi_job()
+                self._mpi_job = MpiJob(self._world_size, self._options.timeout_s)
+            if peer_class.needs_hub:
+                import ray
+                hub = ray.remote(PlainRayHub).options(num_cpus=0).remote(
+                    self._world_size, self._options.timeout_s)
+                self._hubs[backend] = hub
+        except Exception as exc:  # a backend that cannot start fails its rows, not the sweep
+            self._failed[backend] = f"could not start: {describe_exception(exc)}"
+            return
+        outcome = self._runner(backend).call("setup", backend, group_name,
+                                             self._options.timeout_s, hub,
+                                             timeout_s=self._options.timeout_s + GRACE_S)
         if outcome.error:
             self._failed[backend] = f"group setup failed: {outcome.error}"
             if outcome.stuck:
                 self._replace_pool(backend, outcome.error)
             return
-        self.backend_info[backend] = outcome.results[0]
+        processes = (self._mpi_job.process_count() if peer_class.runs_in_mpiexec
+                     else alive_actor_count() - actors_before)
+        self._footprints[backend] = Footprint(
+            processes=processes,
+            setup_rss_bytes=max(answer["rss_added_bytes"] for answer in outcome.results))
+        self.backend_info[backend] = outcome.results[0]["info"]
+
+    def _stop_mpi_job(self) -> None:
+        if self._mpi_job is not None:
+            self._mpi_job.kill()
+            self._mpi_job = None
+
+    def _stop_helpers(self) -> None:
+        """Stop the ``mpiexec`` job and kill the hub actors, whatever state they are in."""
+        import ray
+        self._stop_mpi_job()
+        for hub in self._hubs.values():
+            ray.kill(hub, no_restart=True)
+        self._hubs = {}
 
     def _replace_pool(self, backend: str, reason: str) -> None:
-        """Ranks are stuck in ``backend``: give it up for this world size, start afresh."""
+        """Ranks are stuck in ``backend``: give it up for this world size.
+
+        An ``mpiexec`` job is simply killed; stuck rank actors are replaced by fresh ones
+        and every other backend set up again in them.
+        """
         self._failed[backend] = (f"skipped for the rest of world size {self._world_size} after: "
                                  f"{reason}")
+        if PEERS[backend].runs_in_mpiexec:
+            self._notes.append(f"world size {self._world_size}: stopped the mpiexec job "
+                               f"because it did not answer ({reason})")
+            self._stop_mpi_job()
+            return
         self._notes.append(f"world size {self._world_size}: restarted the actors because "
                            f"{backend} left ranks stuck ({reason})")
+        self._stop_helpers()
         self._pool.kill()
         self.start()
 
@@ -476,7 +632,7 @@ def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[R
     """
     done = {(row.collective, row.world_size, row.nbytes) for row in measured}
     itemsize = np.dtype(options.dtype).itemsize
-    missing = []
+    missing: List[Row] = []
     for collective in options.collectives:
         for requested_bytes in sweep_points(options, collective):
             nbytes = message_layout(collective, requested_bytes, world_size, itemsize).nbytes
@@ -484,6 +640,19 @@ def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[R
                 missing.extend(summarize_point(options, collective, world_size, requested_bytes,
                                                {}, dict.fromkeys(options.backends, reason)))
     return missing
+
+
+def count_points(options: SweepOptions) -> int:
+    """How many (world size, collective, size) points the sweep measures.
+
+    Args:
+        options: the sweep.
+
+    Returns:
+        The count.
+    """
+    return len(options.world_sizes) * sum(len(sweep_points(options, collective))
+                                          for collective in options.collectives)
 
 
 def run_sweep(options: SweepOptions, command: str,
@@ -501,7 +670,7 @@ def run_sweep(options: SweepOptions, command: str,
     import ray
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False,
+        ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
     rows: List[Row] = []
     notes: List[str] = []

@@ -1,19 +1,19 @@
-"""The sweep's output: a terminal table, one progress line per point, and the JSON file."""
+"""The sweep's output: a terminal table, a progress bar, and the JSON file (plots: ``plots``)."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, TextIO
 
 from .harness import Row, SweepResult
 
 _BINARY_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
-_COLUMNS = ("collective", "ranks", "size", "backend", "p50", "p90", "algbw GB/s", "busbw GB/s",
-            "speed-up", "iters")
-_RIGHT_ALIGNED = frozenset({"ranks", "size", "p50", "p90", "algbw GB/s", "busbw GB/s",
-                            "speed-up", "iters"})
+_COLUMNS = ("collective", "ranks", "size", "backend", "p50", "p75", "p90", "p95", "algbw GB/s",
+            "busbw GB/s", "speed-up", "peak RSS", "procs", "iters")
+_RIGHT_ALIGNED = frozenset(_COLUMNS) - {"collective", "backend"}
 
 
 def format_size(nbytes: int) -> str:
@@ -53,11 +53,25 @@ def _format_number(value: Optional[float], suffix: str = "") -> str:
     return "-" if value is None else f"{value:.3g}{suffix}"
 
 
+def format_mib(nbytes: Optional[int]) -> str:
+    """Bytes as whole MiB (``'-'`` for None).
+
+    Args:
+        nbytes: bytes.
+
+    Returns:
+        The text, e.g. ``"281 MiB"``.
+    """
+    return "-" if nbytes is None else f"{nbytes / 2**20:.0f} MiB"
+
+
 def _cells(row: Row) -> List[str]:
     return [row.collective, str(row.world_size), format_size(row.nbytes), row.backend,
-            format_seconds(row.p50_s), format_seconds(row.p90_s),
-            _format_number(row.algbw_gbps), _format_number(row.busbw_gbps),
-            _format_number(row.speedup, "x"), str(row.iterations)]
+            format_seconds(row.p50_s), format_seconds(row.p75_s), format_seconds(row.p90_s),
+            format_seconds(row.p95_s), _format_number(row.algbw_gbps),
+            _format_number(row.busbw_gbps), _format_number(row.speedup, "x"),
+            format_mib(row.peak_rss_bytes), "-" if row.processes is None else f"+{row.processes}",
+            str(row.iterations)]
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -81,9 +95,14 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(render(cells))
         if row.error:
             lines.append(f"    error: {row.error}")
+        if row.note:
+            lines.append(f"    note: {row.note}")
     baselines = sorted({row.baseline for row in rows if row.baseline})
-    legend = ["p50/p90: latency of one call, the slowest rank's, over the timed iterations.",
-              "algbw = size / p50, busbw = algbw x bus factor (nccl-tests); GB/s = 10^9 B/s."]
+    legend = ["p50..p95: latency of one call, the slowest rank's, over the timed iterations.",
+              "algbw = size / p50, busbw = algbw x bus factor (nccl-tests); GB/s = 10^9 B/s.",
+              "peak RSS: largest peak resident memory of a process running a rank (the rank "
+              "actors are shared by ray, gloo and ray-plain; mpi4py has its own processes).",
+              "procs: processes the backend started besides the rank actors."]
     legend.extend(f"speed-up = {name} p50 / backend p50 (> 1: faster than {name}; equal to "
                   f"busbw / {name} busbw)." for name in baselines)
     return "\n".join(lines + [""] + legend)
@@ -104,6 +123,9 @@ def format_progress(rows: Sequence[Row]) -> str:
         if row.error:
             parts.append(f"{row.backend} failed")
             continue
+        if row.note:
+            parts.append(f"{row.backend} n/a")
+            continue
         ratio = "" if row.speedup is None or row.backend == row.baseline else \
             f" ({row.speedup:.2f}x)"
         parts.append(f"{row.backend} {format_seconds(row.p50_s)}{ratio}")
@@ -123,3 +145,53 @@ def to_json(result: SweepResult) -> str:
     document = {"metadata": result.metadata, "rows": [asdict(row) for row in result.rows],
                 "notes": list(result.notes)}
     return json.dumps(document, indent=1)
+
+
+class ProgressBar:
+    """A one-line text progress bar on a stream, redrawn in place on a terminal.
+
+    On a terminal the line is rewritten (``\\r``); otherwise (a log file) every update is its
+    own line, so the log shows each point's result.
+
+    Args:
+        total: how many points the sweep has.
+        stream: where to draw (stderr).
+        width: characters of the bar itself.
+    """
+
+    def __init__(self, total: int, stream: TextIO, width: int = 24) -> None:
+        self._total = max(total, 1)
+        self._done = 0
+        self._stream = stream
+        self._width = width
+        self._started = time.monotonic()
+        self._in_place = stream.isatty()
+
+    def render(self, message: str) -> str:
+        """The bar's text after ``self._done`` points, with the time left and ``message``.
+
+        Args:
+            message: the latest point's summary.
+
+        Returns:
+            ``"[#####-------]  5/12  1m20s left  allreduce 4 ranks 8 B: ..."``.
+        """
+        filled = self._width * self._done // self._total
+        elapsed = time.monotonic() - self._started
+        left = elapsed / self._done * (self._total - self._done) if self._done else 0.0
+        return (f"[{'#' * filled}{'-' * (self._width - filled)}] {self._done}/{self._total}  "
+                f"{int(left) // 60}m{int(left) % 60:02d}s left  {message}")
+
+    def advance(self, message: str) -> None:
+        """Count one more point and redraw.
+
+        Args:
+            message: the point's summary (``format_progress``).
+        """
+        self._done += 1
+        text = self.render(message)
+        if self._in_place:
+            self._stream.write("\r\033[K" + text + ("\n" if self._done >= self._total else ""))
+        else:
+            self._stream.write(text + "\n")
+        self._stream.flush()

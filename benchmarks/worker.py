@@ -4,10 +4,16 @@ Timing happens here, inside the rank, with ``time.perf_counter`` around each cal
 timed call the peer's own barrier lines the ranks up, so each iteration measures one isolated
 collective rather than a pipeline of back-to-back ones. The driver takes, per iteration, the
 slowest rank's time (``stats.iteration_latencies``).
+
+The same class runs in a Ray actor (``ray``, ``gloo``, ``ray-plain``) and, as a plain object,
+in each process of an ``mpiexec`` job (``mpi4py``, see ``mpi_worker``); its answers are plain
+dicts and lists so that they cross either channel.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -52,6 +58,28 @@ class _BoundPoint:
     call: Callable[[], Any]
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now, from ``/proc/self/statm`` (0 where there is none).
+
+    Returns:
+        Bytes.
+    """
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started (``ru_maxrss``, KiB on Linux).
+
+    Returns:
+        Bytes.
+    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class RankWorker:
     """A rank's actor body (wrapped with ``ray.remote`` by the harness, ``num_cpus=0``).
 
@@ -74,24 +102,27 @@ class RankWorker:
         """
         return self._rank
 
-    def setup(self, backend: str, group_name: str, timeout_s: float) -> dict:
+    def setup(self, backend: str, group_name: str, timeout_s: float, hub: Any = None) -> dict:
         """Join ``backend``'s group as this rank.
 
         Args:
             backend: a name of ``peers.PEERS``.
             group_name: the group's name, unique in the run.
             timeout_s: the library's deadline per call.
+            hub: the central actor of a peer that needs one (``ray-plain``), else None.
 
         Returns:
-            The peer's facts for the metadata (library versions).
+            ``{"info": the peer's facts for the metadata (library versions),
+            "rss_added_bytes": how much this process's resident memory grew while joining}``.
 
         Raises:
             Exception: whatever the peer raises.
         """
+        resident_before = resident_bytes()
         peer = PEERS[backend]()
-        info = peer.setup(self._world_size, self._rank, group_name, timeout_s)
+        info = peer.setup(self._world_size, self._rank, group_name, timeout_s, hub)
         self._peers[backend] = peer
-        return info
+        return {"info": info, "rss_added_bytes": max(0, resident_bytes() - resident_before)}
 
     def time_block(self, backend: str, block: BlockSpec) -> List[float]:
         """Run ``block.warmup`` untimed then ``block.iterations`` timed collectives.
@@ -101,7 +132,8 @@ class RankWorker:
             block: what to run.
 
         Returns:
-            This rank's seconds for each timed iteration.
+            ``{"durations": this rank's seconds for each timed iteration,
+            "peak_rss_bytes": this process's peak resident memory so far}``.
 
         Raises:
             KeyError: the backend was not set up here.
@@ -118,7 +150,7 @@ class RankWorker:
             start = time.perf_counter()
             call()
             durations.append(time.perf_counter() - start)
-        return durations
+        return {"durations": durations, "peak_rss_bytes": peak_resident_bytes()}
 
     def teardown(self, backend: str) -> None:
         """Leave ``backend``'s group and drop its buffers.
