@@ -33,7 +33,28 @@ rm -rf "$PLOTS/allreduce" "$PLOTS/collectives"
     "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json=$PLOTS/allreduce" \
     "$RESULTS/collectives.json=$PLOTS/collectives" --write benchmarks/README.md
 # 5. the other benchmarks of the page: scale and cost model, agent/observer, batch_remote.
-heavy -m benchmarks.scale --json "$RESULTS/scale.json" --plots "$PLOTS"
+#    The cost model is fitted to the sweeps above, to issue 3's runs (kept in results/), and to
+#    a ray-only sweep at 16 and 32 ranks (its 8 B points twice, minutes apart); its prediction
+#    for 8 ranks is checked with each algorithm forced.
+heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
+    --bytes 8,1M,64M --json "$RESULTS/scale-sweep-16-32.json"
+heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
+    --bytes 8 --json "$RESULTS/scale-sweep-16-32-8B-repeat.json"
+for algorithm in reduce_broadcast ring; do
+    RAY_COLLECTIVE_ALGORITHM="allreduce=$algorithm" heavy -m benchmarks --collective allreduce \
+        --backends ray --baseline none --world-size 8 --bytes 1M,64M \
+        --json "$RESULTS/scale-check-8ranks-$algorithm.json"
+done
+"$PYTHON" -m benchmarks.scale \
+    --json-before-rule "$RESULTS/issue3-allreduce.json" \
+    --json-before-rule "$RESULTS/issue3-64ranks.json" \
+    --json-before-rule "$RESULTS/default-8B.json" \
+    --json "$RESULTS/reduce-broadcast-8B.json=reduce_broadcast" \
+    --json "$RESULTS/allreduce.json" --json "$RESULTS/allreduce-64.json" \
+    --json "$RESULTS/scale-sweep-16-32.json" --json "$RESULTS/scale-sweep-16-32-8B-repeat.json" \
+    --bytes 8,1M,64M --plots "$PLOTS" --out "$RESULTS/scale.json"
 heavy -m benchmarks.agent_observer --world-size 2,4,8,16 --batch true,false \
-    --json "$RESULTS/agent_observer.json"
+    --iterations 300 --warmup 30 --json "$RESULTS/agent_observer.json"
+heavy -m benchmarks.agent_observer --world-size 32,64 --batch true,false \
+    --iterations 100 --warmup 10 --json "$RESULTS/agent_observer-32-64.json"
 heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"

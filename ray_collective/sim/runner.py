@@ -41,7 +41,7 @@ class SimReport:
         count: elements of one rank's tensor (one block for list collectives); itemsize: bytes.
         rounds: critical path in rounds; formula: the algorithm's :class:`Cost` for comparison.
         max_messages, max_bytes_sent: the most any one rank sent.
-        total_bytes: bytes sent by all ranks together.
+        total_messages, total_bytes: messages and bytes sent by all ranks together.
         inter_node_messages: messages that crossed nodes, over all ranks.
         inter_node_senders: how many ranks sent anything to another node.
         checked: whether results were compared with numpy (False in zero-memory mode).
@@ -58,6 +58,7 @@ class SimReport:
     formula: Cost
     max_messages: int
     max_bytes_sent: int
+    total_messages: int
     total_bytes: int
     inter_node_messages: int
     inter_node_senders: int
@@ -147,7 +148,8 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
     return SimReport(
         collective, chosen.name, ranks, ranks_per_node, count, wire.itemsize, rounds,
         chosen.cost(ranks, count, ranks_per_node or ranks, wire.itemsize), max(fabric.messages_sent),
-        max(fabric.elements_sent) * wire.itemsize, sum(fabric.elements_sent) * wire.itemsize,
+        max(fabric.elements_sent) * wire.itemsize, sum(fabric.messages_sent),
+        sum(fabric.elements_sent) * wire.itemsize,
         sum(fabric.inter_node_messages), sum(1 for m in fabric.inter_node_messages if m), check,
         seconds)
 
