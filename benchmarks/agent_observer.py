@@ -48,6 +48,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .cli import at_least, choice, comma_list, non_negative_int, positive_int
+
 BACKENDS = ("ray", "ray-actors")
 PERCENTILES = (50, 75, 90, 95)
 HIDDEN_UNITS = 128
@@ -439,55 +441,11 @@ def _measure_point(ray, ranks, options: AgentObserverOptions, backend: str, worl
 
 # ---------------------------------------------------------------- command line
 
-def _int_list(text: str) -> Tuple[int, ...]:
-    try:
-        values = tuple(int(item) for item in text.split(",") if item.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"world sizes must be >= 2 (1 agent + observers), "
-                                         f"got {text!r}")
-    return values
-
-
-def _bool_list(text: str) -> Tuple[bool, ...]:
+def _boolean(text: str) -> bool:
     words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    try:
-        values = tuple(words[item.strip().lower()] for item in text.split(",") if item.strip())
-    except KeyError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated true/false, got {text!r}")
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one of true, false")
-    return values
-
-
-def _backend_list(text: str) -> Tuple[str, ...]:
-    values = tuple(item.strip() for item in text.split(",") if item.strip())
-    unknown = [v for v in values if v not in BACKENDS]
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"backends must be among {', '.join(BACKENDS)}; "
-                                         f"got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    if text.lower() not in words:
+        raise ValueError(f"expected true or false, not {text!r}")
+    return words[text.lower()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,20 +454,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.agent_observer",
         description="One agent and N observers: states in, actions out, per iteration; "
                     "this library's send/recv or gather/scatter against plain Ray actor calls.")
-    parser.add_argument("--world-size", type=_int_list, default=(2, 4, 8, 16),
+    parser.add_argument("--world-size", type=comma_list(at_least(2)), default=(2, 4, 8, 16),
                         help="comma-separated ranks per point: 1 agent + observers (default 2,4,8,16)")
-    parser.add_argument("--batch", type=_bool_list, default=(True, False),
+    parser.add_argument("--batch", type=comma_list(_boolean), default=(True, False),
                         help="comma-separated true/false: one policy call per iteration or one "
                              "per request (default true,false)")
-    parser.add_argument("--backend", type=_backend_list, default=BACKENDS,
+    parser.add_argument("--backend", type=comma_list(choice(BACKENDS)), default=BACKENDS,
                         help=f"comma-separated, among {', '.join(BACKENDS)} (default both)")
-    parser.add_argument("--iterations", type=_positive_int, default=100,
+    parser.add_argument("--iterations", type=positive_int, default=100,
                         help="timed iterations per point (default 100)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=10,
+    parser.add_argument("--warmup", type=non_negative_int, default=10,
                         help="untimed iterations first (default 10)")
-    parser.add_argument("--state-size", type=_positive_int, default=4,
+    parser.add_argument("--state-size", type=positive_int, default=4,
                         help="float32 values per state (default 4)")
-    parser.add_argument("--actions", type=_positive_int, default=2,
+    parser.add_argument("--actions", type=positive_int, default=2,
                         help="the policy's number of actions (default 2)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds any one wait may take (default 120)")

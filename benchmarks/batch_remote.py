@@ -237,31 +237,18 @@ def _human(size: int) -> str:
     return f"{size} B"
 
 
-def _comma_ints(parse: Callable[[str], int]) -> Callable[[str], tuple]:
-    def parse_list(text: str) -> tuple:
-        try:
-            values = tuple(parse(item) for item in text.split(",") if item)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive "
-                                             f"values, not {text!r}")
-        return values
-    return parse_list
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks.batch_remote``."""
-    from .cli import parse_size
+    from .cli import at_least, comma_list, parse_size, positive_int
     defaults = Options()
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.batch_remote",
         description="batch_remote against a foreach loop of .remote() calls, interleaved.")
-    parser.add_argument("--sizes", type=_comma_ints(parse_size), default=defaults.sizes,
+    parser.add_argument("--sizes", type=comma_list(at_least(1, parse_size)), default=defaults.sizes,
                         help="argument sizes of the size table (K, M suffixes are binary)")
     parser.add_argument("--actors", type=int, default=defaults.size_table_actors,
                         help="actors of the size table")
-    parser.add_argument("--actor-counts", type=_comma_ints(int), default=defaults.actor_counts,
+    parser.add_argument("--actor-counts", type=comma_list(positive_int), default=defaults.actor_counts,
                         help="actor counts of the other tables")
     parser.add_argument("--tables", default=",".join(defaults.tables),
                         help="which of size,actors,no_args,object_ref to run")

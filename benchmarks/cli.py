@@ -41,21 +41,22 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _SIZE_MULTIPLIERS[match.group(2).lower()]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, not {value}")
-    return value
+def at_least(minimum: int, parse: Callable[[str], int] = int) -> Callable[[str], int]:
+    """An argparse type: a number ``parse`` reads from the text, at least ``minimum``."""
+    def check(text: str) -> int:
+        value = parse(text)
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}, not {value}")
+        return value
+    return check
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(f"must be >= 0, not {value}")
-    return value
+positive_int = at_least(1)
+non_negative_int = at_least(0)
 
 
-def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+def choice(choices: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type: one of ``choices``."""
     def check(text: str) -> str:
         if text not in choices:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
@@ -63,7 +64,7 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     return check
 
 
-def _comma_list(item: Callable) -> Callable[[str], Tuple]:
+def comma_list(item: Callable) -> Callable[[str], Tuple]:
     """An argparse type for a comma-separated list whose items ``item`` parses, no duplicates."""
     def parse(text: str) -> Tuple:
         try:
@@ -96,17 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time collectives on Ray actors over ray_collective and its peers, "
                     "interleaved in one run. Comma-separated lists are axes of the sweep.")
     parser.add_argument("--collective", "--collectives", dest="collectives",
-                        type=_comma_list(_choice(tuple(COLLECTIVES))), default=("allreduce",),
+                        type=comma_list(choice(tuple(COLLECTIVES))), default=("allreduce",),
                         help=f"collectives, of: {','.join(COLLECTIVES)} (default: allreduce)")
-    parser.add_argument("--backends", type=_comma_list(_choice(tuple(PEERS))),
+    parser.add_argument("--backends", type=comma_list(choice(tuple(PEERS))),
                         default=DEFAULT_BACKENDS,
                         help="in table order, of: ray (this library), gloo "
                              "(ray.util.collective with torch.distributed Gloo), ray-plain "
                              "(ray.put/ray.get and one central actor), mpi4py (MPICH under "
                              f"mpiexec) (default: {','.join(DEFAULT_BACKENDS)})")
-    parser.add_argument("--world-size", dest="world_sizes", type=_comma_list(_positive_int),
+    parser.add_argument("--world-size", dest="world_sizes", type=comma_list(positive_int),
                         default=(2, 4, 8), help="ranks, one actor each (default: 2,4,8)")
-    parser.add_argument("--bytes", dest="sizes", type=_comma_list(parse_size),
+    parser.add_argument("--bytes", dest="sizes", type=comma_list(parse_size),
                         default=(8, 2**20, 64 * 2**20),
                         help="message sizes as nccl-tests counts them: allreduce/broadcast/"
                              "reduce the tensor, allgather the gathered output, reducescatter "
@@ -114,13 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 8,1M,64M)")
     parser.add_argument("--dtype", type=_dtype_name, default="float32",
                         help="numpy dtype of the tensors (default: float32)")
-    parser.add_argument("--iters", dest="iterations", type=_positive_int, default=None,
+    parser.add_argument("--iters", dest="iterations", type=positive_int, default=None,
                         help="timed iterations per point (default: from the size, 200 for "
                              "<= 64 KiB down to 20 above 16 MiB)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=None,
+    parser.add_argument("--warmup", type=non_negative_int, default=None,
                         help="untimed iterations per point and backend (default: from the "
                              "size, 20 down to 5)")
-    parser.add_argument("--blocks", type=_positive_int, default=4,
+    parser.add_argument("--blocks", type=positive_int, default=4,
                         help="interleaved blocks the timed iterations are split into "
                              "(default: 4)")
     parser.add_argument("--baseline", default=None,

@@ -41,6 +41,7 @@ from ray_collective.algorithms.catalog import lookup, names
 from ray_collective.algorithms.selector import select
 from ray_collective.sim.runner import COLLECTIVES
 
+from .cli import at_least, comma_list, parse_size
 from .scale_costs import call_costs
 from .scale_model import PARAMETERS, PLAIN_PARAMETERS, Fit, features, fit_non_negative, predict
 
@@ -122,23 +123,8 @@ class MeasuredPoint:
     p50_s: float
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``8``, ``1K``, ``64M``, ``1G`` (binary suffixes).
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    text = text.strip().upper().removesuffix("B")
-    factor = _SUFFIXES.get(text[-1:], 1)
-    digits = text[:-1] if text[-1:] in _SUFFIXES else text
-    value = int(digits) * factor
-    if value < 1:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
 def format_size(nbytes: int) -> str:
-    """``64M`` for 64 MiB, ``8B`` for 8 bytes: the inverse of :func:`parse_size`."""
+    """``64M`` for 64 MiB, ``8B`` for 8 bytes: the inverse of ``cli.parse_size``."""
     for suffix, factor in sorted(_SUFFIXES.items(), key=lambda item: -item[1]):
         if nbytes % factor == 0:
             return f"{nbytes // factor}{suffix}"
@@ -438,23 +424,6 @@ def write_plots(options: ScaleOptions, fit: Fit, points: Sequence[MeasuredPoint]
     return written
 
 
-def _int_list(text: str) -> Tuple[int, ...]:
-    try:
-        values = tuple(int(item) for item in text.split(",") if item.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"world sizes must be >= 2, got {text!r}")
-    return values
-
-
-def _size_list(text: str) -> Tuple[int, ...]:
-    try:
-        return tuple(parse_size(item) for item in text.split(",") if item.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected sizes like 8,1M,64M, got {text!r}")
-
-
 def _input(text: str) -> InputFile:
     path, _, algorithm = text.partition("=")
     return InputFile(path, algorithm.strip() or None)
@@ -480,12 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(commit a8e8976) (repeatable)")
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per message size here")
     parser.add_argument("--out", metavar="PATH", help="write the fit and predictions as JSON")
-    parser.add_argument("--ranks", type=_int_list, default=(400, 1000, 4096),
+    parser.add_argument("--ranks", type=comma_list(at_least(2)), default=(400, 1000, 4096),
                         help="world sizes to extrapolate to, one rank per core "
                              "(default 400,1000,4096)")
     parser.add_argument("--collective", default="allreduce",
                         help="the collective to model (default allreduce)")
-    parser.add_argument("--bytes", type=_size_list, default=(),
+    parser.add_argument("--bytes", type=comma_list(at_least(1, parse_size)), default=(),
                         help="message sizes to predict, e.g. 8,1M,64M (default: those measured)")
     parser.add_argument("--backend", default="ray", help="the rows' backend (default ray)")
     return parser
