@@ -45,11 +45,16 @@ def _group_timeout(timeout: Any, gloo_timeout: Any) -> float:
 
 
 def _check_rank(rank: Any, group: Group, what: str) -> int:
+    return _check_rank_of(rank, group.world_size, group.name, what)
+
+
+def _check_rank_of(rank: Any, world_size: int, group_name: str, what: str) -> int:
+    """``rank`` if it is an int in ``0..world_size-1``, for a group known only by its size."""
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"{what} must be an int, not {type(rank).__name__}")
-    if not 0 <= rank < group.world_size:
-        raise ValueError(f"{what}={rank} is out of range for group '{group.name}' of "
-                         f"{group.world_size} ranks (valid: 0..{group.world_size - 1})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{what}={rank} is out of range for group '{group_name}' of "
+                         f"{world_size} ranks (valid: 0..{world_size - 1})")
     return rank
 
 

@@ -83,15 +83,6 @@ def _check_refs(tensor_refs: Any, members: tuple, what: str) -> List[Any]:
     return list(tensor_refs)
 
 
-def _check_rank(rank: Any, world_size: int, what: str, name: str) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{what}: {name} must be an int, not {type(rank).__name__}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{what}: {name}={rank} is out of range for a group of {world_size} "
-                         f"ranks (0..{world_size - 1})")
-    return rank
-
-
 def _check_call_timeout(timeout: Any) -> Optional[float]:
     return None if timeout is None else api._check_timeout(timeout)
 
@@ -116,8 +107,8 @@ def _run_refs(collective: str, tensor_refs: Any, group_name: str, timeout: Any,
     refs = _check_refs(tensor_refs, members, what)
     call = _RefCall(collective, group_name,
                     op=ReduceOp.SUM if op is None else api._check_op(op),
-                    root=0 if root is None else _check_rank(root[1], len(members), what,
-                                                            root[0]),
+                    root=0 if root is None else api._check_rank_of(root[1], len(members),
+                                                                   group_name, root[0]),
                     timeout=_check_call_timeout(timeout))
     boxed = PerActor([[ref] for ref in refs])
     return batch_remote(list(members)).__ray_call__.remote(_run_in_member, call, boxed)
@@ -264,8 +255,8 @@ def send_ref(tensor_ref: Any, src_rank: int, dst_rank: int, group_name: str = "d
     if not isinstance(tensor_ref, ray.ObjectRef):
         raise TypeError(f"send_ref: tensor_ref must be an ObjectRef, not "
                         f"{type(tensor_ref).__name__}")
-    src_rank = _check_rank(src_rank, len(members), "send_ref", "src_rank")
-    dst_rank = _check_rank(dst_rank, len(members), "send_ref", "dst_rank")
+    src_rank = api._check_rank_of(src_rank, len(members), group_name, "src_rank")
+    dst_rank = api._check_rank_of(dst_rank, len(members), group_name, "dst_rank")
     if src_rank == dst_rank:
         raise ValueError(f"send_ref: src_rank and dst_rank are both {src_rank}; a rank does "
                          f"not send to itself")
@@ -299,22 +290,27 @@ def _resolve(group: Any, call: _RefCall, ref: Any) -> Any:
     raised."""
     import ray
     deadline = group.timeout if call.timeout is None else call.timeout
-    what = f"{call.collective}_refs" if call.collective not in ("send", "recv") else "send_ref"
     try:
         value = ray.get(ref, timeout=deadline)
         return _writable(value, group.world_size if call.collective == "reducescatter" else 0)
     except CollectiveError:
         raise
     except ray.exceptions.GetTimeoutError:
-        error = TensorRefError(call.group_name, group.rank, what,
-                               f"its ref was not ready after {deadline:g}s")
+        detail = f"its ref was not ready after {deadline:g}s"
     except ray.exceptions.RayError as err:
-        error = TensorRefError(call.group_name, group.rank, what,
-                               f"the task that makes it failed: {type(err).__name__}: {err}")
+        detail = f"the task that makes it failed: {type(err).__name__}: {err}"
     except (TypeError, ValueError) as err:
-        error = TensorRefError(call.group_name, group.rank, what, str(err))
+        detail = str(err)
+    raise _break_group(group, call, detail)
+
+
+def _break_group(group: Any, call: _RefCall, detail: str) -> TensorRefError:
+    """Break the group with this member's TensorRefError, so that the others fail fast; the
+    caller raises the returned error."""
+    what = "send_ref" if call.collective in ("send", "recv") else f"{call.collective}_refs"
+    error = TensorRefError(call.group_name, group.rank, what, detail)
     group.fail(error)
-    raise error
+    return error
 
 
 def _writable(value: Any, parts: int) -> Any:
@@ -366,12 +362,10 @@ def _run_reducescatter(group: Any, call: _RefCall, tensor: Any) -> Any:
     else:
         blocks = tensor.shape[0] if tensor.ndim else 0
         if blocks % group.world_size:
-            error = TensorRefError(call.group_name, group.rank, "reducescatter_refs",
-                                   f"its tensor of shape {tuple(tensor.shape)} does not split "
-                                   f"into {group.world_size} equal blocks along the first "
-                                   f"dimension; pass a list of one tensor per rank instead")
-            group.fail(error)
-            raise error
+            raise _break_group(group, call, f"its tensor of shape {tuple(tensor.shape)} does not "
+                                            f"split into {group.world_size} equal blocks along "
+                                            f"the first dimension; pass a list of one tensor per "
+                                            f"rank instead")
         step = blocks // group.world_size
         parts = [tensor[i * step:(i + 1) * step] for i in range(group.world_size)]
     result = _empty_like(parts[group.rank])
@@ -406,9 +400,7 @@ def _run_send(group: Any, call: _RefCall, tensor: Any) -> None:
     try:
         message = _shape_message(tensor)
     except TypeError as err:
-        error = TensorRefError(call.group_name, group.rank, "send_ref", str(err))
-        group.fail(error)
-        raise error from None
+        raise _break_group(group, call, str(err)) from None
     api.send(message, call.peer, call.group_name, call.tag, timeout=call.timeout)
     api.send(tensor, call.peer, call.group_name, call.tag, timeout=call.timeout)
 
