@@ -297,6 +297,7 @@ class BatchMethod:
         plans = self._plan(args, kwargs, per_actor)
         shared_args = [_put_if_large(value) for value in args]
         shared_kwargs = {key: _put_if_large(value) for key, value in kwargs.items()}
+        full_path_options = self._full_path_options()
         flat_args: Dict[int, list] = {}
         refs = []
         for index, (actor, plan) in enumerate(zip(self._actors, plans)):
@@ -304,8 +305,7 @@ class BatchMethod:
                                                         index)
             if plan is None:
                 method = getattr(actor, self._method_name)
-                refs.append(method._remote(call_args, call_kwargs,
-                                           **self._full_path_options()))
+                refs.append(method._remote(call_args, call_kwargs, **full_path_options))
                 continue
             if per_actor or id(plan) not in flat_args:
                 flat_args[id(plan)] = plan.flatten(call_args, call_kwargs)
@@ -376,9 +376,11 @@ def _per_actor_arguments(args: Tuple[Any, ...], kwargs: Mapping[str, Any], count
 
 def _with_actor_values(args: Sequence[Any], kwargs: Mapping[str, Any],
                        per_actor: Mapping[Any, PerActor], index: int
-                       ) -> Tuple[List[Any], Dict[str, Any]]:
+                       ) -> Tuple[Sequence[Any], Mapping[str, Any]]:
+    """Actor ``index``'s arguments: the shared ones themselves (never modified) when no
+    argument is PerActor, else copies with its PerActor values in place."""
     if not per_actor:
-        return list(args), dict(kwargs)
+        return args, kwargs
     call_args = [per_actor[i].values[index] if i in per_actor else value
                  for i, value in enumerate(args)]
     call_kwargs = {key: per_actor[key].values[index] if key in per_actor else value
