@@ -1,61 +1,80 @@
-"""Drives an algorithm generator over a transport: post each round, wait for it, resume.
+"""Runs algorithms over a transport: a recorded plan for a call, a generator for the simulator.
 
-This is the one place where algorithms (which yield rounds of Send/Recv) meet a transport
-(which moves messages). The simulator has its own cooperative driver for thousands of ranks
-in one thread (``sim.engine``); both post operations through :func:`post_round`.
+This is the one place where algorithms (rounds of Send/Recv) meet a transport (which moves
+messages). A call replays its :class:`~ray_collective.plan.Plan` (:func:`run_plan`): post each
+round's messages, wait for all of them, run the local operations between rounds. The simulator
+drives the generators themselves, thousands of ranks in one thread (``sim.engine``), and posts
+their rounds through :func:`post_round`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, List, Optional
+from typing import Callable, Hashable, List, Optional, Sequence
 
 import numpy as np
 
-from .algorithms.core import AlgorithmGen, Recv, Round
+from .algorithms.core import Recv, Round
 from .errors import CollectiveTimeoutError
-from .transport.base import COLLECTIVE_CHANNEL, CallHeader, Request, Transport
+from .plan import Local, Plan
+from .transport.base import COLLECTIVE_CHANNEL, Request, Transport
+from .transport.wire import CallStamp
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
 
 
-def post_round(transport: Transport, round_: Round, channel: Hashable, header: CallHeader,
-               combine: Optional[Callable[[np.ndarray, np.ndarray], None]]) -> List[Request]:
-    """Post every operation of one round on ``transport``; returns their requests."""
+def post_round(transport: Transport, round_: Round, channel: Hashable, stamp: CallStamp,
+               combine: Optional[Combine]) -> List[Request]:
+    """Post every operation of one generator round on ``transport``; returns their requests."""
     requests = []
     for op in round_:
         if isinstance(op, Recv):
-            requests.append(transport.irecv(op.peer, channel, header, op.step, op.out,
+            requests.append(transport.irecv(op.peer, channel, stamp, op.step, op.out,
                                             combine if op.reduce else None))
         else:
-            requests.append(transport.isend(op.peer, channel, header, op.step, op.data))
+            requests.append(transport.isend(op.peer, channel, stamp, op.step, op.data))
     return requests
 
 
-def drive(algorithm: AlgorithmGen, transport: Transport, channel: Hashable, header: CallHeader,
-          combine: Optional[Callable[[np.ndarray, np.ndarray], None]], timeout: float,
-          what: str):
-    """Run one rank's algorithm to completion, blocking; returns the generator's return value.
+def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, channel: Hashable,
+             stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str) -> None:
+    """Run one rank's part of a call by replaying ``plan`` on ``slots``, blocking.
 
-    ``what`` names the call in a timeout error (``"recv"`` rather than the channel's name). A
-    timed-out collective names the ranks that never started it when the transport knows them,
-    else the peers this rank was still waiting for.
+    Args:
+        plan: the call shape's plan.
+        slots: the call's arrays (``plan.slots(...)``).
+        transport: this rank's transport.
+        channel: ``COLLECTIVE_CHANNEL`` or a point-to-point channel.
+        stamp: the call's header.
+        combine: the call's reduction (for receives that reduce, and local combines).
+        timeout: seconds the whole call may take.
+        what: the call's name in a timeout error (``"recv"`` rather than the channel's name).
 
     Raises:
-        CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start.
+        CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start;
+            it names the ranks that never started the call when the transport knows them, else
+            the peers this rank was still waiting for.
         CollectiveMismatchError, PeerDiedError, GroupBrokenError: from the transport.
     """
     deadline = time.monotonic() + timeout
     collective = channel == COLLECTIVE_CHANNEL
     if collective:
-        transport.arrive(header)
-    try:
-        round_ = next(algorithm)
-        while True:
-            requests = post_round(transport, round_, channel, header, combine)
-            pending = transport.wait(requests, deadline)
-            if pending:
-                absent = transport.absent_ranks(header) if collective else None
-                raise CollectiveTimeoutError(header.group, transport.rank, what, header.seq,
-                                             absent or [r.peer for r in pending], timeout)
-            round_ = algorithm.send(None)
-    except StopIteration as stop:
-        return stop.value
+        transport.arrive(stamp.seq)
+    isend, irecv = transport.isend, transport.irecv
+    for step in plan.steps:
+        if type(step) is Local:
+            step.run(slots, combine)
+            continue
+        requests = []
+        for is_send, peer, number, (slot, start, stop), reduce in step:
+            buffer = slots[slot][start:stop]
+            if is_send:
+                requests.append(isend(peer, channel, stamp, number, buffer))
+            else:
+                requests.append(irecv(peer, channel, stamp, number, buffer,
+                                      combine if reduce else None))
+        pending = transport.wait(requests, deadline)
+        if pending:
+            absent = transport.absent_ranks(stamp.seq) if collective else None
+            raise CollectiveTimeoutError(stamp.template.group, transport.rank, what, stamp.seq,
+                                         absent or [r.peer for r in pending], timeout)

@@ -87,13 +87,14 @@ def test_selector_takes_the_hierarchical_path_across_nodes():
 def test_deadlocked_algorithm_is_reported_not_hung():
     from ray_collective.algorithms.core import Recv
     from ray_collective.sim.engine import run_lockstep
-    from ray_collective.transport.base import COLLECTIVE_CHANNEL, CallHeader
+    from ray_collective.transport.base import COLLECTIVE_CHANNEL
+    from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric
 
     def waits_for_the_other(rank):
         yield (Recv(1 - rank, np.zeros(1), 0),)
 
-    header = CallHeader("g", 0, 0, "allreduce", "broken", "float64", 1, (1,))
+    header = CallStamp.of(CallHeader("g", 0, 0, "allreduce", "broken", "float64", 1, (1,)))
     with pytest.raises(SimulationDeadlockError, match="rank 0 waits for \\[1\\]"):
         run_lockstep(LocalFabric(2, deferred=True), [waits_for_the_other(r) for r in range(2)],
                      COLLECTIVE_CHANNEL, [header] * 2, None)
@@ -103,11 +104,12 @@ def test_ranks_running_different_algorithms_are_a_mismatch():
     from ray_collective.algorithms.allreduce import recursive_doubling
     from ray_collective.algorithms.core import Context, Team
     from ray_collective.sim.engine import run_lockstep
-    from ray_collective.transport.base import COLLECTIVE_CHANNEL, CallHeader
+    from ray_collective.transport.base import COLLECTIVE_CHANNEL
+    from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric
 
     ctx = Context(np.float64, lambda acc, x: np.add(acc, x, out=acc))
-    headers = [CallHeader("g", 0, 0, "allreduce", name, "float64", 4, (4,))
+    headers = [CallStamp.of(CallHeader("g", 0, 0, "allreduce", name, "float64", 4, (4,)))
                for name in ("recursive_doubling", "ring")]
     generators = [recursive_doubling(Team.world(2, r), np.ones(4), ctx) for r in range(2)]
     with pytest.raises(CollectiveMismatchError, match="algorithm"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, select
+from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algorithms, select
 
 
 @pytest.mark.parametrize("collective, count, p, node_of, expected", [
@@ -34,17 +34,27 @@ def test_rules(collective, count, p, node_of, expected, monkeypatch):
 
 def test_environment_forces_per_collective(monkeypatch):
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, "allreduce=ring, broadcast=binomial")
-    assert select("allreduce", 2, 4, 8).name == "ring"
-    assert select("broadcast", 1 << 20, 4, 8).name == "binomial"
-    assert select("allgather", 2, 4, 8).name == "recursive_doubling"
+    forced = forced_algorithms()
+    assert dict(forced) == {"allreduce": "ring", "broadcast": "binomial"}
+    assert select("allreduce", 2, 4, 8, forced=forced.get("allreduce")).name == "ring"
+    assert select("broadcast", 1 << 20, 4, 8, forced=forced.get("broadcast")).name == "binomial"
+    assert select("allgather", 2, 4, 8, forced=forced.get("allgather")).name == \
+        "recursive_doubling"
     assert select("allreduce", 2, 4, 8, forced="rabenseifner").name == "rabenseifner"
+    with pytest.raises(TypeError):
+        forced["allreduce"] = "rabenseifner"  # read once per group, never changed after
+
+
+def test_selection_ignores_the_environment_it_is_not_given(monkeypatch):
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "allreduce=ring")
+    assert select("allreduce", 2, 4, 8).name == "recursive_doubling"
 
 
 @pytest.mark.parametrize("value", ["ring", "allreduce=", "=ring", "allreduce=ring,,x"])
 def test_malformed_environment_is_an_error(value, monkeypatch):
     monkeypatch.setenv(ENVIRONMENT_VARIABLE, value)
     with pytest.raises(ValueError, match=ENVIRONMENT_VARIABLE):
-        select("allreduce", 2, 4, 8)
+        forced_algorithms()
 
 
 def test_forced_algorithm_must_exist_and_fit(monkeypatch):

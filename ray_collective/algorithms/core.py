@@ -174,6 +174,8 @@ class Context:
         node_of: node id of every real rank (equal ids share a node); None means one node.
         choose: ``choose(collective, team_size, count)`` returns the :class:`Algorithm` a
             composite (the hierarchical allreduce) runs on a sub-team of that size.
+        topology: ``node_of`` grouped by node, when the caller has it already (a group builds
+            it once); else computed from ``node_of`` on first use.
     """
 
     __slots__ = ("dtype", "combine", "alloc", "copy", "node_of", "choose", "_topology")
@@ -182,14 +184,15 @@ class Context:
                  alloc: Optional[Callable[[int], np.ndarray]] = None,
                  copy: Optional[Callable[[np.ndarray, np.ndarray], None]] = None,
                  node_of: Optional[Sequence[int]] = None,
-                 choose: Optional[Callable[[str, int, int], "Algorithm"]] = None):
+                 choose: Optional[Callable[[str, int, int], "Algorithm"]] = None,
+                 topology: Optional["Topology"] = None):
         self.dtype = np.dtype(dtype)
         self.combine = combine
         self.alloc = alloc if alloc is not None else (lambda count: np.empty(count, self.dtype))
         self.copy = copy if copy is not None else np.copyto
         self.node_of = tuple(node_of) if node_of is not None else None
         self.choose = choose
-        self._topology = None
+        self._topology = topology
 
     @property
     def topology(self) -> "Topology":

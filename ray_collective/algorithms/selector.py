@@ -16,14 +16,15 @@ The rules, and why:
 
 Forcing, for tests and benchmarks: ``CallOptions.algorithm``, or the environment variable
 ``RAY_COLLECTIVE_ALGORITHM`` as ``collective=name[,collective=name...]`` (for example
-``allreduce=ring,broadcast=binomial``). Every rank must force the same algorithm; a rank that
-runs another one is reported as a mismatch.
+``allreduce=ring,broadcast=binomial``), read by :func:`forced_algorithms` once per group. Every
+rank must force the same algorithm; a rank that runs another one is reported as a mismatch.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 from .catalog import lookup
 from .core import Algorithm, Topology
@@ -43,23 +44,23 @@ SMALL_BLOCK_BYTES = 1024
 """Alltoall blocks below this size go through Bruck's log-round packing."""
 
 
-def forced_from_environment(collective: str) -> Optional[str]:
-    """The algorithm ``RAY_COLLECTIVE_ALGORITHM`` forces for ``collective``, if any.
+def forced_algorithms() -> Mapping[str, str]:
+    """The algorithm ``RAY_COLLECTIVE_ALGORITHM`` forces, by collective (empty when unset).
 
     Raises:
         ValueError: the variable is malformed.
     """
     value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    if not value:
-        return None
     forced = {}
+    if not value:
+        return MappingProxyType(forced)
     for item in value.split(","):
         name, sep, algorithm = item.partition("=")
         if not sep or not name.strip() or not algorithm.strip():
             raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r} is malformed: expected "
                              f"'collective=algorithm[,collective=algorithm...]'")
         forced[name.strip()] = algorithm.strip()
-    return forced.get(collective)
+    return MappingProxyType(forced)
 
 
 def _is_power_of_two(p: int) -> bool:
@@ -93,7 +94,7 @@ def _flat(collective: str, nbytes: int, world_size: int, oversubscribed: bool = 
 
 def select(collective: str, count: int, itemsize: int, world_size: int,
            node_of: Optional[Sequence] = None, forced: Optional[str] = None,
-           oversubscribed: bool = False) -> Algorithm:
+           oversubscribed: bool = False, topology: Optional[Topology] = None) -> Algorithm:
     """The algorithm to run.
 
     Args:
@@ -102,8 +103,9 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
         itemsize: bytes per element.
         world_size: ranks in the group.
         node_of: node id of every rank, or None for one node.
-        forced: an algorithm name that overrides the rules (else the environment's, if any).
+        forced: an algorithm name that overrides the rules (see :func:`forced_algorithms`).
         oversubscribed: some node runs more ranks than it has cores.
+        topology: ``node_of`` grouped by node, when the caller has it already.
 
     Returns:
         The chosen :class:`Algorithm`.
@@ -111,9 +113,10 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
     Raises:
         ValueError: the forced algorithm does not exist or cannot run on ``world_size`` ranks.
     """
-    name = forced or forced_from_environment(collective)
+    name = forced
     if name is None:
-        topology = Topology.from_node_of(node_of) if node_of else None
+        if topology is None and node_of:
+            topology = Topology.from_node_of(node_of)
         if (topology is not None and topology.is_multi_node
                 and collective in ("allreduce", "broadcast", "reduce")):
             name = "hierarchical"

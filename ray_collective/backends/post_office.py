@@ -3,9 +3,10 @@
 Ranks on other nodes send it one actor task per round (``deliver``) holding every message of
 that round for ranks on its node: small payloads inline in the task's arguments, large ones as
 numpy arrays that Ray moves through the object store (arguments above Ray's inline limit become
-ObjectRefs, read here without a copy). The post office hands each message to its local
-destination exactly as a local sender would (a Unix-socket packet, large payloads through its
-shared-memory arena), so a receiving rank treats local and remote peers alike.
+ObjectRefs, read here without a copy). The post office sends each message to its local
+destination exactly as the sender would on its own node, through the same link and wire
+protocol code (``transport.ray_transport.Deliveries``), so a receiving rank treats local and
+remote peers alike.
 
 It also answers for its node: which ranks are dead (process table), which have started a
 collective (the node's state page), and publishes an abort raised on another node.
@@ -23,9 +24,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..transport import uds
+from ..transport import uds, wire
 from ..transport.node_state import NodeState
-from ..transport.ray_transport import process_alive
+from ..transport.ray_transport import Deliveries, RemoteMessage, process_alive
 from ..transport.shm import SendArena
 
 
@@ -50,25 +51,23 @@ class PostOffice:
         self.state = NodeState(directory, group_name, world_size)
         self.arena = SendArena(f"ray_collective-{group_name}-post-office")
         self.links: Dict[Tuple[int, int], uds.Link] = {}
+        self.deliveries = Deliveries(self.arena, self._collect_releases)
+        self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
 
-    def deliver(self, messages: List[Tuple[int, int, bytes, Optional[np.ndarray]]]) -> None:
-        """Hand each ``(source, destination, packet, large payload or None)`` to its rank."""
+    def deliver(self, messages: List[RemoteMessage]) -> None:
+        """Send each ``(source, destination, tag, step, count, header, payload)`` to its rank."""
         self._collect_releases()
-        for source, destination, packet, payload in messages:
+        for source, destination, tag, step, count, header, payload in messages:
             link = self._link(source, destination)
             if link is None:
                 continue
-            if payload is None:
-                link.send(packet)
-                continue
-            segment, fd, offset = self.arena.place(payload, self._collect_releases)
-            fields = list(uds.DATA_FRAME.unpack_from(packet))
-            fields[5], fields[6] = segment, offset
-            first_use = segment not in link.segments_sent
-            link.segments_sent.add(segment)
-            link.send(uds.DATA_FRAME.pack(*fields) + packet[uds.DATA_FRAME.size:],
-                      fd if first_use else None)
-        self._flush(time.monotonic() + self.timeout)
+            if isinstance(payload, bytes):
+                payload = np.frombuffer(payload, np.uint8)
+            self.deliveries.send(link, step, tag, count, header, payload, None)
+        deadline = time.monotonic() + self.timeout
+        while self.deliveries.pending and time.monotonic() < deadline:
+            self.deliveries.advance()
+        self._flush(deadline)
 
     def dead_ranks(self, ranks: List[int]) -> List[int]:
         """Those of ``ranks`` whose process has exited."""
@@ -93,7 +92,7 @@ class PostOffice:
 
     def _link(self, source: int, destination: int) -> Optional[uds.Link]:
         link = self.links.get((source, destination))
-        if link is not None and not link.closed:
+        if link is not None and not (link.closed or link.unwritable):
             return link
         try:
             link = uds.connect(f"{self.directory}/{destination}.sock", source, self.group_key,
@@ -105,10 +104,15 @@ class PostOffice:
 
     def _collect_releases(self) -> None:
         for link in self.links.values():
-            for packet, fd in link.receive(uds.RELEASE_FRAME.size):
-                if packet[0] == uds.RELEASE:
-                    _, segment, offset = uds.RELEASE_FRAME.unpack_from(packet)
-                    self.arena.release(segment, offset)
+            while not link.closed:
+                got = link.receive_into(self._buffer)
+                if got is None:
+                    break
+                nbytes, fd = got
+                if fd is not None:
+                    uds.close_quietly(fd)
+                if self._buffer[0] == wire.RELEASE and nbytes == wire.RELEASE_FRAME.size:
+                    self.arena.release(*wire.parse_release(self._buffer))
 
     def _flush(self, deadline: float) -> None:
         backlogged = [link for link in self.links.values() if link.backlogged and not link.closed]

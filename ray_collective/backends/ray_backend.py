@@ -21,12 +21,13 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..algorithms.selector import forced_algorithms
 from ..errors import BackendNotAvailableError
 from ..transport import uds
 from ..transport.node_state import NodeState
-from ..transport.ray_transport import Peer, RayTransport, Relay
+from ..transport.ray_transport import SPIN_S, Peer, RayTransport, Relay
 from . import rendezvous
 from .base import BackendFactory, CollectiveBackend, DeclaredGroup
 from .declared import declare_in_actors
@@ -135,15 +136,20 @@ class RayRelay(Relay):
                 pass  # that node's post office is gone, and its ranks with it
 
 
-def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
-    """Whether some node runs more ranks of the group than it has cores (the same answer on
-    every rank, since it comes from the shared membership)."""
+def _ranks_over_cores(members: Sequence[rendezvous.Member]) -> Dict[str, bool]:
+    """For every node, whether it runs more ranks of the group than it has cores (the same
+    answer on every rank, since it comes from the shared membership)."""
     ranks: Dict[str, int] = {}
     cores: Dict[str, int] = {}
     for member in members:
         ranks[member.node] = ranks.get(member.node, 0) + 1
         cores[member.node] = max(cores.get(member.node, 0), member.cores)
-    return any(ranks[node] > cores[node] for node in ranks)
+    return {node: ranks[node] > cores[node] for node in ranks}
+
+
+def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
+    """Whether some node runs more ranks of the group than it has cores."""
+    return any(_ranks_over_cores(members).values())
 
 
 class RayMembership(TransportBackend):
@@ -151,10 +157,10 @@ class RayMembership(TransportBackend):
 
     def __init__(self, group_name: str, transport: RayTransport, token: str, prefix: str,
                  directory: str, members: Sequence[rendezvous.Member],
-                 post_office: Optional[object]):
+                 post_office: Optional[object], forced: Mapping[str, str]):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
                          node_of=[m.node for m in members],
-                         oversubscribed=_oversubscribed(members))
+                         oversubscribed=_oversubscribed(members), forced=forced)
         self.token = token
         self.prefix = prefix
         self.directory = directory
@@ -216,6 +222,7 @@ class RayBackendFactory(BackendFactory):
             raise BackendNotAvailableError(
                 f"group '{group_name}', rank {rank}: the 'ray' backend needs Linux (memfd and "
                 f"Unix sockets with descriptor passing)")
+        forced = forced_algorithms()
         job_id, node, session = _runtime()
         kv = rendezvous.KeyValue()
         prefix = rendezvous.group_prefix(job_id, group_name)
@@ -255,10 +262,13 @@ class RayBackendFactory(BackendFactory):
             if rank == min(local):
                 post_office = _start_post_office(directory, group_name, group_key, world_size,
                                                  node, local, timeout)
+        # Polling without sleep answers small messages fastest, but only a rank with a core of
+        # its own may do it: on a crowded node it would take the core a peer needs.
+        spin_s = 0.0 if _ranks_over_cores(members)[node] else SPIN_S
         transport = RayTransport(rank, group_name, group_key, peers, endpoint["listener"], state,
-                                 relay, connect_timeout=timeout)
+                                 relay, connect_timeout=timeout, spin_s=spin_s)
         return RayMembership(group_name, transport, token, prefix, directory, members,
-                             post_office)
+                             post_office, forced)
 
     def declare(self, actors, ranks, world_size, group_name, timeout) -> DeclaredGroup:
         job_id, _, _ = _runtime()

@@ -17,12 +17,13 @@ import numpy as np
 from ..algorithms.core import AlgorithmGen, Recv
 from ..errors import SimulationDeadlockError
 from ..executor import post_round
-from ..transport.base import CallHeader, Request
+from ..transport.base import Request
+from ..transport.wire import CallStamp
 from ..transport.local import LocalFabric
 
 
 def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen]],
-                 channel: Hashable, headers: Sequence[CallHeader],
+                 channel: Hashable, stamps: Sequence[CallStamp],
                  combine: Optional[Callable[[np.ndarray, np.ndarray], None]],
                  max_supersteps: int = 1_000_000) -> int:
     """Run one algorithm generator per rank (None: the rank takes no part) to completion.
@@ -31,7 +32,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
         fabric: a ``LocalFabric`` created with ``deferred=True``.
         algorithms: one generator per rank.
         channel: the channel every message uses.
-        headers: the header each rank posts and expects.
+        stamps: the header each rank posts and expects.
         combine: the reduction used by ``Recv(reduce=True)``.
         max_supersteps: a bound that turns a livelock into an error.
 
@@ -58,7 +59,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
             pending.pop(rank, None)
             waiting_on.pop(rank, None)
             return
-        pending[rank] = post_round(transports[rank], round_, channel, headers[rank], combine)
+        pending[rank] = post_round(transports[rank], round_, channel, stamps[rank], combine)
         waiting_on[rank] = [op.peer for op in round_ if isinstance(op, Recv)]
 
     for rank, algorithm in enumerate(algorithms):

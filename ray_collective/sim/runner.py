@@ -17,9 +17,10 @@ import numpy as np
 
 from ..algorithms.catalog import start
 from ..algorithms.core import Blocks, Context, Cost, Team
-from ..algorithms.selector import chooser, select
+from ..algorithms.selector import chooser, forced_algorithms, select
 from ..tensors import combiner
-from ..transport.base import COLLECTIVE_CHANNEL, CallHeader
+from ..transport.base import COLLECTIVE_CHANNEL
+from ..transport.wire import CallHeader, CallStamp
 from ..transport.local import LocalFabric
 from ..types import ReduceOp
 from .engine import run_lockstep
@@ -119,7 +120,8 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
                          "by a local division")
     wire = np.dtype(dtype)
     node_of = tuple(r // ranks_per_node for r in range(ranks)) if ranks_per_node else None
-    chosen = select(collective, count, wire.itemsize, ranks, node_of, forced=algorithm)
+    chosen = select(collective, count, wire.itemsize, ranks, node_of,
+                    forced=algorithm or forced_algorithms().get(collective))
     combine = combiner(op, wire.name) if check else _noop
     ctx = Context(wire, combine, alloc=None if check else (lambda n: _phantom(n, wire)),
                   copy=None if check else _noop, node_of=node_of,
@@ -135,13 +137,13 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
         recvbufs.append((np.zeros(length, wire) if check else _phantom(length, wire))
                         if collective == "alltoall" else None)
     fabric = LocalFabric(ranks, "sim", deferred=True, move_data=check, node_of=node_of)
-    header = CallHeader("sim", 0, 0, collective, chosen.name, wire.name, count, (count,),
-                        root if collective in ("reduce", "broadcast", "gather", "scatter") else -1,
-                        op.name)
+    stamp = CallStamp.of(CallHeader(
+        "sim", 0, 0, collective, chosen.name, wire.name, count, (count,),
+        root if collective in ("reduce", "broadcast", "gather", "scatter") else -1, op.name))
     started = time.perf_counter()
     generators = [start(chosen, Team.world(ranks, rank), ctx, bufs[rank], blocks, root,
                         recvbufs[rank]) for rank in range(ranks)]
-    rounds = run_lockstep(fabric, generators, COLLECTIVE_CHANNEL, [header] * ranks, combine)
+    rounds = run_lockstep(fabric, generators, COLLECTIVE_CHANNEL, [stamp] * ranks, combine)
     seconds = time.perf_counter() - started
     if check:
         _check(collective, inputs, bufs, recvbufs, blocks, root, op, wire)

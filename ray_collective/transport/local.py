@@ -23,14 +23,15 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import GroupBrokenError
-from .base import CallHeader, RecvRequest, Request, SendRequest, Transport, check_arrival
+from .base import RecvRequest, Request, SendRequest, Transport
+from .wire import CallStamp, mismatch
 
 
 class _Message:
-    __slots__ = ("header", "step", "payload", "count")
+    __slots__ = ("stamp", "step", "payload", "count")
 
-    def __init__(self, header: CallHeader, step: int, payload: Optional[np.ndarray], count: int):
-        self.header = header
+    def __init__(self, stamp: CallStamp, step: int, payload: Optional[np.ndarray], count: int):
+        self.stamp = stamp
         self.step = step
         self.payload = payload
         self.count = count
@@ -109,7 +110,7 @@ class LocalTransport(Transport):
         self.rank = rank
         self.world_size = fabric.world_size
 
-    def isend(self, peer: int, channel: Hashable, header: CallHeader, step: int,
+    def isend(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
               data: np.ndarray) -> Request:
         fabric = self.fabric
         payload = data.copy() if fabric.move_data else None
@@ -117,13 +118,13 @@ class LocalTransport(Transport):
         fabric.elements_sent[self.rank] += len(data)
         if fabric.node_of is not None and fabric.node_of[peer] != fabric.node_of[self.rank]:
             fabric.inter_node_messages[self.rank] += 1
-        fabric._post((self.rank, peer, channel), _Message(header, step, payload, len(data)))
+        fabric._post((self.rank, peer, channel), _Message(stamp, step, payload, len(data)))
         return SendRequest(peer, done=True)
 
-    def irecv(self, peer: int, channel: Hashable, header: CallHeader, step: int,
+    def irecv(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
-        return RecvRequest(peer, (peer, self.rank, channel), header, step, out, combine)
+        return RecvRequest(peer, (peer, self.rank, channel), stamp, step, out, combine)
 
     def test(self, request: Request) -> bool:
         if request.done:
@@ -132,8 +133,10 @@ class LocalTransport(Transport):
         if not box:
             return False
         message = box.popleft()
-        check_arrival(self.rank, request.peer, request.header, request.step, len(request.out),
-                      message.header, message.step, message.count)
+        if (message.stamp.packed != request.stamp.packed or message.step != request.step
+                or message.count != len(request.out)):
+            raise mismatch(self.rank, request.peer, request.stamp, request.step,
+                           len(request.out), message.stamp.packed, message.step, message.count)
         if message.payload is not None:
             if request.combine is None:
                 request.out[...] = message.payload
@@ -156,12 +159,12 @@ class LocalTransport(Transport):
                     return pending
                 fabric._cond.wait(remaining)
 
-    def arrive(self, header: CallHeader) -> None:
+    def arrive(self, seq: int) -> None:
         started = self.fabric._started_seq
-        started[self.rank] = max(started[self.rank], header.seq)
+        started[self.rank] = max(started[self.rank], seq)
 
-    def absent_ranks(self, header: CallHeader) -> Optional[Sequence[int]]:
-        return [rank for rank, seq in enumerate(self.fabric._started_seq) if seq < header.seq]
+    def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
+        return [rank for rank, started in enumerate(self.fabric._started_seq) if started < seq]
 
     def abort(self, error: BaseException) -> None:
         self.fabric._abort(error)

@@ -1,42 +1,63 @@
-"""The transport of the ``ray`` backend: shared memory on a node, Ray actor tasks across nodes.
+"""The transport of the ``ray`` backend: Unix sockets and shared memory on a node, Ray actor
+tasks across nodes.
 
-On one node, each message is one packet on a Unix socket (``transport.uds``): small payloads
-ride inline in the packet; large ones are copied once into the sender's shared memory
-(``transport.shm``) and the receiver reduces or copies straight out of it, then releases it.
-Nothing runs in the background: the calling thread makes progress inside :meth:`wait`, polling
-its sockets, so an idle rank costs nothing and a busy one has no thread to contend with.
+It drives the wire protocol (``transport.wire``) with real I/O. On one node, each message goes
+to its peer over a Unix-socket link (``transport.uds``): small payloads inline in one packet,
+large ones part by part through the sender's shared memory (``transport.shm``), read in place by
+the receiver. Nothing runs in the background: the calling thread makes progress inside
+:meth:`RayTransport.wait`, so an idle rank costs nothing and a busy one has no thread to contend
+with. While it waits, a rank writes the next part of its own large sends between reading the
+parts that arrive, so that its peers reduce one part while it writes the next.
+
+Waiting: a rank first polls its sockets without sleeping for a short while (``spin_s``), which
+answers a small message in microseconds instead of a process wake-up; it is given that while
+only where its node has a core for every rank of the group there (the rendezvous knows), and
+none at all on an oversubscribed node, where spinning would take the core a peer needs. Then it
+blocks in ``poll``, waking at least every 0.1 s to look for failures.
 
 Across nodes, sends go to a :class:`Relay` (the node's post office actor, see
-``backends.ray_backend``), batched: one actor task per destination node per round, however
+``backends.post_office``), batched: one actor task per destination node per round, however
 many ranks of that node the round addresses. The post office delivers them on its node as if
 it were the sender.
 
-Failures: a peer's socket closing, or its process gone from the process table, means it died;
-an abort by any rank is published in the node's shared state page (``transport.node_state``)
-and, through the relay, on every other node, and every waiting rank raises it within one poll
-interval.
+Failures: a peer's socket closing, or its process gone from the process table (checked every
+0.1 s for the peers a rank waits for on its node, every second through the relay for the
+others), means it died; an abort by any rank is published in the node's shared state page
+(``transport.node_state``) and, through the relay, on every other node, and every waiting rank
+raises it within one poll interval.
 """
 
 from __future__ import annotations
 
+import hmac
 import select
+import struct
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import (GroupBrokenError, PeerDiedError, error_from_record, error_record)
-from . import uds
-from .base import (COLLECTIVE_CHANNEL, CallHeader, RecvRequest, Request, SendRequest, Transport,
-                   check_arrival)
+from ..errors import (CollectiveError, GroupBrokenError, PeerDiedError, error_from_record,
+                      error_record)
+from . import uds, wire
+from .base import COLLECTIVE_CHANNEL, Request, SendRequest, Transport
 from .node_state import NodeState
 from .shm import PeerSegments, SendArena
 
-INLINE_LIMIT = 1 << 16
+INLINE_LIMIT = uds.INLINE_LIMIT
 _POLL_INTERVAL_S = 0.1
-_LIVENESS_INTERVAL_S = 1.0
+_LOCAL_LIVENESS_INTERVAL_S = 0.1
+_REMOTE_LIVENESS_INTERVAL_S = 1.0
+
+SPIN_S = 50e-6
+"""How long a rank with a core of its own polls without sleeping before it blocks."""
+
+RemoteMessage = Tuple[int, int, int, int, int, bytes, object]
+"""``(source, destination, tag, step, count, packed header, payload)``: one message for a rank
+on another node. The payload is the bytes of a small message, or the array of a large one
+(Ray carries arrays above its inline limit through the object store)."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +70,9 @@ class Peer:
 
 
 class Relay:
-    """Reaches the ranks on other nodes (implemented over Ray by the backend).
+    """Reaches the ranks on other nodes (implemented over Ray by the backend)."""
 
-    ``messages`` are ``(source rank, destination rank, packet, large payload or None)``.
-    """
-
-    def deliver(self, node: str, messages: List[Tuple[int, int, bytes, Optional[np.ndarray]]]
-                ) -> None:
+    def deliver(self, node: str, messages: List[RemoteMessage]) -> None:
         """Hand ``messages`` to ``node`` in one batch (asynchronously, order kept per node)."""
         raise NotImplementedError
 
@@ -74,7 +91,7 @@ class Relay:
 
 def channel_tag(channel: Hashable) -> int:
     """The wire number of a channel: -1 for collectives, the tag for point-to-point."""
-    return uds.COLLECTIVE_TAG if channel == COLLECTIVE_CHANNEL else channel[1]
+    return wire.COLLECTIVE_TAG if channel == COLLECTIVE_CHANNEL else channel[1]
 
 
 def process_alive(pid: int) -> bool:
@@ -86,18 +103,54 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-class _Arrived:
-    __slots__ = ("step", "count", "nbytes", "segment", "offset", "header", "payload", "link")
+class Deliveries:
+    """Moves messages into the links of one node: a rank's own sends, or a post office's.
 
-    def __init__(self, step, count, nbytes, segment, offset, header, payload, link):
-        self.step = step
-        self.count = count
-        self.nbytes = nbytes
-        self.segment = segment
-        self.offset = offset
-        self.header = header
-        self.payload = payload
-        self.link = link
+    Messages to one link leave in the order they were given, each whole before the next (the
+    receiver matches a message's parts in order); a large message leaves one part per call of
+    :meth:`advance`, so that its sender can read what arrives in between.
+
+    Args:
+        arena: the sender's shared memory for large parts.
+        reclaim: collects releases before the arena grows.
+    """
+
+    def __init__(self, arena: SendArena, reclaim: Callable[[], None]):
+        self.arena = arena
+        self.reclaim = reclaim
+        self._queues: Dict[uds.Link, Deque[uds.OutgoingMessage]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether some message still has parts to send."""
+        return bool(self._queues)
+
+    def send(self, link: uds.Link, step: int, tag: int, count: int, header: bytes,
+             payload: np.ndarray, request) -> None:
+        """Start sending ``payload`` on ``link``: its first part leaves now unless the link
+        is still sending an earlier message."""
+        message = uds.OutgoingMessage(link, self.arena, self.reclaim, step, tag, count, header,
+                                      payload, request)
+        queue = self._queues.get(link)
+        if queue is not None:
+            queue.append(message)
+        elif not message.advance():
+            self._queues[link] = deque([message])
+
+    def advance(self) -> None:
+        """Send one more part of the first unfinished message of every link."""
+        for link, queue in list(self._queues.items()):
+            if link.closed or link.unwritable:
+                del self._queues[link]
+                continue
+            if queue[0].advance():
+                queue.popleft()
+                if not queue:
+                    del self._queues[link]
+
+    def drop(self, link: uds.Link) -> None:
+        """Forget what was still to be sent on ``link`` (it closed)."""
+        self._queues.pop(link, None)
 
 
 class RayTransport(Transport):
@@ -112,11 +165,12 @@ class RayTransport(Transport):
         state: this node's shared state page of the group.
         relay: reaches other nodes; None when the group has one node.
         connect_timeout: seconds to wait for a local peer's socket to accept.
+        spin_s: seconds to poll without sleeping before blocking (0 on oversubscribed nodes).
     """
 
     def __init__(self, rank: int, group_name: str, group_key: bytes, peers: Sequence[Peer],
                  listener, state: NodeState, relay: Optional[Relay] = None,
-                 connect_timeout: float = 30.0):
+                 connect_timeout: float = 30.0, spin_s: float = 0.0):
         self.rank = rank
         self.world_size = len(peers)
         self.group_name = group_name
@@ -126,67 +180,48 @@ class RayTransport(Transport):
         self.state = state
         self.relay = relay
         self.connect_timeout = connect_timeout
+        self.spin_s = spin_s
         self._listener = listener
         self._poll = select.poll()
         self._poll.register(listener.fileno(), select.POLLIN)
         self._links_by_fd: Dict[int, uds.Link] = {}
         self._out_links: Dict[int, uds.Link] = {}
-        self._boxes: Dict[Tuple[int, int], deque] = defaultdict(deque)
         self._arena = SendArena(f"ray_collective-{group_name}-{rank}")
         self._segments = PeerSegments()
+        self._deliveries = Deliveries(self._arena, self._collect_releases)
+        self._inbox = wire.Inbox(rank, self._read_segment, self._release)
+        self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
         self._remote_batches: Dict[str, list] = {}
         self._dead: Dict[int, str] = {}
-        self._packed: Tuple[Optional[CallHeader], bytes] = (None, b"")
-        self._receive_limit = uds.DATA_FRAME.size + 4096 + INLINE_LIMIT
+        self._current: Optional[wire.CallStamp] = None
+        self._protocol_error: Optional[CollectiveError] = None
+        self.refused_connections = 0
 
     # ------------------------------------------------------------------ sending
 
-    def _packed_header(self, header: CallHeader) -> bytes:
-        cached, packed = self._packed
-        if cached is not header:
-            packed = header.pack()
-            self._packed = (header, packed)
-        return packed
-
-    def isend(self, peer: int, channel: Hashable, header: CallHeader, step: int,
+    def isend(self, peer: int, channel: Hashable, stamp: wire.CallStamp, step: int,
               data: np.ndarray) -> Request:
-        packed = self._packed_header(header)
-        nbytes = data.nbytes
+        self._current = stamp
         tag = channel_tag(channel)
         if self.peers[peer].node != self.node:
-            return self._send_remote(peer, tag, packed, step, data)
-        link = self._link_to(peer)
+            return self._send_remote(peer, tag, stamp.packed, step, data)
         request = SendRequest(peer)
-        if nbytes <= INLINE_LIMIT:
-            frame = uds.DATA_FRAME.pack(uds.DATA, step, tag, len(data), nbytes, uds.INLINE, 0,
-                                        len(packed))
-            self._send_on(link, frame + packed + data.tobytes(), None, request)
-            return request
-        segment, fd, offset = self._arena.place(data, self._collect_releases)
-        frame = uds.DATA_FRAME.pack(uds.DATA, step, tag, len(data), nbytes, segment, offset,
-                                    len(packed))
-        first_use = segment not in link.segments_sent
-        link.segments_sent.add(segment)
-        self._send_on(link, frame + packed, fd if first_use else None, request)
-        return request
-
-    def _send_on(self, link: uds.Link, packet: bytes, fd: Optional[int] = None,
-                 request: Optional[SendRequest] = None) -> None:
-        link.send(packet, fd, request)
+        link = self._link_to(peer)
+        self._deliveries.send(link, step, tag, len(data), stamp.packed, data, request)
+        if link.unwritable:
+            self._read_link(link)  # what the peer sent before it went is still to be read
         if link.closed:
             self._drop_link(link)
         elif link.backlogged:
             self._poll.modify(link.fd, select.POLLIN | select.POLLOUT)
+        return request
 
     def _send_remote(self, peer: int, tag: int, packed: bytes, step: int,
                      data: np.ndarray) -> Request:
-        large = data.nbytes > INLINE_LIMIT
-        frame = uds.DATA_FRAME.pack(uds.DATA, step, tag, len(data), data.nbytes, uds.INLINE, 0,
-                                    len(packed)) + packed
-        if not large:
-            frame += data.tobytes()
+        payload = data.copy() if data.nbytes > INLINE_LIMIT else data.tobytes()
         batch = self._remote_batches.setdefault(self.peers[peer].node, [])
-        batch.append((self.rank, peer, frame, data.copy() if large else None))
+        batch.append((self.rank, peer, tag, step, len(data), packed, payload))
         return SendRequest(peer, done=True)
 
     def _flush_remote(self) -> None:
@@ -199,15 +234,13 @@ class RayTransport(Transport):
         link = self._out_links.get(peer)
         if link is None:
             if peer in self._dead:
-                raise PeerDiedError(self.group_name, self.rank, "send", -1, [peer],
-                                    self._dead[peer])
+                raise self._peer_died([peer], "send")
             try:
                 link = uds.connect(self.peers[peer].socket_path, self.rank, self.group_key,
                                    self.connect_timeout)
             except OSError as err:
                 self._dead[peer] = f"its socket refused a connection: {err}"
-                raise PeerDiedError(self.group_name, self.rank, "send", -1, [peer],
-                                    self._dead[peer]) from err
+                raise self._peer_died([peer], "send") from err
             link.peer = peer
             self._out_links[peer] = link
             self._links_by_fd[link.fd] = link
@@ -216,68 +249,72 @@ class RayTransport(Transport):
 
     # ---------------------------------------------------------------- receiving
 
-    def irecv(self, peer: int, channel: Hashable, header: CallHeader, step: int,
+    def irecv(self, peer: int, channel: Hashable, stamp: wire.CallStamp, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
-        return RecvRequest(peer, (peer, channel_tag(channel)), header, step, out, combine)
+        self._current = stamp
+        receive = wire.Receive(peer, stamp, step, out, combine)
+        self._inbox.post((peer, channel_tag(channel)), receive)
+        return receive
 
     def test(self, request: Request) -> bool:
-        if request.done:
-            return True
-        if isinstance(request, SendRequest):
-            return False
-        box = self._boxes.get(request.key)
-        if not box:
-            return False
-        message = box.popleft()
-        peer, out = request.peer, request.out
-        if (message.header != self._packed_header(request.header)
-                or message.step != request.step or message.count != len(out)):
-            check_arrival(self.rank, peer, request.header, request.step, len(out),
-                          CallHeader.unpack(message.header), message.step, message.count)
-        if message.payload is not None:
-            payload = np.frombuffer(message.payload, out.dtype, len(out))
-        else:
-            payload = self._segments.view(peer, message.segment, message.offset,
-                                          message.nbytes).view(out.dtype)
-        if request.combine is None:
-            np.copyto(out, payload)
-        else:
-            request.combine(out, payload)
-        if message.payload is None:
-            del payload
-            self._segments.done(peer, message.segment)
-            if not message.link.closed:
-                self._send_on(message.link, uds.RELEASE_FRAME.pack(uds.RELEASE, message.segment,
-                                                                   message.offset))
-        request.done = True
-        return True
+        return request.done
 
-    def _on_packet(self, link: uds.Link, packet: bytes, fd: Optional[int]) -> None:
-        kind = packet[0]
-        if kind == uds.DATA:
-            (_, step, tag, count, nbytes, segment, offset,
-             header_len) = uds.DATA_FRAME.unpack_from(packet)
-            start = uds.DATA_FRAME.size
-            header = packet[start:start + header_len]
-            payload = None
-            if segment == uds.INLINE:
-                payload = memoryview(packet)[start + header_len:]
+    def _read_segment(self, part: wire.Part) -> np.ndarray:
+        return self._segments.view(part.origin.peer, part.segment, part.segment_offset,
+                                   part.part_bytes)
+
+    def _release(self, part: wire.Part) -> None:
+        link = part.origin
+        self._segments.done(link.peer, part.segment)
+        if not (link.closed or link.unwritable):
+            link.send((wire.release_frame(part.segment, part.segment_offset),))
+            if link.backlogged:
+                self._poll.modify(link.fd, select.POLLIN | select.POLLOUT)
+
+    def _on_packet(self, link: uds.Link, nbytes: int, fd: Optional[int]) -> None:
+        packet = self._view[:nbytes]
+        if link.peer < 0:
+            self._on_hello(link, packet, fd)
+            return
+        try:
+            kind = packet[0]
+            if kind == wire.DATA:
+                tag, part = wire.parse_data(packet, link)
+                if part.segment != wire.INLINE:
+                    if fd is not None:
+                        self._segments.add(link.peer, part.segment, fd)
+                        fd = None
+                    self._segments.hold(link.peer, part.segment)
+                self._inbox.arrive((link.peer, tag), part)
+            elif kind == wire.RELEASE:
+                self._arena.release(*wire.parse_release(packet))
             else:
-                if fd is not None:
-                    self._segments.add(link.peer, segment, fd)
-                self._segments.hold(link.peer, segment)
-            self._boxes[(link.peer, tag)].append(
-                _Arrived(step, count, nbytes, segment, offset, header, payload, link))
-        elif kind == uds.RELEASE:
-            _, segment, offset = uds.RELEASE_FRAME.unpack_from(packet)
-            self._arena.release(segment, offset)
-        elif kind == uds.HELLO:
-            _, sender, key = uds.HELLO_FRAME.unpack_from(packet)
-            if key != self.group_key or not 0 <= sender < self.world_size:
-                link.close()
-                return
-            link.peer = sender
+                raise ValueError(f"unknown frame kind {kind}")
+        except (ValueError, KeyError, struct.error, OSError) as err:
+            self._protocol_error = CollectiveError(
+                f"rank {self.rank} of group '{self.group_name}': rank {link.peer} sent a "
+                f"malformed frame ({type(err).__name__}: {err}); its connection was closed and "
+                f"the group is broken. Destroy the group and create it again.")
+            self._drop_link(link)
+        finally:
+            if fd is not None:
+                uds.close_quietly(fd)
+
+    def _on_hello(self, link: uds.Link, packet, fd: Optional[int]) -> None:
+        """The first packet of an accepted connection must prove the group's key; a connection
+        that does not is closed before anything else it sent is read."""
+        try:
+            sender, key = wire.parse_hello(packet)
+        except ValueError:
+            sender, key = -1, b""
+        if fd is not None:
+            uds.close_quietly(fd)
+        if not hmac.compare_digest(key, self.group_key) or not 0 <= sender < self.world_size:
+            self.refused_connections += 1
+            self._drop_link(link)
+            return
+        link.peer = sender
 
     def _accept(self) -> None:
         while True:
@@ -288,6 +325,14 @@ class RayTransport(Transport):
             link = uds.accepted(sock)
             self._links_by_fd[link.fd] = link
             self._poll.register(link.fd, select.POLLIN)
+
+    def _read_link(self, link: uds.Link) -> None:
+        buffer = self._buffer
+        while not link.closed:
+            got = link.receive_into(buffer)
+            if got is None:
+                break
+            self._on_packet(link, *got)
 
     def _progress(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for socket events and handle every one that is ready."""
@@ -301,8 +346,7 @@ class RayTransport(Transport):
             if events & select.POLLOUT:
                 link.flush()
             if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                for packet, passed_fd in link.receive(self._receive_limit):
-                    self._on_packet(link, packet, passed_fd)
+                self._read_link(link)
             if link.closed:
                 self._drop_link(link)
             elif link.backlogged:
@@ -313,13 +357,13 @@ class RayTransport(Transport):
     def _collect_releases(self) -> None:
         """Read what the links this rank sends on have received (releases) without waiting."""
         for link in list(self._out_links.values()):
-            for packet, passed_fd in link.receive(self._receive_limit):
-                self._on_packet(link, packet, passed_fd)
+            self._read_link(link)
 
     def _drop_link(self, link: uds.Link) -> None:
         if self._links_by_fd.pop(link.fd, None) is None:
             return
         self._poll.unregister(link.fd)
+        self._deliveries.drop(link)
         if link.peer >= 0 and self._out_links.get(link.peer) is link:
             del self._out_links[link.peer]
         if link.peer >= 0 and not process_alive(self.peers[link.peer].pid):
@@ -330,36 +374,63 @@ class RayTransport(Transport):
 
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
         self._flush_remote()
-        next_liveness = time.monotonic() + _LIVENESS_INTERVAL_S
+        deliveries = self._deliveries
+        if self.spin_s:
+            spin_until = time.monotonic() + self.spin_s
+            while True:
+                if deliveries.pending:
+                    deliveries.advance()
+                if all(r.done for r in requests):
+                    return ()
+                self._raise_if_failed(requests)
+                if time.monotonic() >= spin_until:
+                    break
+                self._progress(0)
+        next_local = time.monotonic() + _LOCAL_LIVENESS_INTERVAL_S
+        next_remote = next_local
         while True:
-            pending = [r for r in requests if not self.test(r)]
+            if deliveries.pending:
+                deliveries.advance()
+            pending = [r for r in requests if not r.done]
             if not pending:
                 return ()
             self._raise_if_failed(pending)
             now = time.monotonic()
             if now >= deadline:
                 return pending
-            if now >= next_liveness:
-                self._check_liveness({r.peer for r in pending})
-                next_liveness = now + _LIVENESS_INTERVAL_S
-            self._progress(min(deadline - now, _POLL_INTERVAL_S))
+            if now >= next_local:
+                remote = self._check_liveness({r.peer for r in pending}, now >= next_remote)
+                next_local = now + _LOCAL_LIVENESS_INTERVAL_S
+                if remote:
+                    next_remote = now + _REMOTE_LIVENESS_INTERVAL_S
+                continue
+            self._progress(0 if deliveries.pending else min(deadline - now, _POLL_INTERVAL_S))
 
     def _raise_if_failed(self, pending: Sequence[Request]) -> None:
+        if self._inbox.error is not None:
+            raise self._inbox.error
+        if self._protocol_error is not None:
+            raise self._protocol_error
         record = self.state.aborted()
         if record is not None:
             error = error_from_record(record, self.rank)
             if isinstance(error, PeerDiedError):
                 raise error
             raise GroupBrokenError(self.group_name, self.rank, error)
-        dead = sorted({r.peer for r in pending} & set(self._dead))
-        if dead:
-            header = self._packed[0]
-            raise PeerDiedError(self.group_name, self.rank,
-                                header.collective if header else "call",
-                                header.seq if header else -1, dead,
-                                "; ".join(self._dead[r] for r in dead))
+        if self._dead:
+            dead = sorted({r.peer for r in pending} & set(self._dead))
+            if dead:
+                raise self._peer_died(dead)
 
-    def _check_liveness(self, peers: set) -> None:
+    def _peer_died(self, dead: List[int], what: str = "") -> PeerDiedError:
+        stamp = self._current
+        return PeerDiedError(self.group_name, self.rank,
+                             stamp.template.collective if stamp else what or "call",
+                             stamp.seq if stamp else -1, dead,
+                             "; ".join(self._dead[r] for r in dead))
+
+    def _check_liveness(self, peers: set, remote_too: bool) -> bool:
+        """Look for dead peers among ``peers``; returns whether remote ones were asked about."""
         remote: Dict[str, List[int]] = defaultdict(list)
         for peer in peers:
             where = self.peers[peer]
@@ -367,25 +438,28 @@ class RayTransport(Transport):
                 remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
+        if not (remote and remote_too):
+            return False
         for node, ranks in remote.items():
             for peer in self.relay.dead_ranks(node, ranks):
                 self._dead.setdefault(peer, f"its process on node {node[:8]} exited")
+        return True
 
     # ------------------------------------------------------------ group status
 
-    def arrive(self, header: CallHeader) -> None:
-        self.state.arrive(self.rank, header.seq)
+    def arrive(self, seq: int) -> None:
+        self.state.arrive(self.rank, seq)
 
-    def absent_ranks(self, header: CallHeader) -> Optional[Sequence[int]]:
+    def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         by_node: Dict[str, List[int]] = defaultdict(list)
         for rank, peer in enumerate(self.peers):
             by_node[peer.node].append(rank)
         started = []
         for node, ranks in by_node.items():
             if node == self.node:
-                started += self.state.started(ranks, header.seq)
+                started += self.state.started(ranks, seq)
             else:
-                started += self.relay.started(node, ranks, header.seq)
+                started += self.relay.started(node, ranks, seq)
         absent = sorted(set(range(self.world_size)) - set(started))
         return absent or None
 
@@ -404,7 +478,6 @@ class RayTransport(Transport):
             link.close()
         self._links_by_fd.clear()
         self._out_links.clear()
-        self._boxes.clear()
         self._listener.close()
         self._segments.close()
         self._arena.close()

@@ -126,6 +126,11 @@ class SendArena:
         self._next_id += 1
         return self._current, 0
 
+    def live_payloads(self) -> int:
+        """Payloads placed and not yet released by their receiver."""
+        segments = [self._current, *self._draining.values()]
+        return sum(len(s.live) for s in segments if s is not None)
+
     def in_use(self) -> int:
         """Bytes of shared memory this arena holds now."""
         held = [self._current] if self._current is not None else []

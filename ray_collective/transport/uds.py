@@ -1,38 +1,45 @@
-"""Unix-socket links between the processes of one node: the frames and their buffering.
+"""Unix-socket links between the processes of one node: packets out and in, and messages cut
+into the parts the wire protocol (``transport.wire``) defines.
 
 Each sender opens one ``SOCK_SEQPACKET`` connection to each local peer it sends to (the peer
 listens on ``<group dir>/<rank>.sock``, in a 0700 directory). Sequenced packets keep message
 boundaries and order, and the kernel wakes a ``poll`` at once, so a small message costs one
-``send`` and one ``recv``. Frames are fixed binary structs plus the packed call header; nothing
-from a peer is ever unpickled.
+``sendmsg`` and one ``recvmsg_into``. A packet is sent straight from its pieces (frame, header,
+the caller's payload) with scatter/gather I/O and received into one reusable buffer: nothing is
+concatenated or allocated per message.
 
-Frames:
-- ``HELLO``: the first packet on a connection: the sender's rank and the group's key.
-- ``DATA``: one message: step, channel, element count, byte size, the packed call header, and
-  either the payload inline (small) or a place in the sender's shared memory (segment id, byte
-  offset), with the segment's file descriptor attached the first time (``SCM_RIGHTS``).
-- ``RELEASE``: from receiver back to sender: the shared-memory payload at (segment id, byte
-  offset) was read.
+A large payload is copied, part by part, into the sender's shared memory (``transport.shm``),
+and each part's frame names its place there; the segment's file descriptor travels with the
+first frame that uses it on a link (``SCM_RIGHTS``). The receiver reads each part straight from
+the sender's memory, then sends a RELEASE back on the same connection.
 """
 
 from __future__ import annotations
 
 import array
 import errno
+import os
 import socket
 import struct
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Optional, Sequence, Tuple
 
-HELLO, DATA, RELEASE = 1, 2, 3
-INLINE = -1
-COLLECTIVE_TAG = -1
+import numpy as np
 
-HELLO_FRAME = struct.Struct("<Bi16s")
-DATA_FRAME = struct.Struct("<BiqqqiQH")
-RELEASE_FRAME = struct.Struct("<BiQ")
+from . import wire
+from .shm import SendArena
 
 SOCKET_BUFFER = 1 << 21
+INLINE_LIMIT = 1 << 16
+"""Payloads up to this many bytes travel inside their packet; larger ones in shared memory."""
+
+PART_BYTES = 1 << 20
+"""A large payload travels in parts of this many bytes (the last one shorter): the receiver
+reduces one part while the sender writes the next."""
+
+RECEIVE_BUFFER_BYTES = wire.DATA_FRAME.size + 4096 + INLINE_LIMIT
+"""Room for the largest packet: frame, call header (names and shape), inline payload."""
+
 _FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))
 
 
@@ -58,8 +65,12 @@ def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Link":
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     _enlarge_buffers(sock)
     sock.settimeout(timeout)
-    sock.connect(path)
-    sock.sendall(HELLO_FRAME.pack(HELLO, sender, group_key))
+    try:
+        sock.connect(path)
+        sock.sendall(wire.hello(sender, group_key))
+    except BaseException:
+        sock.close()
+        raise
     sock.setblocking(False)
     return Link(sock)
 
@@ -76,7 +87,11 @@ class Link:
 
     Attributes:
         peer: the rank at the other end (-1 until its HELLO arrives on an accepted link).
-        closed: the other end hung up or the connection failed.
+        closed: nothing more will arrive: the other end hung up (after everything it sent was
+            read), the connection failed, or this end closed it.
+        unwritable: sending failed because the other end is gone; what it sent before can
+            still be read, until ``closed``.
+        segments_sent: the shared-memory segments whose descriptor this link has carried.
     """
 
     def __init__(self, sock: socket.socket):
@@ -84,67 +99,147 @@ class Link:
         self.fd = sock.fileno()
         self.peer = -1
         self.closed = False
+        self.unwritable = False
         self.segments_sent: set = set()
-        self._outbox: Deque[Tuple[bytes, Optional[int], object]] = deque()
+        self._outbox: Deque[Tuple[Sequence, Optional[int], object]] = deque()
 
     @property
     def backlogged(self) -> bool:
         """Whether packets wait for room in the kernel."""
         return bool(self._outbox)
 
-    def send(self, packet: bytes, fd: Optional[int] = None, request=None) -> None:
-        """Send one packet (with ``fd`` attached); ``request.done`` turns true once it is out."""
-        self._outbox.append((packet, fd, request))
+    def send(self, pieces: Sequence, fd: Optional[int] = None, request=None) -> None:
+        """Send one packet made of ``pieces`` (bytes-like, gathered by the kernel), with ``fd``
+        attached; ``request.done`` turns true once it is out. The pieces must stay unchanged
+        until then."""
+        self._outbox.append((pieces, fd, request))
         if len(self._outbox) == 1:
             self.flush()
 
     def flush(self) -> None:
         """Hand queued packets to the kernel until it is full."""
         outbox = self._outbox
-        while outbox and not self.closed:
-            packet, fd, request = outbox[0]
+        sock = self.sock
+        while outbox and not (self.closed or self.unwritable):
+            pieces, fd, request = outbox[0]
             try:
                 if fd is None:
-                    self.sock.send(packet)
+                    sock.sendmsg(pieces)
                 else:
-                    socket.send_fds(self.sock, [packet], [fd])
+                    sock.sendmsg(pieces, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           array.array("i", [fd]))])
             except BlockingIOError:
                 return
             except OSError as err:
                 if err.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                    self.closed = True
+                    self.unwritable = True
+                    outbox.clear()
                     return
                 raise
             outbox.popleft()
             if request is not None:
                 request.done = True
 
-    def receive(self, limit: int) -> List[Tuple[bytes, Optional[int]]]:
-        """Every packet ready now, each with the file descriptor it carried (or None)."""
-        packets = []
+    def receive_into(self, buffer: bytearray) -> Optional[Tuple[int, Optional[int]]]:
+        """Read the next packet into ``buffer``.
+
+        Returns:
+            ``(its length, the file descriptor it carried or None)``, or None when no packet is
+            ready (or the connection ended: ``closed`` is then set).
+        """
+        resets = 0
         while True:
             try:
-                data, ancillary, _, _ = self.sock.recvmsg(limit, _FD_SPACE)
+                nbytes, ancillary, _, _ = self.sock.recvmsg_into([buffer], _FD_SPACE)
+                break
             except BlockingIOError:
-                return packets
-            except OSError as err:
-                if err.errno in (errno.ECONNRESET, errno.ENOTCONN):
+                return None
+            except ConnectionResetError:
+                # The other end closed with packets of ours unread. The kernel reports that
+                # once; what it sent before closing is still queued here, so read on.
+                self.unwritable = True
+                resets += 1
+                if resets > 1:
                     self.closed = True
-                    return packets
+                    return None
+            except OSError as err:
+                if err.errno == errno.ENOTCONN:
+                    self.closed = True
+                    return None
                 raise
-            if not data:
-                self.closed = True
-                return packets
-            fd = None
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-                    fd = fds[0]
-            packets.append((data, fd))
+        if not nbytes:
+            self.closed = True
+            return None
+        fd = None
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+                fd = fds[0]
+                for extra in fds[1:]:
+                    close_quietly(extra)  # a well-behaved peer never sends more than one
+        return nbytes, fd
 
     def close(self) -> None:
         """Close the socket; queued packets are dropped."""
         self.closed = True
         self._outbox.clear()
         self.sock.close()
+
+
+def close_quietly(fd: int) -> None:
+    """Close a file descriptor a peer passed that nothing will use."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class OutgoingMessage:
+    """A message on its way out through one link, sent part by part.
+
+    Small payloads leave at once as one inline packet. Large ones leave one part per
+    :meth:`advance` (each copied into ``arena`` and announced by its frame), so that a driver
+    can interleave writing parts with reading what arrives. ``request.done`` turns true once
+    the last part is handed to the kernel.
+    """
+
+    __slots__ = ("link", "arena", "reclaim", "step", "tag", "count", "header", "payload",
+                 "request", "sent")
+
+    def __init__(self, link: Link, arena: SendArena, reclaim, step: int, tag: int, count: int,
+                 header: bytes, payload: np.ndarray, request):
+        self.link = link
+        self.arena = arena
+        self.reclaim = reclaim
+        self.step = step
+        self.tag = tag
+        self.count = count
+        self.header = header
+        self.payload = payload
+        self.request = request
+        self.sent = 0
+
+    def advance(self) -> bool:
+        """Send the next part; returns True once the whole message is out of this object."""
+        payload, link = self.payload, self.link
+        nbytes = payload.nbytes
+        if nbytes <= INLINE_LIMIT:
+            frame = wire.data_frame(self.step, self.tag, self.count, nbytes, 0, nbytes,
+                                    wire.INLINE, 0, len(self.header))
+            link.send((frame, self.header, payload), None, self.request)
+            self.sent = nbytes
+            return True
+        start = self.sent
+        stop = min(nbytes, start + PART_BYTES)
+        raw = payload.view(np.uint8) if payload.dtype != np.uint8 else payload
+        segment, fd, offset = self.arena.place(raw[start:stop], self.reclaim)
+        frame = wire.data_frame(self.step, self.tag, self.count, nbytes, start, stop - start,
+                                segment, offset, len(self.header))
+        first_use = segment not in link.segments_sent
+        link.segments_sent.add(segment)
+        self.sent = stop
+        last = stop == nbytes
+        link.send((frame, self.header), fd if first_use else None,
+                  self.request if last else None)
+        return last

@@ -1,0 +1,432 @@
+"""The wire protocol between ranks, without I/O: call headers, frames, and matching.
+
+Everything two ranks say to each other is defined here, and nothing here touches a socket (the
+sans-I/O style of h11): the Unix-socket transport on a node (``transport.ray_transport``) and the
+post office that carries messages between nodes (``backends.post_office``) are drivers that feed
+it packets and send the frames it builds. Nothing from a peer is ever unpickled: frames are fixed
+binary structs, the call header a fixed binary encoding, payloads raw bytes.
+
+Frames, one per packet:
+
+- ``HELLO``: the first frame on a connection: the sender's rank and the group's 16-byte key.
+- ``DATA``: one *part* of a message: its step and channel tag, the whole message's element count
+  and byte size, the part's byte offset and size within the message, where the part's bytes are
+  (inline, after the header, or at an offset of one of the sender's shared-memory segments), and
+  the sender's packed call header. Small messages are one inline part; large ones are cut into
+  parts so that the receiver reduces one part while the sender writes the next.
+- ``RELEASE``: receiver to sender: the shared-memory part at (segment, offset) has been read.
+
+Matching follows MPI: messages between two ranks on one channel are received in the order they
+were sent, and receives are matched in the order they were posted. A part that arrives before
+its receive is posted waits in the *unexpected* queue of its (sender, channel); a part whose
+receive is already posted is consumed as it arrives, straight from the driver's receive buffer.
+Every part's header, step and size are compared with what the receive expects, byte for byte;
+a difference is a :class:`~ray_collective.errors.CollectiveMismatchError` naming both calls.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import defaultdict, deque
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Deque, Dict, Hashable, Optional, Tuple
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+
+HELLO, DATA, RELEASE = 1, 2, 3
+INLINE = -1
+"""The segment number of a part whose bytes follow its header in the packet."""
+
+COLLECTIVE_TAG = -1
+"""The channel tag of collectives; point-to-point messages use their own tag (>= 0)."""
+
+HELLO_FRAME = struct.Struct("<Bi16s")
+DATA_FRAME = struct.Struct("<BiqqqqqiQH")
+RELEASE_FRAME = struct.Struct("<BiQ")
+
+_SEQ = struct.Struct("<q")
+
+
+# ------------------------------------------------------------------------- call headers
+
+@dataclass(frozen=True)
+class CallHeader:
+    """What a call is: identical on every rank of a well-formed collective.
+
+    ``count`` and ``shape`` describe the caller's tensor (for list collectives, one block);
+    ``root`` is -1 where the collective has none; ``seq`` counts collectives on the group,
+    or sends/recvs per (peer, tag) on a p2p channel.
+    """
+
+    group: str
+    epoch: int
+    seq: int
+    collective: str
+    algorithm: str
+    dtype: str
+    count: int
+    shape: Tuple[int, ...]
+    root: int = -1
+    op: str = ""
+
+    def differences(self, theirs: "CallHeader") -> dict:
+        """``{field: (mine, theirs)}`` for every field that differs."""
+        return {f.name: (getattr(self, f.name), getattr(theirs, f.name))
+                for f in fields(self) if getattr(self, f.name) != getattr(theirs, f.name)}
+
+    _FIXED = struct.Struct("<HqqHHHqhqH")
+    SEQ_OFFSET = 10
+    """Byte offset of ``seq`` in the packed header (after the group name's length and epoch)."""
+
+    def pack(self) -> bytes:
+        """A fixed binary encoding (no pickle), for transports that cross process boundaries."""
+        texts = [s.encode() for s in (self.group, self.collective, self.algorithm, self.dtype,
+                                      self.op)]
+        head = self._FIXED.pack(len(texts[0]), self.epoch, self.seq, len(texts[1]), len(texts[2]),
+                                len(texts[3]), self.count, len(self.shape), self.root,
+                                len(texts[4]))
+        dims = struct.pack(f"<{len(self.shape)}q", *self.shape)
+        return head + dims + b"".join(texts)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "CallHeader":
+        """Inverse of :meth:`pack`; raises ``ValueError`` on a malformed header."""
+        try:
+            (n_group, epoch, seq, n_coll, n_alg, n_dtype, count, ndim, root,
+             n_op) = cls._FIXED.unpack_from(data, 0)
+            pos = cls._FIXED.size
+            shape = struct.unpack_from(f"<{ndim}q", data, pos)
+            pos += 8 * ndim
+            texts = []
+            for n in (n_group, n_coll, n_alg, n_dtype, n_op):
+                texts.append(bytes(data[pos:pos + n]).decode())
+                pos += n
+        except (struct.error, UnicodeDecodeError) as err:
+            raise ValueError(f"malformed collective message header: {err}") from err
+        if pos != len(data):
+            raise ValueError("malformed collective message header: trailing bytes")
+        group, collective, algorithm, dtype, op = texts
+        return cls(group, epoch, seq, collective, algorithm, dtype, count, tuple(shape), root, op)
+
+
+class CallStamp:
+    """One call's header as it travels: packed once per call shape, stamped with the call's
+    sequence number.
+
+    Attributes:
+        template: the header with ``seq`` 0 (the same object for every call of one shape).
+        seq: this call's sequence number.
+        packed: the packed header of this call, what every message of it carries.
+    """
+
+    __slots__ = ("template", "seq", "packed")
+
+    def __init__(self, template: CallHeader, seq: int, packed: bytes):
+        self.template = template
+        self.seq = seq
+        self.packed = packed
+
+    @classmethod
+    def of(cls, header: CallHeader) -> "CallStamp":
+        """The stamp of a header built for a single call."""
+        return cls(header, header.seq, header.pack())
+
+    @property
+    def header(self) -> CallHeader:
+        """The full header of this call (built on demand: only errors need it)."""
+        return replace(self.template, seq=self.seq)
+
+
+class HeaderTemplate:
+    """A header packed once, stamped with a sequence number per call (no repacking).
+
+    Args:
+        header: the call shape's header; its ``seq`` is ignored.
+    """
+
+    __slots__ = ("header", "_prefix", "_suffix")
+
+    def __init__(self, header: CallHeader):
+        self.header = replace(header, seq=0)
+        packed = self.header.pack()
+        self._prefix = packed[:CallHeader.SEQ_OFFSET]
+        self._suffix = packed[CallHeader.SEQ_OFFSET + _SEQ.size:]
+
+    def stamp(self, seq: int) -> CallStamp:
+        """The stamp of call number ``seq``."""
+        return CallStamp(self.header, seq, self._prefix + _SEQ.pack(seq) + self._suffix)
+
+
+def check_arrival(rank: int, peer: int, expected: CallHeader, expected_step: int,
+                  expected_count: int, got: CallHeader, got_step: int, got_count: int) -> None:
+    """Raise ``CollectiveMismatchError`` unless an arriving message is the one this rank expects."""
+    if got == expected and got_step == expected_step and got_count == expected_count:
+        return
+    diff = expected.differences(got)
+    if not diff:
+        if got_step != expected_step:
+            diff["step"] = (expected_step, got_step)
+        if got_count != expected_count:
+            diff["message elements"] = (expected_count, got_count)
+    raise CollectiveMismatchError(expected.group, rank, peer, expected.collective, expected.seq,
+                                  diff)
+
+
+def mismatch(rank: int, peer: int, stamp: CallStamp, step: int, count: int, got_packed: bytes,
+             got_step: int, got_count: int) -> CollectiveMismatchError:
+    """The error for a message whose packed header, step or count differs from the receive's."""
+    try:
+        theirs = CallHeader.unpack(got_packed)
+    except ValueError as err:
+        mine = stamp.header
+        return CollectiveMismatchError(mine.group, rank, peer, mine.collective, mine.seq,
+                                       {"header": ("valid", str(err))})
+    try:
+        check_arrival(rank, peer, stamp.header, step, count, theirs, got_step, got_count)
+    except CollectiveMismatchError as err:
+        return err
+    mine = stamp.header
+    return CollectiveMismatchError(mine.group, rank, peer, mine.collective, mine.seq,
+                                   {"message": ("as expected", "differently encoded")})
+
+
+# ------------------------------------------------------------------------------ frames
+
+def hello(rank: int, group_key: bytes) -> bytes:
+    """The first frame a connecting rank sends."""
+    return HELLO_FRAME.pack(HELLO, rank, group_key)
+
+
+def data_frame(step: int, tag: int, count: int, nbytes: int, part_offset: int,
+               part_bytes: int, segment: int, segment_offset: int, header_len: int) -> bytes:
+    """The fixed part of a DATA frame; the packed header (and an inline payload) follow it."""
+    return DATA_FRAME.pack(DATA, step, tag, count, nbytes, part_offset, part_bytes, segment,
+                           segment_offset, header_len)
+
+
+def release_frame(segment: int, offset: int) -> bytes:
+    """The frame telling a sender that its shared-memory part at (segment, offset) was read."""
+    return RELEASE_FRAME.pack(RELEASE, segment, offset)
+
+
+def parse_hello(packet) -> Tuple[int, bytes]:
+    """(sender rank, group key) of a HELLO packet.
+
+    Raises:
+        ValueError: the packet is not a well-formed HELLO.
+    """
+    if len(packet) != HELLO_FRAME.size or packet[0] != HELLO:
+        raise ValueError("the first packet on a connection is not a HELLO")
+    _, sender, key = HELLO_FRAME.unpack_from(packet)
+    return sender, key
+
+
+def parse_release(packet) -> Tuple[int, int]:
+    """(segment, offset) of a RELEASE packet.
+
+    Raises:
+        ValueError: the packet is not a well-formed RELEASE.
+    """
+    if len(packet) != RELEASE_FRAME.size:
+        raise ValueError(f"RELEASE frame of {len(packet)} bytes")
+    _, segment, offset = RELEASE_FRAME.unpack_from(packet)
+    return segment, offset
+
+
+class Part:
+    """One arrived part of a message, as the receiver keeps it until it is consumed.
+
+    ``payload`` holds an inline part's bytes (a view of the driver's receive buffer while the
+    packet is being handled, a copy once kept); a shared-memory part has ``payload`` None and
+    is read at (``segment``, ``segment_offset``) of its sender's memory.
+    """
+
+    __slots__ = ("step", "count", "nbytes", "part_offset", "part_bytes", "segment",
+                 "segment_offset", "header", "payload", "origin")
+
+    def __init__(self, step, count, nbytes, part_offset, part_bytes, segment, segment_offset,
+                 header, payload, origin):
+        self.step = step
+        self.count = count
+        self.nbytes = nbytes
+        self.part_offset = part_offset
+        self.part_bytes = part_bytes
+        self.segment = segment
+        self.segment_offset = segment_offset
+        self.header = header
+        self.payload = payload
+        self.origin = origin
+
+    def keep(self) -> "Part":
+        """Own the header and inline payload (copy them out of the driver's receive buffer)."""
+        self.header = bytes(self.header)
+        if self.payload is not None:
+            self.payload = bytes(self.payload)
+        return self
+
+
+def parse_data(packet: memoryview, origin) -> Tuple[int, Part]:
+    """(channel tag, part) of a DATA packet; the part's views point into ``packet``.
+
+    Raises:
+        ValueError: the packet is shorter or longer than its frame says.
+    """
+    try:
+        (_, step, tag, count, nbytes, part_offset, part_bytes, segment, segment_offset,
+         header_len) = DATA_FRAME.unpack_from(packet)
+    except struct.error as err:
+        raise ValueError(f"DATA frame too short: {err}") from err
+    start = DATA_FRAME.size
+    end = start + header_len
+    payload = None
+    if segment == INLINE:
+        payload = packet[end:]
+        if len(payload) != part_bytes:
+            raise ValueError(f"inline part of {len(payload)} bytes, frame says {part_bytes}")
+    elif len(packet) != end:
+        raise ValueError("shared-memory part with trailing bytes")
+    if end > len(packet):
+        raise ValueError("DATA frame shorter than its header")
+    return tag, Part(step, count, nbytes, part_offset, part_bytes, segment, segment_offset,
+                     packet[start:end], payload, origin)
+
+
+# ---------------------------------------------------------------------------- matching
+
+class Receive:
+    """A posted receive: from whom, what it expects, where the bytes go.
+
+    Attributes:
+        peer: the sending rank.
+        done: true once every byte has arrived (and was reduced into ``out`` when
+            ``combine`` is given).
+    """
+
+    __slots__ = ("peer", "done", "stamp", "step", "out", "combine", "received")
+
+    def __init__(self, peer: int, stamp: CallStamp, step: int, out: np.ndarray,
+                 combine: Optional[Callable[[np.ndarray, np.ndarray], None]]):
+        self.peer = peer
+        self.done = False
+        self.stamp = stamp
+        self.step = step
+        self.out = out
+        self.combine = combine
+        self.received = 0
+
+
+SegmentReader = Callable[[Part], np.ndarray]
+"""Returns a shared-memory part's bytes (a uint8 view of the sender's memory)."""
+
+PartConsumed = Callable[[Part], None]
+"""Called once a shared-memory part has been read (the driver releases it to its sender)."""
+
+
+class Inbox:
+    """One rank's receiving side: posted receives, unexpected parts, header checks.
+
+    Args:
+        rank: this rank (errors).
+        read_segment: where a shared-memory part's bytes are.
+        consumed: called after a shared-memory part has been read.
+
+    Attributes:
+        error: the first mismatch found (the driver raises it from its wait); parts of a
+            broken call are dropped.
+    """
+
+    def __init__(self, rank: int, read_segment: SegmentReader, consumed: PartConsumed):
+        self.rank = rank
+        self._read_segment = read_segment
+        self._consumed = consumed
+        self._posted: Dict[Hashable, Deque[Receive]] = defaultdict(deque)
+        self._unexpected: Dict[Hashable, Deque[Part]] = defaultdict(deque)
+        self.error: Optional[CollectiveMismatchError] = None
+
+    def post(self, key: Hashable, receive: Receive) -> None:
+        """Post ``receive`` for messages on ``key`` = (sender, tag); parts already there are
+        consumed at once."""
+        posted = self._posted[key]
+        posted.append(receive)
+        if len(posted) == 1:
+            self._drain(key, posted)
+
+    def arrive(self, key: Hashable, part: Part) -> bool:
+        """Hand over a part that arrived on ``key``.
+
+        Returns:
+            True if it was consumed now; False if it was kept for a later receive (its inline
+            payload copied, so the caller may reuse its buffer either way).
+        """
+        posted = self._posted.get(key)
+        if posted and not self._unexpected.get(key):
+            self._consume(posted, part)
+            return True
+        self._unexpected[key].append(part.keep())
+        return False
+
+    def unexpected_parts(self) -> int:
+        """Parts that arrived and are not yet consumed (stale messages of a failed call)."""
+        return sum(len(parts) for parts in self._unexpected.values())
+
+    def drop(self, receives) -> None:
+        """Forget posted receives that will not complete (their call failed)."""
+        for receive in receives:
+            for key, posted in self._posted.items():
+                if receive in posted:
+                    posted.remove(receive)
+                    break
+
+    def _drain(self, key: Hashable, posted: Deque[Receive]) -> None:
+        waiting = self._unexpected.get(key)
+        while posted and waiting:
+            self._consume(posted, waiting.popleft())
+
+    def _consume(self, posted: Deque[Receive], part: Part) -> None:
+        receive = posted[0]
+        out = receive.out
+        if (part.header != receive.stamp.packed or part.step != receive.step
+                or part.count != len(out)):
+            self._fail(part, mismatch(self.rank, receive.peer, receive.stamp, receive.step,
+                                      len(out), bytes(part.header), part.step, part.count))
+            return
+        if (part.nbytes != out.nbytes or part.part_offset != receive.received
+                or part.part_bytes % out.itemsize
+                or part.part_offset + part.part_bytes > out.nbytes):
+            mine = receive.stamp.header
+            self._fail(part, CollectiveMismatchError(
+                mine.group, self.rank, receive.peer, mine.collective, mine.seq,
+                {"message part (offset, bytes of message)": (
+                    (receive.received, out.nbytes), (part.part_offset, part.nbytes))}))
+            return
+        if part.part_bytes:
+            itemsize = out.itemsize
+            first = part.part_offset // itemsize
+            target = out[first:first + part.part_bytes // itemsize]
+            incoming = part.payload if part.payload is not None else self._read_segment(part)
+            if len(incoming) != part.part_bytes:
+                mine = receive.stamp.header
+                self._fail(part, CollectiveMismatchError(
+                    mine.group, self.rank, receive.peer, mine.collective, mine.seq,
+                    {"part bytes readable": (part.part_bytes, len(incoming))}))
+                return
+            incoming = np.frombuffer(incoming, out.dtype)
+            if receive.combine is None:
+                np.copyto(target, incoming)
+            else:
+                receive.combine(target, incoming)
+            del incoming
+            if part.payload is None:
+                self._consumed(part)
+        receive.received += part.part_bytes
+        if receive.received == out.nbytes:
+            receive.done = True
+            posted.popleft()
+
+    def _fail(self, part: Part, error: CollectiveMismatchError) -> None:
+        if self.error is None:
+            self.error = error
+        if part.payload is None:
+            self._consumed(part)

@@ -1,0 +1,234 @@
+"""The ``ray`` backend's node transport over real Unix sockets and shared memory, without Ray.
+
+Every rank is a thread of this process with its own transport, listener and shared memory, so
+these tests exercise the real links, frames, parts and waits in seconds: every collective
+against numpy across the inline and shared-memory sizes, messages in many parts, parts that
+arrive before their receive, the spinning wait, and the failure paths (a stranger without the
+group's key, a malformed frame, a peer that dies).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ray_collective as col
+from conftest import numpy_reduce, rank_data
+from ray_collective.backends.base import BackendFactory
+from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.errors import CollectiveError, PeerDiedError
+from ray_collective.group import current_registry
+from ray_collective.testing import run_ranks
+from ray_collective.transport import uds, wire
+from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
+from ray_collective.transport.node_state import NodeState
+from ray_collective.transport.ray_transport import Peer, RayTransport
+from ray_collective.transport.wire import CallHeader, HeaderTemplate
+
+PART = uds.PART_BYTES
+KEY = b"0123456789abcdef"
+
+
+def _transports(directory, world_size, spin_s=0.0, pids=None):
+    directory = str(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    paths = [os.path.join(directory, f"{rank}.sock") for rank in range(world_size)]
+    pids = pids or [os.getpid()] * world_size
+    peers = [Peer("node", pids[rank], paths[rank]) for rank in range(world_size)]
+    return [RayTransport(rank, "g", KEY, peers, uds.listen(paths[rank], 16),
+                         NodeState(directory, "g", world_size), connect_timeout=5,
+                         spin_s=spin_s)
+            for rank in range(world_size)]
+
+
+class NodeFactory(BackendFactory):
+    """Joins thread ranks to transports made in advance (what the rendezvous does in Ray)."""
+
+    name = "node-test"
+
+    def __init__(self, transports, forced):
+        self.transports = transports
+        self.forced = forced
+
+    def available(self):
+        return True
+
+    def create(self, group_name, world_size, rank, timeout):
+        return TransportBackend(group_name, self.transports[rank], forced=self.forced)
+
+
+def _run(tmp_path, world_size, body, spin_s=0.0, timeout=60.0, forced=None):
+    factory = NodeFactory(_transports(tmp_path / "group", world_size, spin_s), forced or {})
+    return run_ranks(world_size, body, factory_of=lambda rank: factory, timeout=timeout)
+
+
+SIZES = [0, 1, 1000, uds.INLINE_LIMIT // 8 + 1, 2 * PART // 8 + 3]
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 50e-6])
+@pytest.mark.parametrize("count", SIZES)
+def test_every_collective_matches_numpy_across_inline_and_shared_sizes(tmp_path, count,
+                                                                       spin_s):
+    p, root = 3, 2
+
+    def body(rank):
+        mine = rank_data(rank, count, np.float64)
+        blocks = [rank_data(rank * 10 + j, count, np.float64) for j in range(p)]
+        out = {}
+        x = mine.copy()
+        col.allreduce(x)
+        out["allreduce"] = x
+        x = mine.copy()
+        col.reduce(x, root, op=col.ReduceOp.MAX)
+        out["reduce"] = x
+        x = mine.copy()
+        col.broadcast(x, root)
+        out["broadcast"] = x
+        gathered = [np.zeros(count) for _ in range(p)]
+        col.allgather(gathered, mine.copy())
+        out["allgather"] = gathered
+        x = np.zeros(count)
+        col.reducescatter(x, [b.copy() for b in blocks])
+        out["reducescatter"] = x
+        recvd = [np.zeros(count) for _ in range(p)]
+        col.alltoall(recvd, [b.copy() for b in blocks])
+        out["alltoall"] = recvd
+        col.barrier()
+        return out
+
+    results = _run(tmp_path, p, body, spin_s)
+    inputs = [rank_data(rank, count, np.float64) for rank in range(p)]
+    blocks = [[rank_data(rank * 10 + j, count, np.float64) for j in range(p)]
+              for rank in range(p)]
+    for rank, out in enumerate(results):
+        np.testing.assert_array_equal(out["allreduce"], numpy_reduce(inputs, col.ReduceOp.SUM))
+        np.testing.assert_array_equal(
+            out["reduce"], numpy_reduce(inputs, col.ReduceOp.MAX) if rank == root
+            else inputs[rank])
+        np.testing.assert_array_equal(out["broadcast"], inputs[root])
+        for j in range(p):
+            np.testing.assert_array_equal(out["allgather"][j], inputs[j])
+            np.testing.assert_array_equal(out["alltoall"][j], blocks[j][rank])
+        np.testing.assert_array_equal(
+            out["reducescatter"], numpy_reduce([blocks[r][rank] for r in range(p)],
+                                               col.ReduceOp.SUM))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner", "recursive_doubling"])
+def test_large_allreduce_in_many_parts_is_exact(tmp_path, algorithm):
+    count = 3 * PART // 4 + 5                 # 3 parts and a few bytes of float32
+    p = 4
+
+    def body(rank):
+        y = rank_data(rank, count, np.float32)
+        col.allreduce(y)
+        return y
+
+    expected = numpy_reduce([rank_data(r, count, np.float32) for r in range(p)],
+                            col.ReduceOp.SUM)
+    for y in _run(tmp_path, p, body, forced={"allreduce": algorithm}):
+        np.testing.assert_array_equal(y, expected)
+
+
+def test_parts_that_arrive_before_their_receive_wait_for_it(tmp_path):
+    """Rank 0 sends two large messages on two tags; rank 1 receives them in the other order,
+    so the first message's parts (in shared memory) wait, unexpected, while later packets reuse
+    the receive buffer."""
+    count = 2 * PART // 8 + 11
+    first, second = np.arange(count, dtype=np.float64), -np.arange(count, dtype=np.float64)
+
+    def body(rank):
+        if rank == 0:
+            col.send(first, 1, tag=1)
+            col.send(second, 1, tag=2)
+            return None
+        time.sleep(0.2)
+        b, a = np.zeros(count), np.zeros(count)
+        col.recv(b, 0, tag=2)
+        col.recv(a, 0, tag=1)
+        return a, b
+
+    a, b = _run(tmp_path, 2, body)[1]
+    np.testing.assert_array_equal(a, first)
+    np.testing.assert_array_equal(b, second)
+
+
+def test_shared_memory_is_released_back_to_the_sender(tmp_path):
+    count = 4 * PART // 8
+
+    def body(rank):
+        x = np.ones(count)
+        for _ in range(3):
+            col.allreduce(x)
+        col.barrier()
+        transport = current_registry().get("default").backend.transport
+        transport._collect_releases()
+        return x, transport._arena.live_payloads()
+
+    for x, live in _run(tmp_path, 2, body):
+        np.testing.assert_array_equal(x, np.full(count, 8.0))
+        assert live == 0
+
+
+def _wait_refused(transport, before, deadline_s=5.0):
+    deadline = time.monotonic() + deadline_s
+    while transport.refused_connections == before and time.monotonic() < deadline:
+        transport._progress(0.05)
+    return transport.refused_connections - before
+
+
+def test_a_connection_without_the_group_key_is_refused_and_never_read(tmp_path):
+    transports = _transports(tmp_path / "group", 2)
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stranger.connect(transports[0].peers[0].socket_path)
+    stranger.send(wire.hello(1, b"x" * 16))
+    stamp = HeaderTemplate(CallHeader("g", 0, 0, "send/recv", "direct", "float64", 1, (1,))
+                           ).stamp(0)
+    frame = wire.data_frame(0, 0, 1, 8, 0, 8, wire.INLINE, 0, len(stamp.packed))
+    stranger.send(frame + stamp.packed + np.float64(42).tobytes())
+    out = np.zeros(1)
+    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, out)
+    assert _wait_refused(transports[0], 0) == 1
+    assert not receive.done and out[0] == 0
+    assert transports[0].wait([receive], time.monotonic() + 0.2) == [receive]
+    stranger.close()
+    for transport in transports:
+        transport.close()
+
+
+def test_a_malformed_frame_breaks_the_call_with_a_clear_error(tmp_path):
+    transports = _transports(tmp_path / "group", 2)
+    rogue = uds.connect(transports[0].peers[0].socket_path, 1, KEY, 5)
+    rogue.send((b"\x02garbage",))
+    stamp = HeaderTemplate(CallHeader("g", 0, 0, "send/recv", "direct", "float64", 1, (1,))
+                           ).stamp(0)
+    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))
+    with pytest.raises(CollectiveError, match="malformed frame"):
+        transports[0].wait([receive], time.monotonic() + 5)
+    rogue.close()
+    for transport in transports:
+        transport.close()
+
+
+def test_a_peer_process_that_dies_is_named_within_a_fraction_of_a_second(tmp_path):
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        transports = _transports(tmp_path / "group", 2, pids=[os.getpid(), peer.pid])
+        stamp = HeaderTemplate(CallHeader("g", 0, 0, "allreduce", "ring", "float64", 1, (1,))
+                               ).stamp(7)
+        receive = transports[0].irecv(1, COLLECTIVE_CHANNEL, stamp, 0, np.zeros(1))
+        killer = threading.Timer(0.3, peer.kill)
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(PeerDiedError) as caught:
+            transports[0].wait([receive], time.monotonic() + 30)
+        assert caught.value.dead_ranks == (1,) and caught.value.seq == 7
+        assert time.monotonic() - started < 0.3 + 1.0
+    finally:
+        peer.kill()
+        peer.wait()
