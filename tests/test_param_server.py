@@ -252,8 +252,9 @@ def test_benchmark_tables_compute_speedup_scalability_and_time_to_accuracy(tmp_p
     assert "| 2 | 0.50 | 1.00 |" in text                        # n·T1/Tn: 2*2/8, 2*1/2
     assert "| 2 | ps-async | 10.0 | 20.0 | 10.0 | 2.00 MiB | 6.0 | 25.0 % | 0.75 |" in text
     assert "| 2 | 15.0x |" in text                              # (20 + 10) ms / 2 ms
-    assert "| local | 1 | 95.00 ± 0.00 | +0.00 | 1.00 | 1/1 |" in text
-    assert "| allreduce-flat | 2 | 94.00 ± 0.00 | -1.00 | not reached | 0/1 |" in text
+    assert "| local | 1 | 95.00 ± 0.00 | +0.00 | 88.00 ± 0.00 | +0.00 | 1.00 | 1/1 |" in text
+    assert ("| allreduce-flat | 2 | 94.00 ± 0.00 | -1.00 | 72.00 ± 0.00 | -16.00 | not reached "
+            "| 0/1 |") in text
     path = tmp_path / "run.json"
     path.write_text(__import__("json").dumps(document))
     assert param_server.main(["--from-json", str(path), "--plot", str(tmp_path / "t.png"),
