@@ -1,13 +1,15 @@
 # The commands of the README: `make demo`, `make test` and `make bench` (reruns every table and
-# plot of benchmarks/README.md's results page, about 25 minutes). Each builds the virtual
-# environment in .venv first, so a fresh machine needs nothing but Python 3.10+.
+# plot of benchmarks/README.md's results page, about 25 minutes); `make ps-example` (the
+# parameter-server example, one short run of each variant) and `make ps-bench` (its whole
+# table: 1000 updates x 3 trials x 1-16 workers x 9 variants, hours on 2 cores). Each builds the
+# virtual environment in .venv first, so a fresh machine needs nothing but Python 3.10+.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench ps-example ps-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +34,15 @@ test: $(STAMP_TEST)
 
 bench: $(STAMP_TEST)
 	PYTHON=$(BIN)/python benchmarks/reproduce.sh
+
+ps-example: $(STAMP_TEST)
+	$(BIN)/python -m examples.parameter_server --workers 4 --steps 100
+
+PS_BENCH_ARGS ?=
+ps-bench: $(STAMP_TEST)
+	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.param_server \
+	    --json benchmarks/results/param_server.json --markdown benchmarks/results/param_server.md \
+	    --plot benchmarks/results/plots/param_server_throughput.png $(PS_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
