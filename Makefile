@@ -1,6 +1,6 @@
 # The commands of the README: `make demo`, `make test` and `make bench` (reruns every table and
-# plot of benchmarks/README.md's results page, about 25 minutes). Each builds the virtual
-# environment in .venv first, so a fresh machine needs nothing but Python 3.10+.
+# plot of benchmarks/README.md's results page, both timing modes, about an hour). Each builds
+# the virtual environment in .venv first, so a fresh machine needs nothing but Python 3.10+.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
