@@ -1,9 +1,10 @@
 """Benchmarks of ray_collective against the libraries a user would pick instead.
 
-``python -m benchmarks`` times collectives on Ray actors over this library and its peers (Gloo
-through ``ray.util.collective``, plain Ray with a central actor, mpi4py under ``mpiexec``) in
-one run, interleaved, and prints latency, nccl-tests bandwidths, processes and memory side by
-side (see README.md); ``make bench`` reruns the README's results page.
+``python -m benchmarks`` times collectives on Ray actors over this library and its peers
+(``torch.distributed``'s own Gloo group, Gloo through ``ray.util.collective``, plain Ray with a
+central actor, mpi4py under ``mpiexec``) in one run, interleaved, back to back or with a barrier
+before every call, and prints latency, nccl-tests bandwidths, processes and memory side by side
+(see README.md); ``make bench`` reruns the README's results page.
 
 Modules: ``cli`` (the command line), ``harness`` (actors, interleaved sweep, rows),
 ``worker`` (the rank that times calls), ``peers`` (one class per library), ``plain_ray`` (the

@@ -15,9 +15,13 @@ from .collectives import COLLECTIVES
 from .harness import SweepOptions, count_points, run_sweep
 from .peers import PEERS
 from .report import ProgressBar, format_progress, format_table, to_json
+from .worker import BACK_TO_BACK, BARRIER, TIMINGS
 
-DEFAULT_BACKENDS = ("ray", "gloo", "ray-plain", "mpi4py")
+DEFAULT_BACKENDS = ("ray", "torch", "gloo", "ray-plain", "mpi4py")
 """Every CPU backend, this library first."""
+
+TIMING_CHOICES = {BACK_TO_BACK: (BACK_TO_BACK,), BARRIER: (BARRIER,), "both": TIMINGS}
+"""``--timing``'s values and the timing modes each one runs."""
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 _SIZE_MULTIPLIERS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -101,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"collectives, of: {','.join(COLLECTIVES)} (default: allreduce)")
     parser.add_argument("--backends", type=comma_list(choice(tuple(PEERS))),
                         default=DEFAULT_BACKENDS,
-                        help="in table order, of: ray (this library), gloo "
+                        help="in table order, of: ray (this library), torch "
+                             "(torch.distributed's own Gloo process group), gloo "
                              "(ray.util.collective with torch.distributed Gloo), ray-plain "
                              "(ray.put/ray.get and one central actor), mpi4py (MPICH under "
                              f"mpiexec) (default: {','.join(DEFAULT_BACKENDS)})")
@@ -121,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=non_negative_int, default=None,
                         help="untimed iterations per point and backend (default: from the "
                              "size, 20 down to 5)")
+    parser.add_argument("--timing", type=choice(tuple(TIMING_CHOICES)), default=BACK_TO_BACK,
+                        help="back-to-back: one barrier per block, then the calls in a loop, "
+                             "each timed from the previous call's return to its own; barrier: "
+                             "the backend's barrier before every call, the call alone timed; "
+                             "both: each, as rows of their own (default: back-to-back)")
     parser.add_argument("--blocks", type=positive_int, default=4,
                         help="interleaved blocks the timed iterations are split into "
                              "(default: 4)")
@@ -166,7 +176,8 @@ def options_from_arguments(arguments: argparse.Namespace,
                         world_sizes=arguments.world_sizes, sizes=arguments.sizes,
                         dtype=arguments.dtype, iterations=arguments.iterations,
                         warmup=arguments.warmup, blocks=arguments.blocks, baseline=baseline,
-                        timeout_s=arguments.timeout_s, ray_address=arguments.ray_address)
+                        timeout_s=arguments.timeout_s, ray_address=arguments.ray_address,
+                        timings=TIMING_CHOICES[arguments.timing])
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -3,10 +3,12 @@
 For each world size the harness starts that many rank actors (``num_cpus=0``) and forms one
 group per backend inside them, so every in-actor backend runs in the same processes; the
 ``mpi4py`` peer runs in an ``mpiexec`` job of its own (``mpi_job``), driven through the same
-``call`` interface, and ``ray-plain`` gets its central actor from the harness. For each
-(collective, size) it splits the timed iterations into blocks and alternates the backends
-block by block, reversing the order every other block (A B, B A, A B, ...), so that drift of
-a shared machine — other load, frequency, memory pressure — falls on every backend alike.
+``call`` interface, ``ray-plain`` gets its central actor from the harness and ``torch`` the
+address of its rendezvous store. For each (collective, size) it splits the timed iterations
+into blocks and alternates the backends block by block — each (backend, timing mode) pair is
+one unit when several timing modes are asked for — reversing the order every other block
+(A B, B A, A B, ...), so that drift of a shared machine — other load, frequency, memory
+pressure — falls on every backend alike.
 
 Nothing waits forever: every call to the actors has a deadline. A backend that fails reports
 the error in its rows and the sweep goes on; if a failure leaves ranks stuck inside a call, the
@@ -21,15 +23,15 @@ import logging
 import os
 import platform
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from .collectives import COLLECTIVES, message_layout
-from .peers import PEERS
+from .peers import PEERS, store_address
 from .stats import (IterationCounts, algorithm_bandwidth, bus_bandwidth,
                     default_iteration_counts, iteration_latencies, percentiles, speedup)
-from .worker import BlockSpec, RankWorker
+from .worker import BACK_TO_BACK, BlockSpec, RankWorker
 
 REWARM_ITERATIONS = 1
 """Untimed iterations at the start of every block after the first: the other backend ran in
@@ -44,6 +46,9 @@ TEARDOWN_TIMEOUT_S = 30.0
 
 MAX_FAILURES_SHOWN = 3
 """Distinct failures named in a row's error; at 64 ranks the rest would drown the table."""
+
+
+Unit = TypeVar("Unit")
 
 
 class ActorStartError(RuntimeError):
@@ -69,6 +74,7 @@ class SweepOptions:
         timeout_s: deadline of each step (actor start, group setup, one block), and the
             libraries' own per-call deadline.
         ray_address: a running Ray cluster to use; None starts a local one.
+        timings: the timing modes, of ``worker.TIMINGS``, in the order the rows show them.
     """
 
     collectives: Tuple[str, ...]
@@ -82,6 +88,7 @@ class SweepOptions:
     baseline: Optional[str] = None
     timeout_s: float = 300.0
     ray_address: Optional[str] = None
+    timings: Tuple[str, ...] = (BACK_TO_BACK,)
 
     def counts(self, nbytes: int) -> IterationCounts:
         """The warm-up and timed iterations for a point of ``nbytes``.
@@ -108,13 +115,14 @@ class Row:
         nbytes: the size moved (nccl-tests "size", see ``collectives``).
         dtype: numpy dtype name.
         backend: the backend.
+        timing: how its calls were timed, of ``worker.TIMINGS``.
         iterations: timed iterations that went into the numbers.
         latencies_s: each timed iteration's latency (slowest rank), in run order.
         p50_s, p75_s, p90_s, p95_s: latency percentiles in seconds (None on error).
         algbw_gbps: algorithm bandwidth at p50, GB/s (10^9 B/s).
         busbw_gbps: bus bandwidth at p50, GB/s.
-        speedup: ``baseline p50 / this p50`` (> 1: faster than the baseline), None when
-            there is no baseline or either row failed.
+        speedup: ``baseline p50 / this p50`` at the same timing mode (> 1: faster than the
+            baseline), None when there is no baseline or either row failed.
         baseline: the backend ``speedup`` compares with.
         error: why the row has no numbers, or None.
         note: why the row was not measured although nothing failed (a collective the
@@ -133,6 +141,7 @@ class Row:
     nbytes: int
     dtype: str
     backend: str
+    timing: str = BACK_TO_BACK
     iterations: int = 0
     latencies_s: Tuple[float, ...] = ()
     p50_s: Optional[float] = None
@@ -261,24 +270,25 @@ def split_iterations(iterations: int, blocks: int) -> List[int]:
     return [base + 1 if index < extra else base for index in range(count)]
 
 
-def block_order(backends: Sequence[str], block_index: int) -> List[str]:
-    """The order the backends run in during block ``block_index``: reversed every other block.
+def block_order(units: Sequence[Unit], block_index: int) -> List[Unit]:
+    """The order the units run in during block ``block_index``: reversed every other block.
 
     Args:
-        backends: the backends still running.
+        units: what still runs: backends, or (backend, timing mode) pairs.
         block_index: 0-based block number.
 
     Returns:
         The order.
     """
-    return list(backends) if block_index % 2 == 0 else list(reversed(backends))
+    return list(units) if block_index % 2 == 0 else list(reversed(units))
 
 
 def summarize_point(options: SweepOptions, collective: str, world_size: int, requested_bytes: int,
                     durations: Dict[str, List[List[float]]], errors: Dict[str, str],
                     notes: Optional[Dict[str, str]] = None,
-                    footprints: Optional[Dict[str, Footprint]] = None) -> List[Row]:
-    """The rows of one (collective, world size, size) point, one per backend.
+                    footprints: Optional[Dict[str, Footprint]] = None,
+                    timing: str = BACK_TO_BACK) -> List[Row]:
+    """The rows of one (collective, world size, size) point in one timing mode, one per backend.
 
     Args:
         options: the sweep (backends, dtype, baseline).
@@ -290,9 +300,11 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
         errors: per backend that failed, why.
         notes: per backend that did not run the point by design, why.
         footprints: per backend, its processes and memory.
+        timing: the timing mode the durations were taken in.
 
     Returns:
-        A row per backend of ``options.backends``, in that order, with the speed-up filled in.
+        A row per backend of ``options.backends``, in that order, with the speed-up (against
+        the baseline's row of the same mode) filled in.
     """
     nbytes = message_layout(collective, requested_bytes, world_size,
                             np.dtype(options.dtype).itemsize).nbytes
@@ -303,7 +315,8 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
     for backend in options.backends:
         footprint = footprints.get(backend, Footprint())
         common = dict(collective=collective, world_size=world_size, nbytes=nbytes,
-                      dtype=options.dtype, backend=backend, processes=footprint.processes,
+                      dtype=options.dtype, backend=backend, timing=timing,
+                      processes=footprint.processes,
                       setup_rss_bytes=footprint.setup_rss_bytes,
                       peak_rss_bytes=footprint.peak_rss_bytes)
         if backend in notes:
@@ -448,10 +461,15 @@ class WorldSession:
                 self._setup(backend)
 
     def close(self) -> None:
-        """Leave every group (errors become notes), stop the helpers and kill the actors."""
+        """Leave every group, last joined first (errors become notes), stop the helpers and
+        kill the actors.
+
+        Leaving in reverse keeps a group made on top of another's (``gloo``'s torch subgroup
+        on the ``torch`` peer's default group) from outliving it.
+        """
         if self._pool is None:
             return
-        for backend in self._live_backends():
+        for backend in reversed(self._live_backends()):
             outcome = self._runner(backend).call(
                 "teardown", backend, timeout_s=min(TEARDOWN_TIMEOUT_S, self._options.timeout_s))
             if outcome.error:
@@ -462,31 +480,36 @@ class WorldSession:
         self._pool = None
 
     def measure(self, collective: str, requested_bytes: int) -> List[Row]:
-        """Time one (collective, size) point on every backend, interleaved block by block.
+        """Time one (collective, size) point on every backend and timing mode, interleaved
+        block by block.
 
         Args:
             collective: the collective.
             requested_bytes: the size asked for.
 
         Returns:
-            One row per backend of the sweep.
+            One row per timing mode and backend of the sweep, mode by mode.
 
         Raises:
             ActorStartError: the actors had to be replaced and the new ones did not start.
         """
         counts = self._options.counts(requested_bytes)
-        durations: Dict[str, List[List[float]]] = {}
+        durations: Dict[Tuple[str, str], List[List[float]]] = {}
         errors: Dict[str, str] = {}
         notes = {backend: reason for backend in self._options.backends
                  if (reason := unsupported_reason(backend, collective, self._world_size))}
         blocks = split_iterations(counts.iterations, self._options.blocks)
         for index, iterations in enumerate(blocks):
-            running = [backend for backend in self._live_backends()
+            running = [(backend, timing) for timing in self._options.timings
+                       for backend in self._live_backends()
                        if backend not in errors and backend not in notes]
-            for backend in block_order(running, index):
+            for backend, timing in block_order(running, index):
+                if backend in errors:
+                    continue
                 block = BlockSpec(collective=collective, requested_bytes=requested_bytes,
                                   dtype=self._options.dtype, iterations=iterations,
-                                  warmup=counts.warmup if index == 0 else REWARM_ITERATIONS)
+                                  warmup=counts.warmup if index == 0 else REWARM_ITERATIONS,
+                                  timing=timing)
                 outcome = self._runner(backend).call(
                     "time_block", backend, block, timeout_s=self._options.timeout_s + GRACE_S)
                 if outcome.error:
@@ -494,16 +517,22 @@ class WorldSession:
                     if outcome.stuck:
                         self._replace_pool(backend, outcome.error)
                     continue
-                per_rank = durations.setdefault(backend, [[] for _ in outcome.results])
+                per_rank = durations.setdefault((backend, timing),
+                                                [[] for _ in outcome.results])
                 for rank_durations, answer in zip(per_rank, outcome.results):
                     rank_durations.extend(answer["durations"])
                 self._record_peak(backend, max(answer["peak_rss_bytes"]
                                                for answer in outcome.results))
         errors.update({backend: reason for backend, reason in self._failed.items()
                        if backend not in errors})
-        return summarize_point(self._options, collective, self._world_size, requested_bytes,
-                               {backend: values for backend, values in durations.items()
-                                if backend not in errors}, errors, notes, self._footprints)
+        rows: List[Row] = []
+        for timing in self._options.timings:
+            rows.extend(summarize_point(
+                self._options, collective, self._world_size, requested_bytes,
+                {backend: values for (backend, of_timing), values in durations.items()
+                 if of_timing == timing and backend not in errors},
+                errors, notes, self._footprints, timing))
+        return rows
 
     def _record_peak(self, backend: str, peak_rss_bytes: int) -> None:
         footprint = self._footprints.get(backend, Footprint())
@@ -523,21 +552,23 @@ class WorldSession:
         peer_class = PEERS[backend]
         group_name = f"bench-{backend}-w{self._world_size}-g{self._generation}"
         actors_before = alive_actor_count()
-        hub = None
+        shared = None
         try:
             if peer_class.runs_in_mpiexec:
                 self._stop_mpi_job()
                 self._mpi_job = MpiJob(self._world_size, self._options.timeout_s)
             if peer_class.needs_hub:
                 import ray
-                hub = ray.remote(PlainRayHub).options(num_cpus=0).remote(
+                shared = ray.remote(PlainRayHub).options(num_cpus=0).remote(
                     self._world_size, self._options.timeout_s)
-                self._hubs[backend] = hub
+                self._hubs[backend] = shared
+            if peer_class.needs_store_address:
+                shared = store_address()
         except Exception as exc:  # a backend that cannot start fails its rows, not the sweep
             self._failed[backend] = f"could not start: {describe_exception(exc)}"
             return
         outcome = self._runner(backend).call("setup", backend, group_name,
-                                             self._options.timeout_s, hub,
+                                             self._options.timeout_s, shared,
                                              timeout_s=self._options.timeout_s + GRACE_S)
         if outcome.error:
             self._failed[backend] = f"group setup failed: {outcome.error}"
@@ -628,7 +659,7 @@ def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[R
         reason: why, for every row.
 
     Returns:
-        One error row per backend for each missing point, in sweep order.
+        One error row per timing mode and backend for each missing point, in sweep order.
     """
     done = {(row.collective, row.world_size, row.nbytes) for row in measured}
     itemsize = np.dtype(options.dtype).itemsize
@@ -637,8 +668,10 @@ def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[R
         for requested_bytes in sweep_points(options, collective):
             nbytes = message_layout(collective, requested_bytes, world_size, itemsize).nbytes
             if (collective, world_size, nbytes) not in done:
-                missing.extend(summarize_point(options, collective, world_size, requested_bytes,
-                                               {}, dict.fromkeys(options.backends, reason)))
+                for timing in options.timings:
+                    missing.extend(summarize_point(
+                        options, collective, world_size, requested_bytes, {},
+                        dict.fromkeys(options.backends, reason), timing=timing))
     return missing
 
 

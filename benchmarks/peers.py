@@ -8,6 +8,8 @@ entry in ``PEERS``.
 - ``ray``: this library. ``gloo``: ``ray.util.collective`` with Gloo. Both get the same numpy
   arrays: Ray 2.60's ``TorchGLOOGroup`` wraps them with ``torch.from_numpy`` (a zero-copy view,
   about half a microsecond per call), so Gloo is timed on the tensors a user would pass.
+- ``torch``: ``torch.distributed``'s own Gloo process group in the same rank actors (what Ray
+  Train sets up on CPU), on ``torch.from_numpy`` views of the same numpy buffers.
 - ``ray-plain``: what a user writes without a collective library (``plain_ray``).
 - ``mpi4py``: MPICH through mpi4py's buffer methods. MPI processes cannot live in Ray actors,
   so this peer runs in processes of its own under ``mpiexec`` (``mpi_job``, ``mpi_worker``).
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import abc
 import functools
+import socket
 import types
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, FrozenSet, List, Mapping, Optional
 
@@ -67,11 +71,15 @@ class Peer(abc.ABC):
 
     needs_hub: ClassVar[bool] = False
     """True: the harness starts a central actor (``plain_ray.PlainRayHub``) for the group and
-    hands it to ``setup`` as ``hub``."""
+    hands it to ``setup`` as ``shared``."""
+
+    needs_store_address: ClassVar[bool] = False
+    """True: the driver picks a free TCP port on its node (``store_address``) for the group's
+    rendezvous store and hands the ``tcp://host:port`` address to ``setup`` as ``shared``."""
 
     @abc.abstractmethod
     def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
-              hub: Any = None) -> dict:
+              shared: Any = None) -> dict:
         """Join the group; returns once every rank has joined.
 
         Args:
@@ -79,7 +87,9 @@ class Peer(abc.ABC):
             rank: this rank.
             group_name: a name no other group of this run uses.
             timeout_s: the longest any call of the group may wait.
-            hub: the central actor of a peer with ``needs_hub``, else None.
+            shared: what the driver made for the whole group: the central actor of a peer
+                with ``needs_hub``, the store address of one with ``needs_store_address``,
+                else None.
 
         Returns:
             Facts for the report's metadata (library versions), JSON-serializable.
@@ -233,7 +243,7 @@ class RayCollectivePeer(CollectiveApiPeer):
         return ray_collective
 
     def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
-              hub: Any = None) -> dict:
+              shared: Any = None) -> dict:
         """``init_collective_group(..., backend="ray", timeout=timeout_s)``.
 
         Args:
@@ -241,7 +251,7 @@ class RayCollectivePeer(CollectiveApiPeer):
             rank: this rank.
             group_name: the group's name.
             timeout_s: the group's default deadline per call.
-            hub: unused.
+            shared: unused.
 
         Returns:
             ``{"ray_collective": version}``.
@@ -273,17 +283,19 @@ class GlooPeer(CollectiveApiPeer):
         return ray.util.collective
 
     def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
-              hub: Any = None) -> dict:
+              shared: Any = None) -> dict:
         """``ray.util.collective.init_collective_group(..., backend="gloo")``.
 
-        torch is imported here, in the rank's process, and nowhere else in the harness.
+        torch is imported here or by ``TorchPeer``, in the rank's process, and nowhere else in
+        the harness. Ray's group makes torch's default process group when the process has
+        none yet (else it uses the existing one), and runs on a subgroup of its own.
 
         Args:
             world_size: number of ranks.
             rank: this rank.
             group_name: the group's name.
             timeout_s: the rendezvous deadline (Ray's ``gloo_timeout``).
-            hub: unused.
+            shared: unused.
 
         Returns:
             ``{"torch": version}``.
@@ -301,6 +313,161 @@ class GlooPeer(CollectiveApiPeer):
         return {"torch": torch.__version__}
 
 
+class TorchPeer(Peer):
+    """``torch.distributed`` with a Gloo process group of its own, in the rank actors.
+
+    What Ray Train sets up on CPU: ``init_process_group("gloo", init_method="tcp://...")``, rank
+    0 serving the rendezvous store on the address the driver picked on its node
+    (``store_address``). The buffers are ``torch.from_numpy`` views of the same zero-filled
+    numpy arrays the other peers get, so it moves the same bytes. Gloo in torch 2.13 runs every
+    collective of the harness natively, ``reduce_scatter`` and ``all_to_all`` included.
+    """
+
+    name = "torch"
+    needs_store_address = True
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._owns_default_group = False
+        self._rank = 0
+
+    def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
+              shared: Any = None) -> dict:
+        """``torch.distributed.init_process_group("gloo", init_method=shared, ...)``.
+
+        If this process already has torch's default group (made by ``ray.util.collective``'s
+        Gloo peer when it was set up first), the peer makes a Gloo group of its own with
+        ``new_group`` instead, so the two never share one.
+
+        Args:
+            world_size: number of ranks.
+            rank: this rank.
+            group_name: unused (torch names its groups itself).
+            timeout_s: the rendezvous deadline and the group's per-call deadline.
+            shared: the store's ``tcp://host:port`` address (``store_address``).
+
+        Returns:
+            ``{"torch": version}``.
+
+        Raises:
+            ValueError: no address was given.
+            RuntimeError: rank 0 runs on another node than the store's address, or the
+                rendezvous failed.
+            ImportError: torch is not installed (``pip install '.[bench]'``).
+        """
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        if not shared:
+            raise ValueError("the torch peer needs the store address the harness picks")
+        if rank == 0:
+            _check_store_host(shared)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if dist.is_initialized():
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            dist.init_process_group("gloo", init_method=shared, world_size=world_size,
+                                    rank=rank, timeout=timeout)
+            self._group, self._owns_default_group = dist.group.WORLD, True
+        self._rank = rank
+        return {"torch": torch.__version__}
+
+    def make_tensor(self, count: int, dtype: np.dtype) -> Any:
+        """A zero-copy ``torch.from_numpy`` view of the zero-filled array the others get.
+
+        Args:
+            count: number of elements.
+            dtype: numpy dtype.
+
+        Returns:
+            The tensor.
+        """
+        import torch
+        return torch.from_numpy(super().make_tensor(count, dtype))
+
+    def operation(self, collective: str, buffers: Buffers) -> Callable[[], Any]:
+        """The ``torch.distributed`` call for ``collective`` on this peer's group.
+
+        Args:
+            collective: a name of ``collectives.COLLECTIVES``.
+            buffers: from ``make_buffers``.
+
+        Returns:
+            A callable taking no arguments.
+
+        Raises:
+            KeyError: an unknown collective.
+        """
+        import torch.distributed as dist
+        group, tensor, parts = self._group, buffers.tensor, buffers.tensor_list
+        root_parts = parts if self._rank == BROADCAST_ROOT else None
+        if collective == "sendrecv":
+            return functools.partial(round_trip, dist.send, dist.recv, tensor, self._rank, group)
+        calls = {
+            "allreduce": functools.partial(dist.all_reduce, tensor, group=group),
+            "reduce": functools.partial(dist.reduce, tensor, BROADCAST_ROOT, group=group),
+            "broadcast": functools.partial(dist.broadcast, tensor, BROADCAST_ROOT, group=group),
+            "allgather": functools.partial(dist.all_gather, parts, tensor, group=group),
+            "reducescatter": functools.partial(dist.reduce_scatter, tensor, parts, group=group),
+            "gather": functools.partial(dist.gather, tensor, root_parts, BROADCAST_ROOT,
+                                        group=group),
+            "scatter": functools.partial(dist.scatter, tensor, root_parts, BROADCAST_ROOT,
+                                         group=group),
+            "alltoall": functools.partial(dist.all_to_all, buffers.output_list, parts,
+                                          group=group),
+            "barrier": self.barrier,
+        }
+        return calls[collective]
+
+    def barrier(self) -> None:
+        """``torch.distributed.barrier`` on this peer's group."""
+        import torch.distributed as dist
+        dist.barrier(group=self._group)
+
+    def teardown(self) -> None:
+        """Destroy this peer's group (the default group, and so every group, if it made it).
+
+        The harness leaves groups in the reverse order of joining, so a ``gloo`` subgroup made
+        on top of this default group is gone before it.
+        """
+        import torch.distributed as dist
+        if self._owns_default_group:
+            dist.destroy_process_group()
+        elif self._group is not None:
+            dist.destroy_process_group(self._group)
+        self._group, self._owns_default_group = None, False
+
+
+def store_address() -> str:
+    """A ``tcp://host:port`` address for a rendezvous store on the driver's node.
+
+    The host is this node's IP as Ray knows it (``ray.util.get_node_ip_address``); the port is
+    one the kernel just handed out as free there, released again for the group's rank 0 to
+    listen on.
+
+    Returns:
+        The address.
+    """
+    import ray
+    host = ray.util.get_node_ip_address()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
+
+
+def _check_store_host(address: str) -> None:
+    """Raise unless this process runs on the node of ``address``, where rank 0 must listen."""
+    import ray
+    host, here = urllib.parse.urlsplit(address).hostname, ray.util.get_node_ip_address()
+    if host != here:
+        raise RuntimeError(f"the torch peer's rank 0 runs on node {here}, but its store "
+                           f"address {address} is on the driver's node {host}: run the "
+                           f"benchmark's driver on the node that hosts rank 0")
+
+
 class Mpi4pyPeer(Peer):
     """MPICH through mpi4py's buffer methods (``Allreduce``, ``Bcast``, ...) on numpy arrays.
 
@@ -316,7 +483,7 @@ class Mpi4pyPeer(Peer):
         self._rank = 0
 
     def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
-              hub: Any = None) -> dict:
+              shared: Any = None) -> dict:
         """Use ``MPI.COMM_WORLD`` of the job, which ``mpiexec`` formed already.
 
         Args:
@@ -324,7 +491,7 @@ class Mpi4pyPeer(Peer):
             rank: this rank; must be the process's MPI rank.
             group_name: unused (the job is the group).
             timeout_s: unused: MPI has no per-call deadline; the driver kills the job instead.
-            hub: unused.
+            shared: unused.
 
         Returns:
             ``{"mpi4py": version, "mpi": the MPI library's version line}``.
@@ -454,7 +621,7 @@ class PlainRayPeer(Peer):
         self._timeout_s = 0.0
 
     def setup(self, world_size: int, rank: int, group_name: str, timeout_s: float,
-              hub: Any = None) -> dict:
+              shared: Any = None) -> dict:
         """Keep the hub's handle; one barrier through it so every rank has arrived.
 
         Args:
@@ -462,7 +629,7 @@ class PlainRayPeer(Peer):
             rank: this rank.
             group_name: unused (the hub is the group).
             timeout_s: deadline of every ``ray.get`` on the hub.
-            hub: the group's ``PlainRayHub`` actor.
+            shared: the group's ``PlainRayHub`` actor.
 
         Returns:
             ``{"ray": version}``.
@@ -472,9 +639,9 @@ class PlainRayPeer(Peer):
             ray.exceptions.GetTimeoutError: the other ranks did not arrive in time.
         """
         import ray
-        if hub is None:
+        if shared is None:
             raise ValueError("the ray-plain peer needs the hub actor the harness starts")
-        self._hub, self._rank, self._timeout_s = hub, rank, timeout_s
+        self._hub, self._rank, self._timeout_s = shared, rank, timeout_s
         self.barrier()
         return {"ray": ray.__version__}
 
@@ -572,7 +739,8 @@ class PlainRayPeer(Peer):
 
 
 PEERS: Mapping[str, type] = types.MappingProxyType(
-    {peer.name: peer for peer in (RayCollectivePeer, GlooPeer, PlainRayPeer, Mpi4pyPeer)})
+    {peer.name: peer
+     for peer in (RayCollectivePeer, TorchPeer, GlooPeer, PlainRayPeer, Mpi4pyPeer)})
 """Every backend the CLI can measure, by name (read-only), in the default table order."""
 
 

@@ -7,7 +7,9 @@ Three kinds, one line per backend, log scales, file names derived from the point
 - ``time_<collective>_<size>.png``: p50 latency against world size (only when the sweep has
   more than one world size).
 
-A plot with fewer than two points on every line says nothing and is not drawn.
+A plot with fewer than two points on every line says nothing and is not drawn. When the rows
+hold both timing modes, each backend has a solid line for back-to-back and a dashed one, in
+the same colour, for barrier-before-every-call.
 
 ``python -m benchmarks.plots OUT_DIR RUN.json [RUN.json ...]`` draws the plots of several runs'
 rows together (e.g. a sweep at 2-8 ranks and one at 64 ranks with fewer iterations).
@@ -20,7 +22,8 @@ import json
 import pathlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .report import format_size
+from .report import format_size, row_timing
+from .worker import BARRIER
 
 DPI = 80
 """Modest resolution: the PNGs are committed with the results page."""
@@ -30,20 +33,24 @@ def _file_size(nbytes: int) -> str:
     return format_size(nbytes).replace(" ", "")
 
 
+Line = Tuple[str, str]
+"""A plotted line: (backend, timing mode)."""
+
+
 def _series(rows: Sequence[dict], x_key: str, y: Callable[[dict], Optional[float]]
-            ) -> Dict[str, List[Tuple[float, float]]]:
-    """Per backend (in first-seen order), its (x, y) points with a value, sorted by x."""
-    lines: Dict[str, List[Tuple[float, float]]] = {}
+            ) -> Dict[Line, List[Tuple[float, float]]]:
+    """Per (backend, timing) in first-seen order, its (x, y) points with a value, sorted by x."""
+    lines: Dict[Line, List[Tuple[float, float]]] = {}
     for row in rows:
-        lines.setdefault(row["backend"], [])
+        line = lines.setdefault((row["backend"], row_timing(row)), [])
         value = y(row)
         if value is not None and value > 0:
-            lines[row["backend"]].append((row[x_key], value))
-    return {backend: sorted(points) for backend, points in lines.items()}
+            line.append((row[x_key], value))
+    return {key: sorted(points) for key, points in lines.items()}
 
 
 def _draw(path: pathlib.Path, title: str, x_label: str, y_label: str,
-          lines: Dict[str, List[Tuple[float, float]]], x_ticks: Sequence[float],
+          lines: Dict[Line, List[Tuple[float, float]]], x_ticks: Sequence[float],
           x_tick_labels: Sequence[str], log_x: bool) -> Optional[pathlib.Path]:
     """Draw one figure; None (and no file) when no line has two points."""
     if not any(len(points) >= 2 for points in lines.values()):
@@ -52,9 +59,15 @@ def _draw(path: pathlib.Path, title: str, x_label: str, y_label: str,
     matplotlib.use("Agg")
     from matplotlib import pyplot
     figure, axes = pyplot.subplots(figsize=(6.4, 4.0))
-    for backend, points in lines.items():
+    colours = pyplot.rcParams["axes.prop_cycle"].by_key()["color"]
+    backends = list(dict.fromkeys(backend for backend, _ in lines))
+    both_timings = len({timing for _, timing in lines}) > 1
+    for (backend, timing), points in lines.items():
         if points:
-            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=backend)
+            axes.plot([x for x, _ in points], [y for _, y in points], marker="o",
+                      color=colours[backends.index(backend) % len(colours)],
+                      linestyle="--" if both_timings and timing == BARRIER else "-",
+                      label=f"{backend} ({timing})" if both_timings else backend)
     if log_x:
         axes.set_xscale("log", base=2)
     axes.set_yscale("log")

@@ -8,12 +8,33 @@ from dataclasses import asdict
 from typing import List, Optional, Sequence, TextIO
 
 from .harness import Row, SweepResult
+from .worker import BACK_TO_BACK, BARRIER
 
 _BINARY_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
-_COLUMNS = ("collective", "ranks", "size", "backend", "p50", "p75", "p90", "p95", "algbw GB/s",
-            "busbw GB/s", "speed-up", "peak RSS", "procs", "iters")
-_RIGHT_ALIGNED = frozenset(_COLUMNS) - {"collective", "backend"}
+_COLUMNS = ("collective", "ranks", "size", "timing", "backend", "p50", "p75", "p90", "p95",
+            "algbw GB/s", "busbw GB/s", "speed-up", "peak RSS", "procs", "iters")
+_RIGHT_ALIGNED = frozenset(_COLUMNS) - {"collective", "timing", "backend"}
+
+TIMING_MEANINGS = {
+    BACK_TO_BACK: "back-to-back: one barrier, then the calls in a loop; an iteration is the "
+                  "time from one call's return to the next's",
+    BARRIER: "barrier: the backend's barrier before every call; an iteration is the call alone",
+}
+"""What each timing mode measures, in one line (the table's legend, the results page)."""
+
+
+def row_timing(row: dict) -> str:
+    """The timing mode of a JSON row; ``barrier`` for files from before the modes existed,
+    when the harness timed every call after a barrier.
+
+    Args:
+        row: a row of a ``python -m benchmarks --json`` file (or ``asdict`` of a ``Row``).
+
+    Returns:
+        A name of ``worker.TIMINGS``.
+    """
+    return row.get("timing") or BARRIER
 
 
 def format_size(nbytes: int) -> str:
@@ -66,7 +87,8 @@ def format_mib(nbytes: Optional[int]) -> str:
 
 
 def _cells(row: Row) -> List[str]:
-    return [row.collective, str(row.world_size), format_size(row.nbytes), row.backend,
+    return [row.collective, str(row.world_size), format_size(row.nbytes), row.timing,
+            row.backend,
             format_seconds(row.p50_s), format_seconds(row.p75_s), format_seconds(row.p90_s),
             format_seconds(row.p95_s), _format_number(row.algbw_gbps),
             _format_number(row.busbw_gbps), _format_number(row.speedup, "x"),
@@ -98,39 +120,51 @@ def format_table(rows: Sequence[Row]) -> str:
         if row.note:
             lines.append(f"    note: {row.note}")
     baselines = sorted({row.baseline for row in rows if row.baseline})
-    legend = ["p50..p95: latency of one call, the slowest rank's, over the timed iterations.",
+    legend = ["p50..p95: latency of one call, the slowest rank's, over the timed iterations."]
+    legend.extend(f"timing {TIMING_MEANINGS[timing]}."
+                  for timing in dict.fromkeys(row.timing for row in rows))
+    legend += [
               "algbw = size / p50, busbw = algbw x bus factor (nccl-tests); GB/s = 10^9 B/s.",
               "peak RSS: largest peak resident memory of a process running a rank (the rank "
-              "actors are shared by ray, gloo and ray-plain; mpi4py has its own processes).",
+              "actors are shared by ray, torch, gloo and ray-plain; mpi4py has its own "
+              "processes).",
               "procs: processes the backend started besides the rank actors."]
-    legend.extend(f"speed-up = {name} p50 / backend p50 (> 1: faster than {name}; equal to "
-                  f"busbw / {name} busbw)." for name in baselines)
+    legend.extend(f"speed-up = {name} p50 / backend p50 in the same timing mode (> 1: faster "
+                  f"than {name}; equal to busbw / {name} busbw)." for name in baselines)
     return "\n".join(lines + [""] + legend)
+
+
+def _progress_part(row: Row) -> str:
+    """``"ray 45.1 µs (3.1x)"``, ``"gloo failed"`` or ``"gloo n/a"``."""
+    if row.error:
+        return f"{row.backend} failed"
+    if row.note:
+        return f"{row.backend} n/a"
+    ratio = "" if row.speedup is None or row.backend == row.baseline else \
+        f" ({row.speedup:.2f}x)"
+    return f"{row.backend} {format_seconds(row.p50_s)}{ratio}"
 
 
 def format_progress(rows: Sequence[Row]) -> str:
     """One line for a point that has just been measured.
 
     Args:
-        rows: the point's rows (one per backend).
+        rows: the point's rows (one per timing mode and backend).
 
     Returns:
-        ``"allreduce 4 ranks 8 B: ray 45.1 µs (3.1x), gloo 140.2 µs"``, errors marked.
+        ``"allreduce 4 ranks 8 B: ray 45.1 µs (3.1x), gloo 140.2 µs"``, errors marked; with
+        several timing modes, one group per mode led by its name
+        (``"...: back-to-back: ray 45.1 µs, ...; barrier: ray 60.2 µs, ..."``).
     """
     first = rows[0]
-    parts = []
+    by_timing: dict = {}
     for row in rows:
-        if row.error:
-            parts.append(f"{row.backend} failed")
-            continue
-        if row.note:
-            parts.append(f"{row.backend} n/a")
-            continue
-        ratio = "" if row.speedup is None or row.backend == row.baseline else \
-            f" ({row.speedup:.2f}x)"
-        parts.append(f"{row.backend} {format_seconds(row.p50_s)}{ratio}")
-    return (f"{first.collective} {first.world_size} ranks {format_size(first.nbytes)}: "
-            + ", ".join(parts))
+        by_timing.setdefault(row.timing, []).append(_progress_part(row))
+    if len(by_timing) == 1:
+        text = ", ".join(*by_timing.values())
+    else:
+        text = "; ".join(f"{timing}: {', '.join(parts)}" for timing, parts in by_timing.items())
+    return f"{first.collective} {first.world_size} ranks {format_size(first.nbytes)}: {text}"
 
 
 def to_json(result: SweepResult) -> str:

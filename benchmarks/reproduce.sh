@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces every table and plot of benchmarks/README.md's results page (`make bench`).
 # Heavy runs take a machine-wide lock so that two people's benchmarks never overlap on a shared
-# machine; the whole script takes about 25 minutes on the 2-core reference machine.
+# machine. The three sweeps of the page time five backends in both timing modes (back to back,
+# the headline, and with a barrier before every call); the whole script takes about an hour on
+# the 2-core reference machine (an estimate: 25 minutes with four backends and one mode).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -11,19 +13,21 @@ PLOTS="$RESULTS/plots"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 heavy() { flock "$LOCK" "$PYTHON" "$@"; }
 
+BACKENDS=ray,torch,gloo,ray-plain,mpi4py
 # 1. allreduce, every CPU backend, 2-8 ranks, 8 B to 64 MiB, iteration counts from the size.
-heavy -m benchmarks --collective allreduce --backends ray,gloo,ray-plain,mpi4py \
-    --baseline gloo --world-size 2,4,8 --bytes 8,1K,64K,1M,16M,64M \
+heavy -m benchmarks --collective allreduce --backends "$BACKENDS" --timing both \
+    --baseline torch --world-size 2,4,8 --bytes 8,1K,64K,1M,16M,64M \
     --json "$RESULTS/allreduce.json"
-# 2. the same at 64 ranks: 10 timed iterations (one 16 MiB point costs ~10 s for all four),
-#    and 16 MiB at most: at 16 MiB the 64 ranks already held 22 of the 23.5 GiB (README).
-heavy -m benchmarks --collective allreduce --backends ray,gloo,ray-plain,mpi4py \
-    --baseline gloo --world-size 64 --bytes 8,1K,64K,1M,16M --iters 10 --warmup 2 \
+# 2. the same at 64 ranks: 10 timed iterations (one 16 MiB point cost ~10 s for four backends
+#    in one mode), and 16 MiB at most: at 16 MiB the 64 ranks of four backends already held
+#    22 of the 23.5 GiB (README); the torch peer adds its 16 MiB buffer per rank there.
+heavy -m benchmarks --collective allreduce --backends "$BACKENDS" --timing both \
+    --baseline torch --world-size 64 --bytes 8,1K,64K,1M,16M --iters 10 --warmup 2 \
     --json "$RESULTS/allreduce-64.json"
 # 3. every collective at 4 ranks.
 heavy -m benchmarks \
     --collective allreduce,reduce,broadcast,allgather,reducescatter,gather,scatter,alltoall,sendrecv,barrier \
-    --backends ray,gloo,ray-plain,mpi4py --baseline gloo --world-size 4 --bytes 8,1M,16M \
+    --backends "$BACKENDS" --timing both --baseline torch --world-size 4 --bytes 8,1M,16M \
     --json "$RESULTS/collectives.json"
 # 4. plots and the page's tables, from the JSON files alone.
 rm -rf "$PLOTS/allreduce" "$PLOTS/collectives"
@@ -33,16 +37,17 @@ rm -rf "$PLOTS/allreduce" "$PLOTS/collectives"
     "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json=$PLOTS/allreduce" \
     "$RESULTS/collectives.json=$PLOTS/collectives" --write benchmarks/README.md
 # 5. the other benchmarks of the page: scale and cost model, agent/observer, batch_remote.
-#    The cost model is fitted to the sweeps above, to issue 3's runs (kept in results/), and to
-#    a ray-only sweep at 16 and 32 ranks (its 8 B points twice, minutes apart); its prediction
-#    for 8 ranks is checked with each algorithm forced.
+#    The cost model is fitted to the barrier-mode rows of the sweeps above, to issue 3's runs
+#    (kept in results/, timed that way), and to a ray-only sweep at 16 and 32 ranks (its 8 B
+#    points twice, minutes apart); its prediction for 8 ranks is checked with each algorithm
+#    forced. All of these are timed in barrier mode, like the earlier files the fit needs.
 heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
-    --bytes 8,1M,64M --json "$RESULTS/scale-sweep-16-32.json"
+    --timing barrier --bytes 8,1M,64M --json "$RESULTS/scale-sweep-16-32.json"
 heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
-    --bytes 8 --json "$RESULTS/scale-sweep-16-32-8B-repeat.json"
+    --timing barrier --bytes 8 --json "$RESULTS/scale-sweep-16-32-8B-repeat.json"
 for algorithm in reduce_broadcast ring; do
     RAY_COLLECTIVE_ALGORITHM="allreduce=$algorithm" heavy -m benchmarks --collective allreduce \
-        --backends ray --baseline none --world-size 8 --bytes 1M,64M \
+        --backends ray --baseline none --world-size 8 --timing barrier --bytes 1M,64M \
         --json "$RESULTS/scale-check-8ranks-$algorithm.json"
 done
 "$PYTHON" -m benchmarks.scale \
@@ -52,7 +57,7 @@ done
     --json "$RESULTS/reduce-broadcast-8B.json=reduce_broadcast" \
     --json "$RESULTS/allreduce.json" --json "$RESULTS/allreduce-64.json" \
     --json "$RESULTS/scale-sweep-16-32.json" --json "$RESULTS/scale-sweep-16-32-8B-repeat.json" \
-    --bytes 8,1M,64M --plots "$PLOTS" --out "$RESULTS/scale.json"
+    --timing barrier --bytes 8,1M,64M --plots "$PLOTS" --out "$RESULTS/scale.json"
 heavy -m benchmarks.agent_observer --world-size 2,4,8,16 --batch true,false \
     --iterations 300 --warmup 30 --json "$RESULTS/agent_observer.json"
 heavy -m benchmarks.agent_observer --world-size 32,64 --batch true,false \

@@ -3,10 +3,12 @@
 ```
 python -m benchmarks.scale --json MEASURED.json[=ALGORITHM] [--json ...] --plots DIR
     [--out benchmarks/results/scale.json] [--ranks 400,1000,4096] [--collective allreduce]
-    [--bytes 8,1M,64M] [--backend ray] [--json-before-rule PATH ...]
+    [--bytes 8,1M,64M] [--backend ray] [--timing barrier] [--json-before-rule PATH ...]
 ```
 
-Reads the rows of ``python -m benchmarks ... --json`` files for one backend and collective,
+Reads the rows of ``python -m benchmarks ... --json`` files for one backend, collective and
+timing mode (``barrier`` by default: the earlier files it is fitted to, which cannot be measured
+again, were all timed with a barrier before every call; rows without a mode count as that),
 works out which algorithm ran at each measured point, gets that algorithm's rounds, messages and
 bytes from the simulator, fits the model of :mod:`benchmarks.scale_model` to the measured
 p50s, and predicts every algorithm of the collective at the measured world sizes (on the
@@ -41,7 +43,9 @@ from ray_collective.algorithms.catalog import lookup, names
 from ray_collective.algorithms.selector import select
 from ray_collective.sim.runner import COLLECTIVES
 
-from .cli import at_least, comma_list, parse_size
+from .cli import at_least, choice, comma_list, parse_size
+from .report import row_timing
+from .worker import BARRIER, TIMINGS
 from .scale_costs import call_costs
 from .scale_model import PARAMETERS, PLAIN_PARAMETERS, Fit, features, fit_non_negative, predict
 
@@ -91,6 +95,7 @@ class ScaleOptions:
         collective: the collective modelled.
         sizes: message sizes in bytes (empty: those measured).
         backend: the rows' backend.
+        timing: the rows' timing mode, of ``worker.TIMINGS``.
     """
 
     inputs: Tuple[InputFile, ...]
@@ -100,6 +105,7 @@ class ScaleOptions:
     collective: str = "allreduce"
     sizes: Tuple[int, ...] = ()
     backend: str = "ray"
+    timing: str = BARRIER
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,8 @@ def load_points(options: ScaleOptions) -> List[MeasuredPoint]:
         cores = int(metadata.get("usable_cpus") or metadata.get("cpu_count") or os.cpu_count())
         for row in document["rows"]:
             if (row.get("backend") != options.backend or row.get("collective") != options.collective
-                    or row.get("error") or not row.get("p50_s")):
+                    or row_timing(row) != options.timing or row.get("error")
+                    or not row.get("p50_s")):
                 continue
             points.append(MeasuredPoint(
                 path, int(row["world_size"]), int(row["nbytes"]), row.get("dtype", "float32"),
@@ -203,7 +210,8 @@ def load_points(options: ScaleOptions) -> List[MeasuredPoint]:
                 float(row["p50_s"])))
     if not points:
         raise InputError(f"no measured {options.collective} rows of backend "
-                         f"'{options.backend}' in {', '.join(s.path for s in options.inputs)}")
+                         f"'{options.backend}' timed {options.timing} in "
+                         f"{', '.join(s.path for s in options.inputs)}")
     return points
 
 
@@ -457,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bytes", type=comma_list(at_least(1, parse_size)), default=(),
                         help="message sizes to predict, e.g. 8,1M,64M (default: those measured)")
     parser.add_argument("--backend", default="ray", help="the rows' backend (default ray)")
+    parser.add_argument("--timing", type=choice(TIMINGS), default=BARRIER,
+                        help="the rows' timing mode (default barrier, that of the earlier "
+                             "files the model is fitted to)")
     return parser
 
 
@@ -474,7 +485,7 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> ScaleOptions:
         parser.error(f"unknown collective {args.collective!r}")
     return ScaleOptions(inputs=tuple(args.inputs), plots_dir=args.plots, out_path=args.out,
                         extrapolate_ranks=args.ranks, collective=args.collective,
-                        sizes=args.bytes, backend=args.backend)
+                        sizes=args.bytes, backend=args.backend, timing=args.timing)
 
 
 def run(options: ScaleOptions, command: str) -> Tuple[str, dict]:

@@ -1,13 +1,21 @@
 """One rank of the benchmark: a Ray actor that hosts a peer per backend and times blocks.
 
-Timing happens here, inside the rank, with ``time.perf_counter`` around each call: before every
-timed call the peer's own barrier lines the ranks up, so each iteration measures one isolated
-collective rather than a pipeline of back-to-back ones. The driver takes, per iteration, the
-slowest rank's time (``stats.iteration_latencies``).
+Timing happens here, inside the rank, with ``time.perf_counter``, in one of two ways:
 
-The same class runs in a Ray actor (``ray``, ``gloo``, ``ray-plain``) and, as a plain object,
-in each process of an ``mpiexec`` job (``mpi4py``, see ``mpi_worker``); its answers are plain
-dicts and lists so that they cross either channel.
+- ``back-to-back`` (``BACK_TO_BACK``): one barrier (the peer's own) at the start of the block,
+  then the warm-up and timed calls in a loop with nothing between them, the way nccl-tests
+  times and training loops call. An iteration's time on a rank is the interval between the
+  completions of two consecutive calls (the first one starts when the last warm-up call
+  returns), so the intervals add up to the loop's wall time and a rank that left the previous
+  call early waits for the others inside the next one.
+- ``barrier`` (``BARRIER``): the peer's barrier before every call, warm-up and timed alike,
+  and ``perf_counter`` around the call alone: one isolated collective started together.
+
+The driver takes, per iteration, the slowest rank's time (``stats.iteration_latencies``).
+
+The same class runs in a Ray actor (``ray``, ``torch``, ``gloo``, ``ray-plain``) and, as a
+plain object, in each process of an ``mpiexec`` job (``mpi4py``, see ``mpi_worker``); its
+answers are plain dicts and lists so that they cross either channel.
 """
 
 from __future__ import annotations
@@ -22,6 +30,15 @@ import numpy as np
 
 from .peers import PEERS, Peer, make_buffers
 
+BACK_TO_BACK = "back-to-back"
+"""Timing mode: one barrier per block, then the calls in a loop, completion to completion."""
+
+BARRIER = "barrier"
+"""Timing mode: the peer's barrier before every call, which alone is timed."""
+
+TIMINGS = (BACK_TO_BACK, BARRIER)
+"""Every timing mode, the headline first."""
+
 
 @dataclass(frozen=True)
 class BlockSpec:
@@ -31,8 +48,9 @@ class BlockSpec:
         collective: a name of ``collectives.COLLECTIVES``.
         requested_bytes: the size asked for on the command line.
         dtype: numpy dtype name.
-        warmup: untimed iterations first (each after a barrier, like the timed ones).
+        warmup: untimed iterations first (timed the same way, their times dropped).
         iterations: timed iterations.
+        timing: ``BACK_TO_BACK`` or ``BARRIER`` (see the module's docstring).
     """
 
     collective: str
@@ -40,6 +58,7 @@ class BlockSpec:
     dtype: str
     warmup: int
     iterations: int
+    timing: str = BACK_TO_BACK
 
     def point(self) -> Tuple[str, int, str]:
         """The (collective, size, dtype) this block belongs to: blocks of one point share buffers.
@@ -80,6 +99,55 @@ def peak_resident_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def time_back_to_back(barrier: Callable[[], Any], call: Callable[[], Any], warmup: int,
+                      iterations: int) -> List[float]:
+    """One barrier, then ``warmup`` + ``iterations`` calls in a loop; completion to completion.
+
+    Args:
+        barrier: the peer's barrier.
+        call: one collective.
+        warmup: calls whose times are dropped.
+        iterations: calls timed.
+
+    Returns:
+        For each timed call, the seconds from the previous call's return (the last warm-up
+        call's, or the barrier's without warm-up) to its own.
+    """
+    barrier()
+    for _ in range(warmup):
+        call()
+    stamps = [time.perf_counter()]
+    for _ in range(iterations):
+        call()
+        stamps.append(time.perf_counter())
+    return [end - start for start, end in zip(stamps, stamps[1:])]
+
+
+def time_with_barriers(barrier: Callable[[], Any], call: Callable[[], Any], warmup: int,
+                       iterations: int) -> List[float]:
+    """The peer's barrier before every call, then ``perf_counter`` around the call alone.
+
+    Args:
+        barrier: the peer's barrier.
+        call: one collective.
+        warmup: calls (each after a barrier) whose times are dropped.
+        iterations: calls timed.
+
+    Returns:
+        The seconds of each timed call.
+    """
+    for _ in range(warmup):
+        barrier()
+        call()
+    durations = []
+    for _ in range(iterations):
+        barrier()
+        start = time.perf_counter()
+        call()
+        durations.append(time.perf_counter() - start)
+    return durations
+
+
 class RankWorker:
     """A rank's actor body (wrapped with ``ray.remote`` by the harness, ``num_cpus=0``).
 
@@ -102,14 +170,15 @@ class RankWorker:
         """
         return self._rank
 
-    def setup(self, backend: str, group_name: str, timeout_s: float, hub: Any = None) -> dict:
+    def setup(self, backend: str, group_name: str, timeout_s: float,
+              shared: Any = None) -> dict:
         """Join ``backend``'s group as this rank.
 
         Args:
             backend: a name of ``peers.PEERS``.
             group_name: the group's name, unique in the run.
             timeout_s: the library's deadline per call.
-            hub: the central actor of a peer that needs one (``ray-plain``), else None.
+            shared: what the driver made for the whole group (``Peer.setup``), else None.
 
         Returns:
             ``{"info": the peer's facts for the metadata (library versions),
@@ -120,16 +189,16 @@ class RankWorker:
         """
         resident_before = resident_bytes()
         peer = PEERS[backend]()
-        info = peer.setup(self._world_size, self._rank, group_name, timeout_s, hub)
+        info = peer.setup(self._world_size, self._rank, group_name, timeout_s, shared)
         self._peers[backend] = peer
         return {"info": info, "rss_added_bytes": max(0, resident_bytes() - resident_before)}
 
-    def time_block(self, backend: str, block: BlockSpec) -> List[float]:
+    def time_block(self, backend: str, block: BlockSpec) -> dict:
         """Run ``block.warmup`` untimed then ``block.iterations`` timed collectives.
 
         Args:
             backend: a backend set up by ``setup``.
-            block: what to run.
+            block: what to run, and how to time it (``block.timing``).
 
         Returns:
             ``{"durations": this rank's seconds for each timed iteration,
@@ -137,19 +206,17 @@ class RankWorker:
 
         Raises:
             KeyError: the backend was not set up here.
+            ValueError: an unknown timing mode.
             Exception: whatever the peer raises.
         """
+        if block.timing not in TIMINGS:
+            raise ValueError(f"unknown timing {block.timing!r}, expected one of {TIMINGS}")
         peer = self._peers[backend]
         call = self._bind(backend, peer, block).call
-        for _ in range(block.warmup):
-            peer.barrier()
-            call()
-        durations = []
-        for _ in range(block.iterations):
-            peer.barrier()
-            start = time.perf_counter()
-            call()
-            durations.append(time.perf_counter() - start)
+        if block.timing == BARRIER:
+            durations = time_with_barriers(peer.barrier, call, block.warmup, block.iterations)
+        else:
+            durations = time_back_to_back(peer.barrier, call, block.warmup, block.iterations)
         return {"durations": durations, "peak_rss_bytes": peak_resident_bytes()}
 
     def teardown(self, backend: str) -> None:

@@ -1,4 +1,5 @@
-"""The benchmark harness: its formulas against hand-computed values, and the CLI on a tiny sweep.
+"""The benchmark harness: its formulas against hand-computed values, the timing loops against a
+recorded clock, the ``torch`` peer's collectives against numpy, and the CLI on a tiny sweep.
 
 The sweep runs ``python -m benchmarks`` as a subprocess, so its Ray instance starts and stops
 there and never meets a Ray the rest of the suite may hold.
@@ -25,11 +26,14 @@ from benchmarks.mpi_job import decode_arguments, descendant_count, encode_argume
 from benchmarks.peers import PEERS, Mpi4pyPeer, make_buffers
 from benchmarks.plain_ray import combine
 from benchmarks.plots import write_plots
-from benchmarks.report import ProgressBar, format_progress, format_size, format_table, to_json
+from benchmarks.report import (ProgressBar, format_progress, format_size, format_table,
+                               row_timing, to_json)
 from benchmarks.report_page import (BEGIN, END, point_table, ratio, render,
                                     replace_between_markers)
 from benchmarks.harness import SweepResult
-from benchmarks.worker import BlockSpec
+from benchmarks import worker
+from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
+from conftest import run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
                               iteration_latencies, percentiles, speedup)
 
@@ -102,6 +106,81 @@ def test_iteration_counts_and_blocks():
     assert (overridden.counts(64 * MIB).iterations, overridden.counts(8).warmup) == (3, 0)
 
 
+class _RecordedClock:
+    """A ``perf_counter`` that moves only when the fake barrier or call runs, and a log of both.
+
+    The barrier takes 100 s and call i (from 0) takes i + 1 s, so a time that contains a
+    barrier, or the wrong call, shows at once.
+    """
+
+    def __init__(self):
+        self.now, self.calls, self.events = 0.0, 0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def barrier(self):
+        self.events.append("barrier")
+        self.now += 100.0
+
+    def call(self):
+        self.events.append("call")
+        self.calls += 1
+        self.now += float(self.calls)
+
+
+def test_back_to_back_times_completion_to_completion_after_one_barrier(monkeypatch):
+    clock = _RecordedClock()
+    monkeypatch.setattr(worker, "time", clock)
+    durations = worker.time_back_to_back(clock.barrier, clock.call, warmup=2, iterations=3)
+    assert clock.events == ["barrier"] + ["call"] * 5
+    assert durations == [3.0, 4.0, 5.0]      # calls 3-5; the warm-up's 1 + 2 s left out
+    clock = _RecordedClock()
+    monkeypatch.setattr(worker, "time", clock)
+    assert worker.time_back_to_back(clock.barrier, clock.call, warmup=0, iterations=2) == [
+        1.0, 2.0]                            # without warm-up the first starts at the barrier
+
+
+def test_barrier_mode_times_each_call_alone_after_its_own_barrier(monkeypatch):
+    clock = _RecordedClock()
+    monkeypatch.setattr(worker, "time", clock)
+    durations = worker.time_with_barriers(clock.barrier, clock.call, warmup=1, iterations=2)
+    assert clock.events == ["barrier", "call"] * 3
+    assert durations == [2.0, 3.0]
+
+
+def test_a_rank_refuses_an_unknown_timing_mode():
+    with pytest.raises(ValueError, match="unknown timing 'sometimes'"):
+        RankWorker(2, 0).time_block("ray", BlockSpec("allreduce", 8, "float32", warmup=0,
+                                                     iterations=1, timing="sometimes"))
+
+
+def test_rows_of_each_timing_mode_compare_with_the_baseline_of_the_same_mode():
+    options = SweepOptions(("allreduce",), ("ray", "torch"), (2,), (8,), baseline="ray",
+                           timings=(BACK_TO_BACK, BARRIER))
+    back_to_back = summarize_point(options, "allreduce", 2, 8,
+                                   {"ray": [[1e-4], [2e-4]], "torch": [[4e-4], [1e-4]]}, {},
+                                   timing=BACK_TO_BACK)
+    barrier = summarize_point(options, "allreduce", 2, 8,
+                              {"ray": [[3e-4], [1e-4]], "torch": [[1.5e-4], [1e-4]]}, {},
+                              timing=BARRIER)
+    assert [(row.timing, row.backend) for row in back_to_back + barrier] == [
+        (BACK_TO_BACK, "ray"), (BACK_TO_BACK, "torch"), (BARRIER, "ray"), (BARRIER, "torch")]
+    assert back_to_back[1].speedup == pytest.approx(0.5)    # ray 200 µs / torch 400 µs
+    assert barrier[1].speedup == pytest.approx(2.0)         # ray 300 µs / torch 150 µs
+    progress = format_progress(back_to_back + barrier)
+    assert progress == ("allreduce 2 ranks 8 B: back-to-back: ray 200.0 µs, torch 400.0 µs "
+                        "(0.50x); barrier: ray 300.0 µs, torch 150.0 µs (2.00x)")
+    assert format_progress(barrier) == "allreduce 2 ranks 8 B: ray 300.0 µs, torch 150.0 µs (2.00x)"
+    table = format_table(back_to_back + barrier)
+    assert "timing back-to-back: one barrier, then the calls in a loop" in table
+    assert "timing barrier: the backend's barrier before every call" in table
+    missing = unmeasured_rows(options, 4, [], "actors did not start")
+    assert [(row.timing, row.backend) for row in missing] == [
+        (BACK_TO_BACK, "ray"), (BACK_TO_BACK, "torch"), (BARRIER, "ray"), (BARRIER, "torch")]
+    assert row_timing({"backend": "ray"}) == BARRIER     # a file from before the modes
+
+
 def test_parse_size_and_options():
     assert [parse_size(text) for text in ("8", "1K", "64M", "1MiB", "2g")] == [
         8, 1024, 64 * MIB, MIB, 2 * 2**30]
@@ -115,13 +194,18 @@ def test_parse_size_and_options():
     assert options.world_sizes == (2, 4) and options.sizes == (8, MIB)
     assert options.baseline is None
     defaults = options_from_arguments(parser.parse_args([]), parser)
-    assert defaults.backends == ("ray", "gloo", "ray-plain", "mpi4py")
+    assert defaults.backends == ("ray", "torch", "gloo", "ray-plain", "mpi4py")
     assert defaults.baseline == "ray"    # the first backend listed
+    assert defaults.timings == (BACK_TO_BACK,)
+    assert options_from_arguments(parser.parse_args(["--timing", "both"]), parser).timings == (
+        BACK_TO_BACK, BARRIER)
+    assert options_from_arguments(parser.parse_args(["--timing", "barrier"]),
+                                  parser).timings == (BARRIER,)
     assert count_points(options) == 2 * 2 * 2
     assert count_points(SweepOptions(("barrier", "allreduce"), ("ray",), (2, 4), (8, 16))) == 6
     for bad in (["--collective", "allscatter"], ["--world-size", "0"],
                 ["--backends", "ray", "--baseline", "gloo"], ["--bytes", "8,8"],
-                ["--backends", "ray,shmem"]):
+                ["--backends", "ray,shmem"], ["--timing", "sometimes"]):
         with pytest.raises(SystemExit):
             options_from_arguments(parser.parse_args(bad), parser)
 
@@ -153,13 +237,6 @@ def test_table_and_json_carry_every_row():
     assert document["notes"] == ["a note"] and format_size(3 * 1024) == "3 KiB"
 
 
-def _ray_backend_unavailable_reason():
-    if col.is_backend_available("ray"):
-        return None
-    return ("ray_collective's 'ray' backend is not available yet "
-            "(is_backend_available('ray') is False), so there is nothing to compare with Gloo")
-
-
 def test_unsupported_collectives_become_notes_not_errors():
     assert unsupported_reason("gloo", "alltoall", 4).startswith("not supported by this backend")
     assert unsupported_reason("ray", "alltoall", 4) is None
@@ -181,7 +258,7 @@ def test_unsupported_collectives_become_notes_not_errors():
 
 
 def test_every_peer_has_a_unique_name_and_mpi_parts_are_one_array():
-    assert list(PEERS) == ["ray", "gloo", "ray-plain", "mpi4py"]
+    assert list(PEERS) == ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
     buffers = make_buffers(Mpi4pyPeer(), "alltoall", 64, 4, np.dtype("float32"))
     assert len(buffers.tensor_list) == len(buffers.output_list) == 4
     assert buffers.tensor_list[0].base.shape == (4, 4)
@@ -238,7 +315,7 @@ def test_process_counting_and_mpi_channel_arguments():
             os.kill(pid, 9)
         child.wait(timeout=10)
     assert descendant_count(child.pid) == 0
-    block = BlockSpec("allreduce", 8, "float32", warmup=1, iterations=2)
+    block = BlockSpec("allreduce", 8, "float32", warmup=1, iterations=2, timing=BARRIER)
     assert decode_arguments(json.loads(json.dumps(encode_arguments(
         ["time_block", block, None])))) == ["time_block", block, None]
 
@@ -301,11 +378,63 @@ def test_results_page_ratios_and_markers(tmp_path):
     source = tmp_path / "run.json"
     source.write_text(json.dumps(document))
     generated = render([([source], tmp_path / "plots")], tmp_path)
-    assert "**allreduce, 4 ranks**" in generated and 'src="plots/time_allreduce_8B.png"' in generated
+    # Rows without a timing mode come from the harness that timed every call after a barrier.
+    assert "**allreduce, 4 ranks, barrier before every call**" in generated
+    assert "back to back" not in generated and 'src="plots/time_allreduce_8B.png"' in generated
+    assert "Timing barrier: the backend's barrier before every call" in generated
     page = f"# Results\n{BEGIN}\nold\n{END}\ntail\n"
     assert replace_between_markers(page, generated) == f"# Results\n{generated}\ntail\n"
     with pytest.raises(ValueError):
         replace_between_markers("no markers", generated)
+
+
+def test_results_page_and_plots_show_both_timing_modes(tmp_path):
+    # back-to-back rows twice as fast as the barrier ones, and ray 2x faster in them only.
+    rows = [dict(row, timing="barrier") for row in _rows_for_page()]
+    rows += [dict(row, timing="back-to-back",
+                  p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
+             for row in _rows_for_page()]
+    document = {"metadata": {"date": "2026-11-23", "cpu_count": 2, "memory_gib": 23.5,
+                             "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
+                             "options": {"backends": ["ray", "gloo", "mpi4py"]}},
+                "rows": rows, "notes": []}
+    source = tmp_path / "both.json"
+    source.write_text(json.dumps(document))
+    generated = render([([source], None)], tmp_path)
+    headings = [line.split("**")[1] for line in generated.splitlines() if line.startswith("**")]
+    assert headings == ["allreduce, 2 ranks, back to back",
+                        "allreduce, 2 ranks, barrier before every call",
+                        "allreduce, 4 ranks, back to back",
+                        "allreduce, 4 ranks, barrier before every call"]
+    assert ("Timing back-to-back: one barrier, then the calls in a loop; an iteration is the "
+            "time from one call's return to the next's; barrier:") in generated
+    tables = generated.split("**allreduce, 2 ranks, ")
+    assert tables[1].splitlines()[4].startswith("| 8 B | 50.0 µs · ")   # back to back
+    assert tables[1].splitlines()[4].endswith("| 6.00× | 1.00× |")
+    assert tables[2].splitlines()[4].endswith("| 3.00× | 0.50× |")   # barrier, as before
+    written = write_plots(rows, tmp_path / "plots")
+    assert sorted(path.name for path in written) == [
+        "busbw_allreduce_2ranks.png", "busbw_allreduce_4ranks.png",
+        "latency_allreduce_2ranks.png", "latency_allreduce_4ranks.png",
+        "time_allreduce_1KiB.png", "time_allreduce_8B.png"]
+
+
+def test_the_cost_model_reads_the_rows_of_one_timing_mode(tmp_path):
+    from benchmarks.scale import InputFile, InputError, ScaleOptions, load_points
+    row = {"collective": "allreduce", "world_size": 2, "nbytes": 8, "dtype": "float32",
+           "backend": "ray", "error": None}
+    rows = [dict(row, p50_s=1e-4),                                    # before the modes
+            dict(row, world_size=4, timing="barrier", p50_s=2e-4),
+            dict(row, world_size=8, timing="back-to-back", p50_s=3e-4)]
+    path = tmp_path / "modes.json"
+    path.write_text(json.dumps({"metadata": {"usable_cpus": 2}, "rows": rows}))
+    inputs = (InputFile(str(path)),)
+    assert [(point.world_size, point.p50_s) for point in load_points(ScaleOptions(inputs))] == [
+        (2, 1e-4), (4, 2e-4)]
+    assert [point.world_size for point in load_points(
+        ScaleOptions(inputs, timing=BACK_TO_BACK))] == [8]
+    with pytest.raises(InputError, match="timed back-to-back"):
+        load_points(ScaleOptions(inputs, backend="torch", timing=BACK_TO_BACK))
 
 
 def _ray_backend_unavailable_reason():
@@ -315,34 +444,132 @@ def _ray_backend_unavailable_reason():
             "(is_backend_available('ray') is False), so there is nothing to compare with Gloo")
 
 
-def test_tiny_sweep_of_every_cpu_backend_writes_table_json_and_plots(tmp_path):
+TORCH_CHECKED = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter", "gather",
+                 "scatter", "alltoall", "sendrecv", "barrier")
+
+
+def _pattern(rank, part, count):
+    """What rank ``rank`` puts in part ``part`` of its input: distinct for every rank and part."""
+    return np.arange(count, dtype=np.float32) + 10 * part + 100 * (rank + 1)
+
+
+def _torch_peer_results(rank, address, world_size, gloo_group_first):
+    """Inside a rank: each collective of the ``torch`` peer once on patterned inputs.
+
+    With ``gloo_group_first`` the ``gloo`` peer joins first, so torch's default group exists
+    already and the ``torch`` peer must make a group of its own. Returns whether the peer found
+    no default group, and each collective's buffers afterwards as numpy arrays.
+    """
+    import torch.distributed as dist
+
+    from benchmarks.peers import GlooPeer, TorchPeer
+    joined = []
+    if gloo_group_first:
+        joined.append(GlooPeer())
+        joined[-1].setup(world_size, rank, gloo_group_first, 60)
+    made_default_group = not dist.is_initialized()
+    peer = TorchPeer()
+    peer.setup(world_size, rank, "unused", 60, address)
+    joined.append(peer)
+    results = {}
+    for collective in TORCH_CHECKED:
+        buffers = make_buffers(peer, collective, 64, world_size, np.dtype("float32"))
+        if buffers.tensor is not None:
+            count = buffers.tensor.numel()
+            if collective in ("scatter", "reducescatter", "alltoall"):
+                for part, tensor in enumerate(buffers.tensor_list):
+                    tensor.numpy()[:] = _pattern(rank, part, count)
+            elif rank == 0 or collective != "sendrecv":
+                buffers.tensor.numpy()[:] = _pattern(rank, 0, count)
+        peer.operation(collective, buffers)()
+        results[collective] = {
+            "tensor": None if buffers.tensor is None else buffers.tensor.numpy().copy(),
+            "parts": [tensor.numpy().copy() for tensor in buffers.tensor_list],
+            "output": [tensor.numpy().copy() for tensor in buffers.output_list]}
+    for member in reversed(joined):
+        member.teardown()
+    return made_default_group, results
+
+
+def test_torch_peer_runs_every_collective_like_numpy(ray_session):
+    pytest.importorskip("torch", reason="the torch peer needs torch (pip install '.[bench]')")
+    from benchmarks.peers import store_address
+    world_size = 2
+    actors = start_members(ray_session, world_size)
+    try:
+        answers = run_in(ray_session, actors, _torch_peer_results, store_address(), world_size,
+                         None)
+        again = run_in(ray_session, actors, _torch_peer_results, store_address(), world_size,
+                       "bench-test-gloo-first")
+    finally:
+        for actor in actors:
+            ray_session.kill(actor)
+    assert [made for made, _ in answers] == [True, True]
+    assert [made for made, _ in again] == [False, False]   # a group of its own beside gloo's
+    for made, results in again:
+        np.testing.assert_array_equal(results["allreduce"]["tensor"],
+                                      _pattern(0, 0, 16) + _pattern(1, 0, 16))
+    ranks = range(world_size)
+    total = sum(_pattern(rank, 0, 16) for rank in ranks)
+    root = answers[0][1]
+    np.testing.assert_array_equal(root["reduce"]["tensor"], total)
+    for rank, (_, results) in enumerate(answers):
+        np.testing.assert_array_equal(results["allreduce"]["tensor"], total)
+        np.testing.assert_array_equal(results["broadcast"]["tensor"], _pattern(0, 0, 16))
+        for source in ranks:
+            np.testing.assert_array_equal(results["allgather"]["parts"][source],
+                                          _pattern(source, 0, 8))
+            np.testing.assert_array_equal(results["alltoall"]["output"][source],
+                                          _pattern(source, rank, 8))
+        np.testing.assert_array_equal(results["reducescatter"]["tensor"],
+                                      sum(_pattern(source, rank, 8) for source in ranks))
+        np.testing.assert_array_equal(results["scatter"]["tensor"], _pattern(0, rank, 8))
+        np.testing.assert_array_equal(results["sendrecv"]["tensor"], _pattern(0, 0, 16))
+        assert results["barrier"]["tensor"] is None
+    for source in ranks:
+        np.testing.assert_array_equal(root["gather"]["parts"][source], _pattern(source, 0, 8))
+
+
+def test_torch_peer_needs_the_store_address_on_rank_0s_node(ray_session):
+    pytest.importorskip("torch", reason="the torch peer needs torch (pip install '.[bench]')")
+    with pytest.raises(ValueError, match="needs the store address"):
+        PEERS["torch"]().setup(2, 1, "unused", 1.0, None)
+    elsewhere = "tcp://192.0.2.1:29500"    # TEST-NET-1: never this machine's address
+    with pytest.raises(RuntimeError, match="rank 0 runs on node .* is on the driver's node"):
+        PEERS["torch"]().setup(2, 0, "unused", 1.0, elsewhere)
+
+
+def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_plots(tmp_path):
     reason = _ray_backend_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    pytest.importorskip("torch", reason="the gloo peer needs torch (pip install '.[bench]')")
+    pytest.importorskip("torch", reason="the torch and gloo peers need torch "
+                                        "(pip install '.[bench]')")
     pytest.importorskip("mpi4py", reason="the mpi4py peer needs mpi4py and mpich")
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install '.[bench]')")
     out, plots = tmp_path / "tiny.json", tmp_path / "plots"
+    backends = ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
     command = [sys.executable, "-m", "benchmarks", "--collective", "allreduce,gather",
-               "--backends", "ray,gloo,ray-plain,mpi4py", "--world-size", "2",
+               "--backends", ",".join(backends), "--world-size", "2", "--timing", "both",
                "--bytes", "8,4K", "--iters", "3", "--warmup", "1", "--timeout", "60",
                "--json", str(out), "--plots", str(plots)]
     # The sweep starts a Ray of its own: it must not join a cluster the suite may point to.
     environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     completed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True,
-                               text=True, timeout=240)
+                               text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     document = json.loads(out.read_text())
     rows = document["rows"]
-    backends = ["ray", "gloo", "ray-plain", "mpi4py"]
-    assert [(row["collective"], row["nbytes"], row["backend"]) for row in rows] == [
-        (collective, nbytes, backend) for collective in ("allreduce", "gather")
-        for nbytes in (8, 4096) for backend in backends]
+    assert [(row["collective"], row["nbytes"], row["timing"], row["backend"]) for row in rows] == [
+        (collective, nbytes, timing, backend) for collective in ("allreduce", "gather")
+        for nbytes in (8, 4096) for timing in ("back-to-back", "barrier")
+        for backend in backends]
     for row in rows:
         assert row["error"] is None, row["error"]
-        assert row["processes"] == {"ray": 0, "gloo": 0, "ray-plain": 1, "mpi4py": 4}[
-            row["backend"]], row
+        assert row["processes"] == {"ray": 0, "torch": 0, "gloo": 0, "ray-plain": 1,
+                                    "mpi4py": 4}[row["backend"]], row
+        assert row["peak_rss_bytes"] > MIB and row["setup_rss_bytes"] is not None
         if row["backend"] == "gloo" and row["collective"] == "gather":
             assert row["note"].startswith("not supported by this backend")
             assert row["p50_s"] is None
@@ -351,13 +578,25 @@ def test_tiny_sweep_of_every_cpu_backend_writes_table_json_and_plots(tmp_path):
         assert len(row["latencies_s"]) == 3 and min(row["latencies_s"]) > 0
         assert row["p50_s"] > 0 and row["algbw_gbps"] > 0 and row["busbw_gbps"] > 0
         assert row["speedup"] > 0 and row["baseline"] == "ray"
-        assert row["peak_rss_bytes"] > MIB
+    for timing in ("back-to-back", "barrier"):
+        ray_rows = [row for row in rows if row["backend"] == "ray" and row["timing"] == timing]
+        assert all(row["speedup"] == pytest.approx(1.0) for row in ray_rows)
     metadata = document["metadata"]
     assert metadata["ray"] and metadata["cpu_count"] >= 1
+    assert metadata["options"]["timings"] == ["back-to-back", "barrier"]
     assert metadata["command"].startswith("python -m benchmarks --collective allreduce,gather")
     assert set(metadata["backend_versions"]) == set(backends)
-    assert "speed-up = ray p50 / backend p50" in completed.stdout
+    assert metadata["backend_versions"]["torch"]["torch"].startswith("2.")
+    assert "speed-up = ray p50 / backend p50 in the same timing mode" in completed.stdout
+    assert "timing back-to-back: one barrier, then the calls in a loop" in completed.stdout
+    assert not [line for line in completed.stdout.splitlines()
+                if line.startswith("note:")]    # no teardown or restart trouble
     assert "[########################] 4/4" in completed.stderr    # the progress bar
+    assert "back-to-back: ray " in completed.stderr and "; barrier: ray " in completed.stderr
     assert sorted(path.name for path in plots.iterdir()) == [
         "busbw_allreduce_2ranks.png", "busbw_gather_2ranks.png",
         "latency_allreduce_2ranks.png", "latency_gather_2ranks.png"]
+    page = render([([out], plots)], tmp_path)
+    assert "**allreduce, 2 ranks, back to back**" in page
+    assert "**gather, 2 ranks, barrier before every call**" in page
+    assert "| size | ray p50 · busbw | torch p50 · busbw | gloo p50 · busbw |" in page
