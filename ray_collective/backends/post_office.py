@@ -112,7 +112,7 @@ class PostOffice:
                 if fd is not None:
                     uds.close_quietly(fd)
                 if self._buffer[0] == wire.RELEASE and nbytes == wire.RELEASE_FRAME.size:
-                    self.arena.release(*wire.parse_release(self._buffer))
+                    self.arena.release(*wire.parse_release(memoryview(self._buffer)[:nbytes]))
 
     def _flush(self, deadline: float) -> None:
         backlogged = [link for link in self.links.values() if link.backlogged and not link.closed]
