@@ -334,9 +334,11 @@ class RayTransport(Transport):
                 break
             self._on_packet(link, *got)
 
-    def _progress(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for socket events and handle every one that is ready."""
-        for fd, events in self._poll.poll(timeout_s * 1000.0):
+    def _progress(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for socket events and handle every one that is ready;
+        returns how many sockets had events."""
+        ready = self._poll.poll(timeout_s * 1000.0)
+        for fd, events in ready:
             if fd == self._listener.fileno():
                 self._accept()
                 continue
@@ -353,6 +355,7 @@ class RayTransport(Transport):
                 self._poll.modify(fd, select.POLLIN | select.POLLOUT)
             else:
                 self._poll.modify(fd, select.POLLIN)
+        return len(ready)
 
     def _collect_releases(self) -> None:
         """Read what the links this rank sends on have received (releases) without waiting."""
@@ -376,6 +379,8 @@ class RayTransport(Transport):
         self._flush_remote()
         deliveries = self._deliveries
         if self.spin_s:
+            # Spin while messages keep coming: each arrival buys another spin_s, so a rank
+            # exchanging a large message part by part never sleeps between parts.
             spin_until = time.monotonic() + self.spin_s
             while True:
                 if deliveries.pending:
@@ -383,9 +388,11 @@ class RayTransport(Transport):
                 if all(r.done for r in requests):
                     return ()
                 self._raise_if_failed(requests)
-                if time.monotonic() >= spin_until:
+                now = time.monotonic()
+                if now >= spin_until or now >= deadline:
                     break
-                self._progress(0)
+                if self._progress(0):
+                    spin_until = now + self.spin_s
         next_local = time.monotonic() + _LOCAL_LIVENESS_INTERVAL_S
         next_remote = next_local
         while True:
