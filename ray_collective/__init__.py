@@ -10,17 +10,19 @@ Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are 
 from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, alltoall, barrier,
                   broadcast, broadcast_multigpu, create_collective_group,
                   declare_collective_group, destroy_collective_group, gather,
-                  get_collective_group_size, get_rank, gloo_available, init_collective_group,
-                  is_backend_available, is_group_initialized, nccl_available, recv, recv_multigpu,
-                  reduce, reduce_multigpu, reducescatter, reducescatter_multigpu, scatter, send,
-                  send_multigpu, synchronize)
+                  get_collective_group_size, get_group_handle, get_rank, gloo_available,
+                  init_collective_group, is_backend_available, is_group_initialized,
+                  nccl_available, recv, recv_multigpu, reduce, reduce_multigpu, reducescatter,
+                  reducescatter_multigpu, scatter, send, send_multigpu, synchronize)
 from .batch import BatchRemoteHandle, PerActor, batch_remote
-from .errors import (BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
+from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
+                     BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
                      GroupError, GroupNotInitializedError, PeerDiedError, RankFailedError,
-                     TensorRefError, UnsupportedOperationError)
+                     ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
+from .interop import ray_util_collective_runtime_env
 from .refs import (allgather_refs, allreduce_refs, broadcast_refs, reduce_refs,
                    reducescatter_refs, send_ref)
 from .types import Backend, ReduceOp
@@ -31,7 +33,8 @@ _install_ray_util_collective_backend()
 
 __all__ = [
     "init_collective_group", "declare_collective_group", "create_collective_group",
-    "destroy_collective_group", "is_group_initialized", "get_rank", "get_collective_group_size",
+    "destroy_collective_group", "is_group_initialized", "get_group_handle", "get_rank",
+    "get_collective_group_size",
     "allreduce", "barrier", "reduce", "broadcast", "allgather", "reducescatter", "send", "recv",
     "gather", "scatter", "alltoall",
     "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",
@@ -41,7 +44,8 @@ __all__ = [
     "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
     "BackendNotAvailableError", "UnsupportedOperationError", "RankFailedError",
-    "TensorRefError",
+    "TensorRefError", "ArgumentError", "ArgumentValueError", "ArgumentTypeError",
+    "ReadOnlyTensorWarning", "ray_util_collective_runtime_env",
     "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",
     "send_ref",
     "batch_remote", "BatchRemoteHandle", "PerActor", "ActorPool",

@@ -2,35 +2,39 @@
 
 Names and argument order follow ``ray.util.collective``; every collective also takes the
 keyword-only ``async_op`` (return a :class:`~ray_collective.group.Work` instead of blocking) and
-``timeout`` (seconds; default: the group's). Bad arguments raise ``TypeError``/``ValueError``
-before anything is sent.
+``timeout`` (seconds; default: the group's). Bad arguments raise an ``ArgumentTypeError`` or
+``ArgumentValueError`` (a ``TypeError``/``ValueError`` that is also the ``RuntimeError``
+``ray.util.collective`` raises) before anything is sent.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .backends import resolve
 from .backends.base import BackendFactory, GroupCall
-from .errors import UnsupportedOperationError
+from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
 from .types import DEFAULT_TIMEOUT_S, Backend, CallOptions, Collective, ReduceOp
+
+_log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- validation helpers
 
 def _check_group_name(group_name: Any) -> str:
     if not isinstance(group_name, str) or not group_name:
-        raise ValueError(f"group_name must be a non-empty string, not {group_name!r}")
+        raise ArgumentValueError(f"group_name must be a non-empty string, not {group_name!r}")
     return group_name
 
 
 def _check_timeout(timeout: Any, what: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+        raise ArgumentValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
     return float(timeout)
 
 
@@ -51,10 +55,11 @@ def _check_rank(rank: Any, group: Group, what: str) -> int:
 def _check_rank_of(rank: Any, world_size: int, group_name: str, what: str) -> int:
     """``rank`` if it is an int in ``0..world_size-1``, for a group known only by its size."""
     if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"{what} must be an int, not {type(rank).__name__}")
+        raise ArgumentTypeError(f"{what} must be an int, not {type(rank).__name__}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"{what}={rank} is out of range for group '{group_name}' of "
-                         f"{world_size} ranks (valid: 0..{world_size - 1})")
+        raise ArgumentValueError(
+            f"{what}={rank} is out of range for group '{group_name}' of "
+            f"{world_size} ranks (valid: 0..{world_size - 1})")
     return rank
 
 
@@ -65,8 +70,9 @@ def _check_op(op: Any) -> ReduceOp:
     name = getattr(op, "name", None)
     if isinstance(name, str) and name in ReduceOp.__members__:
         return ReduceOp[name]
-    raise TypeError(f"op must be a ray_collective.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), "
-                    f"not {op!r}")
+    raise ArgumentTypeError(
+        f"op must be a ray_collective.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), "
+        f"not {op!r}")
 
 
 def _group(group_name: str) -> Group:
@@ -76,19 +82,21 @@ def _group(group_name: str) -> Group:
 def _view(group: Group, tensor: Any, writable: bool, what: str) -> TensorView:
     view = as_view(tensor, writable=writable, what=what)
     if view.device != "cpu" and not group.backend.accepts_gpu_tensors:
-        raise TypeError(f"{what} is a GPU tensor ({view.kind} on {view.device}), but group "
-                        f"'{group.name}' runs on a CPU backend; create the group with "
-                        f"backend='nccl' for GPU tensors, or pass a CPU tensor")
+        raise ArgumentTypeError(
+            f"{what} is a GPU tensor ({view.kind} on {view.device}), but group "
+            f"'{group.name}' runs on a CPU backend; create the group with "
+            f"backend='nccl' for GPU tensors, or pass a CPU tensor")
     return view
 
 
 def _views(group: Group, tensors: Any, writable: bool, what: str,
            like: Optional[TensorView] = None, like_name: str = "tensor") -> tuple:
     if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{what} must be a list of tensors, not {type(tensors).__name__}")
+        raise ArgumentTypeError(f"{what} must be a list of tensors, not {type(tensors).__name__}")
     if len(tensors) != group.world_size:
-        raise ValueError(f"{what} has {len(tensors)} tensors but group '{group.name}' has "
-                         f"{group.world_size} ranks; pass one tensor per rank")
+        raise ArgumentValueError(
+            f"{what} has {len(tensors)} tensors but group '{group.name}' has "
+            f"{group.world_size} ranks; pass one tensor per rank")
     views = tuple(_view(group, t, writable, f"{what}[{i}]") for i, t in enumerate(tensors))
     check_same_layout(views, what, like, like_name)
     return views
@@ -135,9 +143,9 @@ def init_collective_group(world_size: int, rank: int,
         CollectiveTimeoutError: the other ranks did not join in time.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, not {world_size!r}")
+        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
+        raise ArgumentValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
     _check_group_name(group_name)
     timeout = _group_timeout(timeout, gloo_timeout)
     factory = resolve(backend)
@@ -175,23 +183,26 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
             then removed again).
     """
     if not isinstance(actors, (list, tuple)) or not actors:
-        raise ValueError("actors must be a non-empty list of Ray actor handles")
+        raise ArgumentValueError("actors must be a non-empty list of Ray actor handles")
     world_size = len(actors) if world_size is None else world_size
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, not {world_size!r}")
+        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
     if world_size != len(actors):
-        raise ValueError(f"world_size={world_size} but {len(actors)} actors were given; every "
-                         f"rank must be one of the actors")
+        raise ArgumentValueError(
+            f"world_size={world_size} but {len(actors)} actors were given; every "
+            f"rank must be one of the actors")
     ranks = list(range(world_size)) if ranks is None else list(ranks)
     if sorted(ranks) != list(range(world_size)):
-        raise ValueError(f"ranks must be a permutation of 0..{world_size - 1}, one per actor, "
-                         f"not {ranks!r}")
+        raise ArgumentValueError(
+            f"ranks must be a permutation of 0..{world_size - 1}, one per actor, "
+            f"not {ranks!r}")
     _check_group_name(group_name)
     timeout = _group_timeout(timeout, gloo_timeout)
     strangers = [a for a in actors if not hasattr(a, "__ray_call__")]
     if strangers:
-        raise TypeError(f"actors must be Ray actor handles (made with ActorClass.remote()), "
-                        f"not {type(strangers[0]).__name__}: {strangers[0]!r}")
+        raise ArgumentTypeError(
+            f"actors must be Ray actor handles (made with ActorClass.remote()), "
+            f"not {type(strangers[0]).__name__}: {strangers[0]!r}")
     factory = resolve(backend)
     current_registry().declare(group_name, lambda: factory.declare(actors, ranks, world_size,
                                                                    group_name, timeout))
@@ -209,18 +220,27 @@ def destroy_collective_group(group_name: str = "default") -> None:
     Args:
         group_name: the group.
 
+    A process that is neither (never joined, or already left) is left as it is, with a logged
+    warning, as in ``ray.util.collective``: cleanup code may destroy a group unconditionally.
+
+    Args:
+        group_name: the group.
+
     Returns:
         None.
 
     Raises:
-        GroupNotInitializedError: this process is neither a member nor the declaring driver.
+        ArgumentValueError: ``group_name`` is not a non-empty string.
     """
     registry = current_registry()
     _check_group_name(group_name)
-    if registry.is_initialized(group_name) or registry.declared(group_name) is None:
+    if registry.is_initialized(group_name):
         registry.destroy(group_name)
-    else:
+    elif registry.declared(group_name) is not None:
         registry.undeclare(group_name, _LEAVE_TIMEOUT_S)
+    else:
+        _log.warning("destroy_collective_group('%s'): this process is not a member of that "
+                     "group and did not declare it; nothing to destroy", group_name)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:
@@ -233,6 +253,22 @@ def is_group_initialized(group_name: str = "default") -> bool:
         True if it is.
     """
     return current_registry().is_initialized(group_name)
+
+
+def get_group_handle(group_name: str = "default") -> Group:
+    """This process's membership of ``group_name``.
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        The :class:`~ray_collective.group.Group`: its ``name``, ``rank``, ``world_size``,
+        ``timeout`` (seconds) and ``backend``.
+
+    Raises:
+        GroupNotInitializedError: this process is not a member of ``group_name``.
+    """
+    return _group(group_name)
 
 
 def get_rank(group_name: str = "default") -> int:
@@ -268,12 +304,14 @@ def is_backend_available(backend: Union[str, Backend]) -> bool:
         backend: a backend name.
 
     Returns:
-        True if groups can be created with it here.
-
-    Raises:
-        ValueError: an unknown backend name.
+        True if groups can be created with it here; False for a name no backend has (as in
+        ``ray.util.collective``).
     """
-    return resolve(backend).available()
+    try:
+        factory = resolve(backend)
+    except (TypeError, ValueError):
+        return False
+    return factory.available()
 
 
 def nccl_available() -> bool:
@@ -545,10 +583,11 @@ def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: 
     what = "dst_rank" if collective is Collective.SEND else "src_rank"
     peer = _check_rank(peer, group, what)
     if peer == group.rank:
-        raise ValueError(f"rank {group.rank} of group '{group.name}' cannot {collective.value} "
-                         f"to itself ({what}={peer}); copy the tensor locally instead")
+        raise ArgumentValueError(
+            f"rank {group.rank} of group '{group.name}' cannot {collective.value} "
+            f"to itself ({what}={peer}); copy the tensor locally instead")
     if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag must be an int >= 0, not {tag!r}")
+        raise ArgumentValueError(f"tag must be an int >= 0, not {tag!r}")
     view = _view(group, tensor, collective is Collective.RECV, "tensor")
     options = _options(group, collective, timeout, peer=peer, tag=tag)
     return _submit(group, options, async_op, (collective.value, peer, tag), tensor=view)
@@ -621,9 +660,10 @@ def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, pee
     group, gpu = _multigpu_group(name, group_name)
     peer = _check_rank(peer, group, "dst_rank" if sending else "src_rank")
     if peer == group.rank:
-        raise ValueError(f"rank {group.rank} of group '{group.name}' cannot {name} to itself; "
-                         f"copy between this process's GPUs directly instead (cupy: "
-                         f"dst.data.copy_from_device(src.data, nbytes); torch: dst.copy_(src))")
+        raise ArgumentValueError(
+            f"rank {group.rank} of group '{group.name}' cannot {name} to itself; "
+            f"copy between this process's GPUs directly instead (cupy: "
+            f"dst.data.copy_from_device(src.data, nbytes); torch: dst.copy_(src))")
     peer_index = gpu.index(peer_index, "dst_gpu_index" if sending else "src_gpu_index")
     view, count = gpu.tensor(tensor, n_elements)
     options = _options(group, collective, None, peer=peer)

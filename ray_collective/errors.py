@@ -1,9 +1,12 @@
 """The errors of ray_collective.
 
-Every error a collective raises on purpose derives from :class:`CollectiveError`, which is itself a
+Every failure of a collective or a group derives from :class:`CollectiveError`, which is itself a
 ``RuntimeError`` so that code written for ``ray.util.collective`` (which raises ``RuntimeError``)
 keeps catching it. Messages say who (group, rank), what (collective, sequence number, shapes) and
-what to do. Bad arguments are reported before any communication with ``TypeError``/``ValueError``.
+what to do. Bad arguments are reported before any communication with an :class:`ArgumentError`:
+an :class:`ArgumentValueError` or :class:`ArgumentTypeError`, each both the built-in error Python
+code expects (``ValueError``, ``TypeError``) and the ``RuntimeError`` that ``ray.util.collective``
+raises for the same input, so code catching either keeps working.
 """
 
 from __future__ import annotations
@@ -33,6 +36,28 @@ def _rebuild(cls, args, state):
     error.args = args
     error.__dict__.update(state)
     return error
+
+
+class ArgumentError(RuntimeError):
+    """A call's arguments are wrong; raised before anything is sent, the group stays usable.
+
+    Never raised itself: it is the common base of :class:`ArgumentValueError` and
+    :class:`ArgumentTypeError`, so ``except ArgumentError`` catches every bad-argument error.
+    """
+
+
+class ArgumentValueError(ArgumentError, ValueError):
+    """An argument has the right type but a wrong value (a rank out of range, a list that is not
+    one tensor per rank, shapes that differ, a read-only output in strict mode, ...)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument has the wrong type (not a tensor, an unsupported dtype, a GPU tensor on a CPU
+    group, an op that is not a ReduceOp, ...)."""
+
+
+class ReadOnlyTensorWarning(UserWarning):
+    """A collective wrote its result into a read-only numpy array (see ``tensors.as_view``)."""
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

@@ -6,6 +6,11 @@ when torch is installed), so this module does not import it: if it is loaded alr
 backend is registered at once, otherwise a one-shot import hook registers it right after
 ``ray.util.collective`` is first imported. The group class itself is in
 ``ray_collective.ray_util_group``.
+
+``ray.util.collective`` keeps its backends per process, and the actors of code that keeps
+``import ray.util.collective as col`` never import this library. One call on the driver covers
+them: :func:`ray_util_collective_runtime_env` gives the job a ``worker_process_setup_hook``
+(Ray runs it in every worker process of the job before any task) that calls :func:`install`.
 """
 
 from __future__ import annotations
@@ -13,8 +18,15 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from typing import Any, Mapping, Optional
+
+from .errors import ArgumentValueError
 
 _TARGET = "ray.util.collective"
+
+SETUP_HOOK = "ray_collective.interop.install"
+"""The ``worker_process_setup_hook`` that registers the backend in a worker (a module path, as
+Ray job submission requires)."""
 
 
 def _register() -> None:
@@ -48,3 +60,34 @@ def install() -> None:
         _register()
     elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+def ray_util_collective_runtime_env(runtime_env: Optional[Mapping[str, Any]] = None) -> dict:
+    """A job runtime_env that makes ``backend="ray"`` work in ``ray.util.collective`` everywhere.
+
+    Pass the result to ``ray.init(runtime_env=...)`` on the driver: every worker process of the
+    job then registers the backend when it starts (through Ray's ``worker_process_setup_hook``),
+    so actors and tasks that only ``import ray.util.collective`` can create groups with
+    ``backend="ray"``, imperatively or through ``create_collective_group``. The driver process
+    is registered by this call.
+
+    Args:
+        runtime_env: the job's runtime_env otherwise (a dict or ``ray.runtime_env.RuntimeEnv``);
+            it is copied, not modified.
+
+    Returns:
+        A copy of ``runtime_env`` with ``worker_process_setup_hook`` set to :data:`SETUP_HOOK`.
+
+    Raises:
+        ArgumentValueError: ``runtime_env`` has another ``worker_process_setup_hook`` (Ray runs
+            one per job): call ``ray_collective.interop.install()`` from that hook instead.
+    """
+    install()
+    env = dict(runtime_env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook is not None and hook != SETUP_HOOK:
+        raise ArgumentValueError(
+            f"runtime_env already has the worker_process_setup_hook {hook!r}, and Ray runs one "
+            f"per job: call ray_collective.interop.install() from that hook instead")
+    env["worker_process_setup_hook"] = SETUP_HOOK
+    return env

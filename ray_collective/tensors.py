@@ -14,6 +14,11 @@ place without a copy. Recognised tensors:
 torch and cupy are never imported by this module: a tensor is recognised by the module of its
 type, so ``import ray_collective`` works without them.
 
+A read-only numpy array given where a collective writes its result (what Ray hands to a process
+as a task argument or from ``ray.get``) is written through, as ``ray.util.collective`` with Gloo
+does (torch ignores numpy's flag), with a :class:`~ray_collective.errors.ReadOnlyTensorWarning`
+once per process; ``RAY_COLLECTIVE_READ_ONLY=error`` refuses it instead.
+
 Supported dtypes: bool, int8/16/32/64, uint8/16/32/64, float16, bfloat16 (torch only), float32,
 float64, complex64 and complex128. A bfloat16 tensor travels as its raw bits, in a uint16 array
 (``TensorView.wire_dtype``).
@@ -33,13 +38,16 @@ NCCL do); AVG is refused on bool.
 from __future__ import annotations
 
 import math
+import os
 import sys
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ray_collective.errors import ArgumentTypeError, ArgumentValueError, ReadOnlyTensorWarning
 from ray_collective.types import ReduceOp
 
 __all__ = [
@@ -121,15 +129,76 @@ def _type_name(obj: Any) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
-def _unsupported_dtype(what: str, dtype_text: str) -> TypeError:
-    return TypeError(
+def _unsupported_dtype(what: str, dtype_text: str) -> ArgumentTypeError:
+    return ArgumentTypeError(
         f"{what} has dtype {dtype_text}, which collectives do not support. Supported dtypes: "
         f"{_SUPPORTED_TEXT}. Cast it first (e.g. .astype(np.float32) or .to(torch.float32)).")
 
 
+READ_ONLY_POLICY_VARIABLE = "RAY_COLLECTIVE_READ_ONLY"
+"""Environment variable choosing what an in-place collective does with a read-only numpy array:
+``write`` (the default) writes the result through it, as ``ray.util.collective`` with Gloo does;
+``error`` refuses the array with an :class:`ArgumentValueError`."""
+
+_READ_ONLY_POLICIES = ("write", "error")
+
+_READ_ONLY_WARNING = (
+    "ray_collective wrote a collective's result into a read-only numpy array, as "
+    "ray.util.collective with Gloo does, so that the caller sees it in the array it passed. "
+    "Numpy arrays that Ray hands to a process (task and actor arguments, ray.get results) are "
+    "read-only because they are views of Ray's copy of the object, and the write changes that "
+    "copy: later ray.get calls of the same ObjectRef see the new values, in this process and, "
+    "for an object in the shared object store (anything put with ray.put, large arguments and "
+    "results), in every process on this node, while copies made before (on other nodes, "
+    "spilled to disk) keep the old ones. To leave the object intact, pass a writable copy "
+    "(arr.copy()); to refuse read-only outputs instead, set "
+    f"{READ_ONLY_POLICY_VARIABLE}=error in the job's environment. Shown once per process.")
+
+
+class _WritableAlias:
+    """The memory of a read-only array offered as writable through numpy's array interface.
+
+    Holds the array, so the memory stays alive as long as any array made from the alias.
+    """
+
+    def __init__(self, arr: np.ndarray):
+        self.source = arr
+        self.__array_interface__ = {"shape": (arr.size,), "typestr": arr.dtype.str,
+                                    "data": (arr.ctypes.data, False), "version": 3}
+
+
+def _write_through(arr: np.ndarray, what: str) -> np.ndarray:
+    """A flat writable array over the memory of the read-only, contiguous ``arr``.
+
+    Numpy refuses to make such an array writable when its memory belongs to a read-only buffer
+    (Ray's object store, a task's argument buffer), yet code written for ``ray.util.collective``
+    runs in-place collectives on exactly those arrays and reads the result from them. The policy
+    comes from the environment variable ``RAY_COLLECTIVE_READ_ONLY`` (read only on this path).
+
+    Raises:
+        ArgumentValueError: the policy is ``error``, or the variable holds an unknown policy.
+    """
+    policy = os.environ.get(READ_ONLY_POLICY_VARIABLE, "write").strip().lower() or "write"
+    if policy not in _READ_ONLY_POLICIES:
+        raise ArgumentValueError(
+            f"{READ_ONLY_POLICY_VARIABLE}={policy!r} is not a policy for read-only outputs; "
+            f"use one of {', '.join(_READ_ONLY_POLICIES)}")
+    if policy == "error":
+        raise ArgumentValueError(
+            f"{what} is a read-only numpy array, but this collective writes its result into it "
+            f"({READ_ONLY_POLICY_VARIABLE}=error). Arrays Ray hands to a process (task "
+            f"arguments, ray.get results) are read-only views of the object: pass a writable "
+            f"copy, e.g. arr.copy(), or unset {READ_ONLY_POLICY_VARIABLE} to write through.")
+    # A fixed message and location: the default warning filter shows it once per process.
+    warnings.warn(_READ_ONLY_WARNING, ReadOnlyTensorWarning, stacklevel=1)
+    if arr.size == 0:
+        return np.empty(0, arr.dtype)  # nothing will be written
+    return np.asarray(_WritableAlias(arr))
+
+
 def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
     if isinstance(arr, np.ma.MaskedArray):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} is a numpy masked array; collectives would ignore its mask. Pass "
             f"{what.split('[')[0]}.filled(value) (a plain ndarray) instead.")
     dtype = arr.dtype
@@ -137,27 +206,25 @@ def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
     if name not in _SUPPORTED_SET or name == "bfloat16" or dtype.fields is not None:
         raise _unsupported_dtype(what, f"'{dtype}'")
     if not dtype.isnative:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} has the non-native byte order dtype '{dtype.str}'. Convert it with "
             f"arr.astype(arr.dtype.newbyteorder('=')) first.")
     if not arr.flags.c_contiguous:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{what} is a non-contiguous numpy array (shape {arr.shape}, strides "
             f"{arr.strides}). Pass np.ascontiguousarray({what.split('[')[0]}) instead "
             f"(and copy the result back if you need it in the original array).")
     if writable and not arr.flags.writeable:
-        raise ValueError(
-            f"{what} is a read-only numpy array, but this collective writes its result into "
-            f"it. Arrays returned by ray.get are read-only (they live in the object store): "
-            f"pass a writable copy, e.g. arr.copy().")
-    flat = arr.view(np.ndarray).reshape(-1)  # a subclass such as np.matrix stays 2-D otherwise
+        flat = _write_through(arr, what)
+    else:
+        flat = arr.view(np.ndarray).reshape(-1)  # np.matrix and such stay 2-D otherwise
     return TensorView(tensor=arr, array=flat, dtype_name=name, wire_dtype=dtype,
                       shape=tuple(arr.shape), device="cpu", kind="numpy")
 
 
 def _torch_view(t: Any, torch: Any, writable: bool, what: str) -> TensorView:
     if t.layout != torch.strided:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} is a torch tensor with layout {t.layout}; only dense (strided) tensors are "
             f"supported. Pass {what.split('[')[0]}.to_dense() instead.")
     name = str(t.dtype).replace("torch.", "", 1)
@@ -169,16 +236,16 @@ def _torch_view(t: Any, torch: Any, writable: bool, what: str) -> TensorView:
     elif dev.type == "cuda":
         device = f"cuda:{dev.index if dev.index is not None else 0}"
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} is a torch tensor on device '{dev}'; only CPU and CUDA tensors are "
             f"supported. Move it with .cpu() or .cuda() first.")
     if not t.is_contiguous():
-        raise ValueError(
+        raise ArgumentValueError(
             f"{what} is a non-contiguous torch tensor (shape {tuple(t.shape)}, stride "
             f"{tuple(t.stride())}). Pass {what.split('[')[0]}.contiguous() instead (and copy "
             f"the result back with .copy_() if you need it in the original tensor).")
     if t.is_conj() or t.is_neg():
-        raise ValueError(
+        raise ArgumentValueError(
             f"{what} is a lazily conjugated or negated torch view. Pass "
             f"{what.split('[')[0]}.resolve_conj().resolve_neg() instead.")
     shape = tuple(t.shape)
@@ -201,7 +268,7 @@ def _cupy_view(t: Any, what: str) -> TensorView:
     if name not in _SUPPORTED_SET or name == "bfloat16":
         raise _unsupported_dtype(what, f"'{dtype}'")
     if not t.flags.c_contiguous:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{what} is a non-contiguous cupy array (shape {tuple(t.shape)}). Pass "
             f"cupy.ascontiguousarray({what.split('[')[0]}) instead.")
     device = f"cuda:{int(t.device.id)}"
@@ -214,18 +281,18 @@ def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
 
     Args:
         tensor: a ``numpy.ndarray``, a ``torch.Tensor`` (CPU or CUDA) or a ``cupy.ndarray``.
-        writable: whether the collective writes into the tensor (read-only numpy arrays are
-            then refused).
+        writable: whether the collective writes into the tensor (a read-only numpy array is
+            then written through; see the module's docstring).
         what: how messages name the argument, e.g. ``"tensor"`` or ``"tensor_list[2]"``.
 
     Returns:
         The view; for a CPU tensor its ``array`` shares memory with ``tensor``.
 
     Raises:
-        TypeError: ``tensor`` is not a supported tensor type (a Python list or a numpy scalar is
-            not a tensor), or its dtype, layout or device is not supported.
-        ValueError: the tensor is not contiguous, or ``writable`` is set and it is a read-only
-            numpy array.
+        ArgumentTypeError: ``tensor`` is not a supported tensor type (a Python list or a numpy
+            scalar is not a tensor), or its dtype, layout or device is not supported.
+        ArgumentValueError: the tensor is not contiguous, or ``writable`` is set, it is a
+            read-only numpy array and ``RAY_COLLECTIVE_READ_ONLY=error``.
     """
     if isinstance(tensor, np.ndarray):
         return _numpy_view(tensor, writable, what)
@@ -244,14 +311,18 @@ def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
                 f"np.array(...) or torch.tensor(...) and pass that object.")
     else:
         hint = "Convert it to one of those first."
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{what} must be a {_SUPPORTED_TYPES_TEXT}, not {_type_name(tensor)}. {hint}")
 
 
 def check_same_layout(views: Sequence[TensorView], what: str,
                       reference: Optional[TensorView] = None,
                       reference_name: str = "tensor") -> None:
-    """Check that every view has the same shape, dtype, kind and device as a reference.
+    """Check that every view has the same shape, dtype and device as a reference.
+
+    CPU tensors of different kinds mix freely (a list of torch tensors and numpy arrays, as
+    ``ray.util.collective`` with Gloo accepts); GPU tensors must also be of the same kind, since
+    a GPU backend orders the call after the work queued on that library's stream.
 
     Args:
         views: the views of a list argument (e.g. an allgather's ``tensor_list``).
@@ -260,19 +331,21 @@ def check_same_layout(views: Sequence[TensorView], what: str,
         reference_name: the reference's name in the message.
 
     Raises:
-        ValueError: a view differs from the reference; the message names the first index that
-            differs and both values.
+        ArgumentValueError: a view differs from the reference; the message names the first
+            index that differs and both values.
     """
     if not views:
         return
     if reference is None:
         reference, reference_name = views[0], f"{what}[0]"
+    fields = ("shape", "dtype_name", "device") if reference.device == "cpu" else \
+        ("shape", "dtype_name", "kind", "device")
     for i, view in enumerate(views):
-        for field in ("shape", "dtype_name", "kind", "device"):
+        for field in fields:
             mine, theirs = getattr(view, field), getattr(reference, field)
             if mine != theirs:
                 label = "dtype" if field == "dtype_name" else field
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{what}[{i}] has {label} {mine!r} but {reference_name} has {label} "
                     f"{theirs!r}. Every tensor in {what} must have the same shape, dtype and "
                     f"device as {reference_name}.")
@@ -286,16 +359,17 @@ def check_op(op: ReduceOp, dtype_name: str) -> None:
         dtype_name: the tensor's dtype name (see ``SUPPORTED_DTYPES``).
 
     Raises:
-        TypeError: ``op`` is not a ReduceOp, ``dtype_name`` is not supported, or the op is AVG
-            on bool.
+        ArgumentTypeError: ``op`` is not a ReduceOp, ``dtype_name`` is not supported, or the op
+            is AVG on bool.
     """
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"op must be a ray_collective.ReduceOp, not {_type_name(op)} ({op!r}).")
+        raise ArgumentTypeError(
+            f"op must be a ray_collective.ReduceOp, not {_type_name(op)} ({op!r}).")
     if dtype_name not in _SUPPORTED_SET:
-        raise TypeError(f"dtype {dtype_name!r} is not supported. Supported dtypes: "
-                        f"{_SUPPORTED_TEXT}.")
+        raise ArgumentTypeError(f"dtype {dtype_name!r} is not supported. Supported dtypes: "
+                                f"{_SUPPORTED_TEXT}.")
     if op is ReduceOp.AVG and dtype_name == "bool":
-        raise TypeError(
+        raise ArgumentTypeError(
             "ReduceOp.AVG is not defined on bool tensors. Use ReduceOp.SUM (logical or), "
             "PRODUCT (logical and), MIN or MAX, or cast the tensor to a numeric dtype first.")
 

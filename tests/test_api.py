@@ -471,17 +471,35 @@ def test_bad_input_raises_before_any_communication(call, error, message):
         np.testing.assert_array_equal(x, [2.0, 2.0])
 
 
-def test_read_only_output_is_refused_but_read_only_input_is_fine():
+def test_read_only_output_is_written_through_and_strict_mode_refuses_it(monkeypatch):
+    monkeypatch.delenv("RAY_COLLECTIVE_READ_ONLY", raising=False)
+
     def body(rank):
+        frozen = np.full(3, rank + 1.0)
+        frozen.setflags(write=False)
+        col.allreduce(frozen)
+        out = [np.zeros(3) for _ in range(2)]
+        col.allgather(out, frozen)
+        return frozen, out
+
+    with pytest.warns(col.ReadOnlyTensorWarning):  # warnings filters are global: not per thread
+        results = run_ranks(2, body)
+    for frozen, out in results:
+        np.testing.assert_array_equal(frozen, [3.0, 3.0, 3.0])
+        np.testing.assert_array_equal(out[1], [3.0, 3.0, 3.0])
+
+    monkeypatch.setenv("RAY_COLLECTIVE_READ_ONLY", "error")
+
+    def strict(rank):
         frozen = np.ones(3)
         frozen.setflags(write=False)
         with pytest.raises(ValueError, match="read-only"):
             col.allreduce(frozen)
         out = [np.zeros(3) for _ in range(2)]
-        col.allgather(out, frozen)
+        col.allgather(out, frozen)  # nothing was sent: the group still works
         return out
 
-    for out in run_ranks(2, body):
+    for out in run_ranks(2, strict):
         np.testing.assert_array_equal(out[1], np.ones(3))
 
 
@@ -506,8 +524,7 @@ def test_group_lifetime_and_queries():
         assert col.get_rank() == rank and col.get_collective_group_size() == 3
         assert col.get_rank("other") == -1 and col.get_collective_group_size("other") == -1
         assert not col.is_group_initialized("other")
-        with pytest.raises(col.GroupNotInitializedError):
-            col.destroy_collective_group("other")
+        col.destroy_collective_group("other")  # as in ray.util.collective: a logged warning
         return True
 
     assert all(run_ranks(3, body))
@@ -566,8 +583,7 @@ def test_ray_backend_outside_ray_says_to_call_ray_init(monkeypatch):
         with pytest.raises(TypeError, match="backend"):
             col.init_collective_group(2, 0, backend=3)
     assert col.is_backend_available("ray") and col.gloo_available()
-    with pytest.raises(ValueError):
-        col.is_backend_available("mpi")
+    assert not col.is_backend_available("mpi")  # as in ray.util.collective
 
 
 @pytest.mark.parametrize("kwargs, message", [

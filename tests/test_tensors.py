@@ -27,6 +27,7 @@ from ray_collective.tensors import (
     combiner,
     finalize_average,
 )
+from ray_collective.errors import ArgumentValueError, ReadOnlyTensorWarning
 from ray_collective.types import ReduceOp
 
 NUMPY_DTYPES = [d for d in SUPPORTED_DTYPES if d != "bfloat16"]
@@ -436,15 +437,46 @@ def test_numpy_subclasses():
         as_view(np.ma.masked_array([1.0, 2.0], mask=[0, 1]), writable=False)
 
 
-def test_numpy_read_only_array():
+def test_numpy_read_only_array_is_written_through_with_one_warning(monkeypatch):
+    monkeypatch.delenv("RAY_COLLECTIVE_READ_ONLY", raising=False)
+    arr = np.arange(4, dtype=np.float32).reshape(2, 2)
+    arr.flags.writeable = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        view = as_view(arr, writable=True, what="tensor_list[1]")
+        as_view(arr, writable=True)
+    assert [w.category for w in caught] == [ReadOnlyTensorWarning]
+    assert "ray.get" in str(caught[0].message) and "RAY_COLLECTIVE_READ_ONLY=error" in str(
+        caught[0].message)
+    assert view.array.flags.writeable and view.array.shape == (4,) and view.shape == (2, 2)
+    view.array[:] = [9, 8, 7, 6]  # what a backend does with the result
+    np.testing.assert_array_equal(arr, [[9, 8], [7, 6]])
+    assert not arr.flags.writeable  # the caller's array keeps its flag
+    assert np.shares_memory(as_view(arr, writable=False).array, arr)  # reading is plain
+
+
+def test_numpy_read_only_array_strict_mode_refuses_it(monkeypatch):
     arr = np.arange(4, dtype=np.float32)
     arr.flags.writeable = False
-    with pytest.raises(ValueError, match="read-only") as info:
+    monkeypatch.setenv("RAY_COLLECTIVE_READ_ONLY", "error")
+    with pytest.raises(ArgumentValueError, match="read-only") as info:
         as_view(arr, writable=True, what="tensor_list[1]")
-    assert "ray.get" in str(info.value) and "copy" in str(info.value)
-    assert "tensor_list[1]" in str(info.value)
-    view = as_view(arr, writable=False)  # reading it is fine
-    assert np.shares_memory(view.array, arr)
+    assert "copy" in str(info.value) and "tensor_list[1]" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    as_view(arr, writable=False)  # an input may still be read-only
+    monkeypatch.setenv("RAY_COLLECTIVE_READ_ONLY", "sometimes")
+    with pytest.raises(ValueError, match="write, error"):
+        as_view(arr, writable=True)
+
+
+def test_empty_read_only_array_needs_no_memory(monkeypatch):
+    monkeypatch.delenv("RAY_COLLECTIVE_READ_ONLY", raising=False)
+    arr = np.zeros(0, np.int16)
+    arr.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReadOnlyTensorWarning)
+        view = as_view(arr, writable=True)
+    assert view.array.shape == (0,) and view.array.dtype == np.int16
 
 
 @pytest.mark.parametrize("make", [lambda: np.arange(10, dtype=np.float32)[::2],
@@ -658,16 +690,23 @@ def test_check_same_layout_shape_and_dtype():
         check_same_layout([base, other_dtype], "tensor_list")
 
 
-def test_check_same_layout_kind_and_device():
+def test_check_same_layout_mixes_cpu_kinds_but_not_gpu_kinds_or_devices():
     torch = _torch()
     numpy_view = as_view(np.zeros(3, np.float32), writable=True)
     torch_view = as_view(torch.zeros(3), writable=True)
-    with pytest.raises(ValueError, match="kind 'torch'.*kind 'numpy'"):
-        check_same_layout([numpy_view, torch_view], "tensor_list")
+    check_same_layout([numpy_view, torch_view], "tensor_list")  # as Gloo accepts them
+    check_same_layout([torch_view, numpy_view], "tensor_list", numpy_view)
+    with pytest.raises(ValueError, match="dtype 'float64'.*dtype 'float32'"):
+        check_same_layout([torch_view, as_view(np.zeros(3), writable=True)], "tensor_list")
     gpu0 = as_view(_FakeCupyArray((3,), np.float32, 0), writable=True)
     gpu1 = as_view(_FakeCupyArray((3,), np.float32, 1), writable=True)
     with pytest.raises(ValueError, match="device 'cuda:1'.*device 'cuda:0'"):
         check_same_layout([gpu0, gpu1], "output_list")
+    torch_gpu0 = TensorView(tensor=None, array=None, dtype_name="float32",
+                            wire_dtype=np.dtype(np.float32), shape=(3,), device="cuda:0",
+                            kind="torch")
+    with pytest.raises(ValueError, match="kind 'torch'.*kind 'cupy'"):
+        check_same_layout([gpu0, torch_gpu0], "output_list")
 
 
 # ---------------------------------------------------------------------------------------------

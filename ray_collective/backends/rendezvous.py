@@ -13,7 +13,9 @@ may use the same group name. One incarnation of a group is identified by a rando
   leave deletes the incarnation's keys.
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
-group) registers again under the new one.
+group) registers again under the new one. A rank never registers under a token it has left (a
+re-init after a destroy waits for the next incarnation), and a rank whose join times out
+withdraws its member key.
 """
 
 from __future__ import annotations
@@ -107,10 +109,12 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     members: List[Member] = []
     while True:
         current = token or kv.get(prefix + "token")
-        if current is not None and current != registered:
+        # Never rejoin an incarnation this rank left: a re-init after a destroy waits for the
+        # next one, which rank 0 opens once it has left too.
+        if current is not None and current != registered \
+                and kv.get(f"{prefix}{current}/left/{me.rank}") is None:
             on_token(current)
-            existed = kv.put(f"{prefix}{current}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}",
-                             "", overwrite=False)
+            existed = kv.put(_member_key(prefix, current, me), "", overwrite=False)
             others = [m for m in _members(kv, prefix, current) if m.rank == me.rank and m != me]
             if existed or others:
                 raise ValueError(f"group '{group_name}': rank {me.rank} has already joined from "
@@ -122,12 +126,20 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             if len(members) >= world_size:
                 return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
+            if registered is not None:
+                # Withdraw, so that a rank joining this incarnation later waits for a live
+                # member instead of counting this failed one.
+                kv.delete_prefix(_member_key(prefix, registered, me))
             present = {m.rank for m in members}
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size) if r not in present],
                                          timeout)
         time.sleep(pause)
         pause = min(pause * 1.5, 0.05)
+
+
+def _member_key(prefix: str, token: str, me: Member) -> str:
+    return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}"
 
 
 def _members(kv: KeyValue, prefix: str, token: str) -> List[Member]:
