@@ -103,8 +103,8 @@ def _views(group: Group, tensors: Any, writable: bool, what: str,
 
 
 def _options(group: Group, collective: Collective, timeout: Optional[float], **fields) -> CallOptions:
-    deadline = group.timeout if timeout is None else _check_timeout(timeout)
-    return CallOptions(collective=collective, timeout=deadline, **fields)
+    return group.options(collective, None if timeout is None else _check_timeout(timeout),
+                         **fields)
 
 
 def _submit(group: Group, options: CallOptions, async_op: bool,

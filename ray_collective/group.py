@@ -22,6 +22,11 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 from .backends.base import BackendFactory, CollectiveBackend, DeclaredGroup, GroupCall
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError)
+from .types import CallOptions, Collective, ReduceOp
+
+# Distinct call options a group keeps (they differ by collective, op, root, peer, tag and a
+# per-call timeout); past this the cache starts over, so odd timeouts cannot grow it forever.
+OPTIONS_CACHE_SIZE = 256
 
 
 class Work:
@@ -89,11 +94,35 @@ class Group:
         self._running = threading.Lock()
         self._worker: Optional[ThreadPoolExecutor] = None
         self._queued = 0
+        self._options: Dict[Tuple, CallOptions] = {}
 
     @property
     def broken(self) -> Optional[BaseException]:
         """The failure that broke the group, or None."""
         return self._broken
+
+    def options(self, collective: Collective, timeout: Optional[float] = None,
+                op: ReduceOp = ReduceOp.SUM, root: int = -1, peer: int = -1,
+                tag: int = 0) -> CallOptions:
+        """The options of a call, shared by every call of this group that asks the same.
+
+        Args:
+            collective: the operation.
+            timeout: the call's deadline in seconds (already checked), None for the group's.
+            op, root, peer, tag: as in :class:`CallOptions`.
+
+        Returns:
+            A frozen :class:`CallOptions`, built once per distinct request.
+        """
+        key = (collective, timeout, op, root, peer, tag)
+        options = self._options.get(key)
+        if options is None:
+            if len(self._options) >= OPTIONS_CACHE_SIZE:
+                self._options.clear()
+            options = CallOptions(collective, self.timeout if timeout is None else timeout,
+                                  op, root, peer, tag)
+            self._options[key] = options
+        return options
 
     def next_seq(self, kind: str = "", peer: int = -1, tag: int = 0) -> int:
         """The sequence number of the next collective, or of the next send/recv to a peer and tag.
@@ -102,17 +131,25 @@ class Group:
         step with ranks that do not.
         """
         with self._lock:
-            if not kind:
-                seq, self._seq = self._seq, self._seq + 1
-                return seq
-            key = (kind, peer, tag)
-            seq = self._p2p_seq.get(key, 0)
-            self._p2p_seq[key] = seq + 1
+            return self._next_seq_locked(kind, peer, tag)
+
+    def _next_seq_locked(self, kind: str, peer: int, tag: int) -> int:
+        if not kind:
+            seq = self._seq
+            self._seq = seq + 1
             return seq
+        key = (kind, peer, tag)
+        seq = self._p2p_seq.get(key, 0)
+        self._p2p_seq[key] = seq + 1
+        return seq
 
     def submit(self, make_call: Callable[[int], GroupCall], async_op: bool,
                seq_key: Tuple[str, int, int] = ("", -1, 0)) -> Optional[Work]:
         """Number and run one call; blocking unless ``async_op``.
+
+        A blocking call runs inline, in the caller's thread, when no earlier asynchronous call
+        of the group is still queued; otherwise it joins the queue behind them and waits, so
+        that calls run in the order of their sequence numbers on every rank.
 
         Args:
             make_call: builds the call from its sequence number.
@@ -126,25 +163,27 @@ class Group:
             GroupBrokenError: the group failed earlier.
             CollectiveError: the call failed (blocking calls).
         """
-        self._raise_if_broken()
-        call = make_call(self.next_seq(*seq_key))
-        self.backend.on_submit(call)
         with self._lock:
-            queued = self._queued
-            if async_op or queued:
+            if self._broken is not None:
+                raise GroupBrokenError(self.name, self.rank, self._broken)
+            call = make_call(self._next_seq_locked(*seq_key))
+            # In the caller's thread, before the call may be queued (see on_submit).
+            self.backend.on_submit(call)
+            inline = not (async_op or self._queued)
+            if not inline:
                 self._queued += 1
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(
                         1, thread_name_prefix=f"ray_collective[{self.name}]")
                 future = self._worker.submit(self._run_queued, call)
+        if inline:
+            with self._running:
+                self._run(call)
+            return None
         if async_op:
             return Work(future, f"{call.options.collective.value} #{call.seq} of group "
                                 f"'{self.name}'")
-        if queued:
-            future.result()
-        else:
-            with self._running:
-                self._run(call)
+        future.result()
         return None
 
     def _run_queued(self, call: GroupCall) -> None:

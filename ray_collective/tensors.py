@@ -41,8 +41,8 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -75,6 +75,12 @@ _SUPPORTED_TYPES_TEXT = ("numpy.ndarray, torch.Tensor (CPU or CUDA) or cupy.ndar
 
 _BF16_WIRE = np.dtype(np.uint16)
 
+# Native numpy dtypes the library takes, by dtype: one dict lookup instead of dtype.name (a
+# Python property of numpy's that costs microseconds) plus the byte-order and structure checks.
+# A dtype that is not here goes through the full checks, which say what is wrong with it.
+_NUMPY_NAMES = MappingProxyType({np.dtype(name): name for name in SUPPORTED_DTYPES
+                                 if name != "bfloat16"})
+
 
 def _quiet() -> np.errstate:
     """Overflow to inf and NaN from inf - inf are results, not errors (torch does not warn).
@@ -92,7 +98,6 @@ def _wire_dtype(dtype_name: str) -> np.dtype:
     return _BF16_WIRE if dtype_name == "bfloat16" else np.dtype(dtype_name)
 
 
-@dataclass(frozen=True, eq=False)
 class TensorView:
     """A caller's tensor as a collective sees it.
 
@@ -106,21 +111,31 @@ class TensorView:
         device: ``"cpu"`` or ``"cuda:N"``.
         kind: ``"numpy"``, ``"torch"`` or ``"cupy"``.
 
-    Views compare by identity (the array is not hashable or comparable as a whole).
+    Views compare by identity (the array is not hashable or comparable as a whole). A plain
+    class with slots, not a frozen dataclass: one is made per tensor per call, and a frozen
+    dataclass costs microseconds to build. Treat it as read-only.
     """
 
-    tensor: Any
-    array: Optional[np.ndarray]
-    dtype_name: str
-    wire_dtype: np.dtype
-    shape: tuple
-    device: str
-    kind: str
+    __slots__ = ("tensor", "array", "dtype_name", "wire_dtype", "shape", "device", "kind")
+
+    def __init__(self, tensor: Any, array: Optional[np.ndarray], dtype_name: str,
+                 wire_dtype: np.dtype, shape: tuple, device: str, kind: str):
+        self.tensor = tensor
+        self.array = array
+        self.dtype_name = dtype_name
+        self.wire_dtype = wire_dtype
+        self.shape = shape
+        self.device = device
+        self.kind = kind
 
     @property
     def count(self) -> int:
         """Number of elements (1 for a 0-d tensor, 0 for an empty one)."""
         return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"TensorView({self.kind} {self.dtype_name}{list(self.shape)} on "
+                f"{self.device})")
 
 
 def _type_name(obj: Any) -> str:
@@ -197,6 +212,24 @@ def _write_through(arr: np.ndarray, what: str) -> np.ndarray:
 
 
 def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
+    dtype = arr.dtype
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None or type(arr) is not np.ndarray:
+        name = _check_unusual_numpy(arr, what)
+    if not arr.flags.c_contiguous:
+        raise ArgumentValueError(
+            f"{what} is a non-contiguous numpy array (shape {arr.shape}, strides "
+            f"{arr.strides}). Pass np.ascontiguousarray({what.split('[')[0]}) instead "
+            f"(and copy the result back if you need it in the original array).")
+    if writable and not arr.flags.writeable:
+        flat = _write_through(arr, what)
+    else:
+        flat = arr.view(np.ndarray).reshape(-1)  # np.matrix and such stay 2-D otherwise
+    return TensorView(arr, flat, name, dtype, arr.shape, "cpu", "numpy")
+
+
+def _check_unusual_numpy(arr: np.ndarray, what: str) -> str:
+    """The dtype name of an array of a numpy subclass or of an uncommon dtype, once checked."""
     if isinstance(arr, np.ma.MaskedArray):
         raise ArgumentTypeError(
             f"{what} is a numpy masked array; collectives would ignore its mask. Pass "
@@ -209,17 +242,7 @@ def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
         raise ArgumentTypeError(
             f"{what} has the non-native byte order dtype '{dtype.str}'. Convert it with "
             f"arr.astype(arr.dtype.newbyteorder('=')) first.")
-    if not arr.flags.c_contiguous:
-        raise ArgumentValueError(
-            f"{what} is a non-contiguous numpy array (shape {arr.shape}, strides "
-            f"{arr.strides}). Pass np.ascontiguousarray({what.split('[')[0]}) instead "
-            f"(and copy the result back if you need it in the original array).")
-    if writable and not arr.flags.writeable:
-        flat = _write_through(arr, what)
-    else:
-        flat = arr.view(np.ndarray).reshape(-1)  # np.matrix and such stay 2-D otherwise
-    return TensorView(tensor=arr, array=flat, dtype_name=name, wire_dtype=dtype,
-                      shape=tuple(arr.shape), device="cpu", kind="numpy")
+    return name
 
 
 def _torch_view(t: Any, torch: Any, writable: bool, what: str) -> TensorView:

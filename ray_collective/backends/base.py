@@ -8,14 +8,12 @@ the group layer, so every backend gets them for free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from ..tensors import TensorView
 from ..types import CallOptions
 
 
-@dataclass(frozen=True)
 class GroupCall:
     """One validated call as the backend sees it.
 
@@ -25,13 +23,23 @@ class GroupCall:
         tensor: the single tensor argument (input and/or output), if the collective has one.
         inputs: the input list (reducescatter, scatter on the root, alltoall).
         outputs: the output list (allgather, gather on the root, alltoall).
+
+    A plain class with slots rather than a frozen dataclass, because one is built per call and
+    a frozen dataclass costs microseconds to build. Treat it as read-only.
     """
 
-    options: CallOptions
-    seq: int
-    tensor: Optional[TensorView] = None
-    inputs: Tuple[TensorView, ...] = ()
-    outputs: Tuple[TensorView, ...] = ()
+    __slots__ = ("options", "seq", "tensor", "inputs", "outputs")
+
+    def __init__(self, options: CallOptions, seq: int, tensor: Optional[TensorView] = None,
+                 inputs: Tuple[TensorView, ...] = (), outputs: Tuple[TensorView, ...] = ()):
+        self.options = options
+        self.seq = seq
+        self.tensor = tensor
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def __repr__(self) -> str:
+        return f"GroupCall({self.options.collective.value} #{self.seq})"
 
 
 class CollectiveBackend(ABC):

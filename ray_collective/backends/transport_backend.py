@@ -12,7 +12,7 @@ transport they give it.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from ..plan import Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_CHANNEL, Transport, p2p_channel
 from ..transport.wire import CallHeader, HeaderTemplate
-from ..types import Collective, ReduceOp
+from ..types import CallOptions, Collective, ReduceOp
 from .base import CollectiveBackend, GroupCall, node_map_or_none
 
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
@@ -38,19 +38,55 @@ class PreparedCall:
     """What every call of one shape shares.
 
     Attributes:
+        options: the options the call shape was prepared for (kept so that the cache key,
+            which holds their identity, stays unique while the entry lives).
         plan: the recorded algorithm.
         template: the packed header, stamped per call.
         combine: the reduction (reducing collectives), else None.
         blocks: the partition of the plan's buffer into one block per rank.
+        channel: the transport channel (the collective one, or the send/recv's tag).
+        layout: how the call's tensors become the plan's buffer and back (see ``_layout``).
+        average: divide the result by the world size at the end (AVG, on ranks that get one).
     """
 
-    __slots__ = ("plan", "template", "combine", "blocks")
+    __slots__ = ("options", "plan", "template", "combine", "blocks", "channel", "layout",
+                 "average")
 
-    def __init__(self, plan: Plan, template: HeaderTemplate, combine, blocks: Blocks):
+    def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
+                 blocks: Blocks, channel: Hashable, layout: str, average: bool):
+        self.options = options
         self.plan = plan
         self.template = template
         self.combine = combine
         self.blocks = blocks
+        self.channel = channel
+        self.layout = layout
+        self.average = average
+
+
+def _layout(collective: Collective, rank: int, root: int) -> str:
+    """How a call lays its tensors out as the plan's buffer:
+
+    - ``"in place"``: the tensor itself (allreduce, reduce, broadcast, barrier, send, recv);
+    - ``"gather"``: a fresh buffer holding this rank's tensor in its block, split into the
+      outputs afterwards (allgather, gather);
+    - ``"split"``: the inputs concatenated, this rank's block copied into the tensor afterwards
+      (reducescatter, scatter on the root);
+    - ``"receive block"``: a fresh buffer, this rank's block copied into the tensor (scatter
+      elsewhere);
+    - ``"exchange"``: the inputs concatenated, received into a fresh buffer that is split into
+      the outputs (alltoall).
+    """
+    if collective in _GATHERING:
+        return "gather"
+    if collective is Collective.REDUCESCATTER or (collective is Collective.SCATTER
+                                                  and rank == root):
+        return "split"
+    if collective is Collective.SCATTER:
+        return "receive block"
+    if collective is Collective.ALLTOALL:
+        return "exchange"
+    return "in place"
 
 
 def _concatenate(views: Sequence[TensorView]) -> np.ndarray:
@@ -95,35 +131,28 @@ class TransportBackend(CollectiveBackend):
 
     def run(self, call: GroupCall) -> None:
         options = call.options
-        collective = options.collective
         reference = call.tensor if call.tensor is not None else (
             call.inputs[0] if call.inputs else call.outputs[0] if call.outputs else None)
+        # The group hands out one options object per distinct request, so its identity stands
+        # for its fields without hashing them (enum hashing is Python code, microseconds).
         if reference is None:
-            key = (collective, options.peer, options.root, options.op, options.algorithm,
-                   "", ())
+            key = (id(options), "", ())
         else:
-            key = (collective, options.peer, options.root, options.op, options.algorithm,
-                   reference.dtype_name, reference.shape)
+            key = (id(options), reference.dtype_name, reference.shape)
         prepared = self._prepared.get(key)
         if prepared is None:
-            prepared = self._prepare(call, reference)
+            prepared = self._prepare(options, reference)
             if len(self._prepared) >= PLAN_CACHE_SIZE:
                 del self._prepared[next(iter(self._prepared))]
             self._prepared[key] = prepared
-        stamp = prepared.template.stamp(call.seq)
-        if collective in _POINT_TO_POINT:
-            run_plan(prepared.plan, prepared.plan.slots(reference.array), self.transport,
-                     p2p_channel(options.tag), stamp, None, options.timeout, collective.value)
-            return
-        self._collective(call, prepared, stamp)
+        self._run_prepared(call, prepared, prepared.template.stamp(call.seq))
 
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
         return len(self._prepared)
 
-    def _prepare(self, call: GroupCall, reference: Optional[TensorView]) -> PreparedCall:
-        """Select, record and pack what every call of ``call``'s shape needs."""
-        options = call.options
+    def _prepare(self, options: CallOptions, reference: Optional[TensorView]) -> PreparedCall:
+        """Select, record and pack what every call of this shape needs."""
         collective = options.collective
         p, rank = self.world_size, self.rank
         if reference is None:
@@ -139,7 +168,8 @@ class TransportBackend(CollectiveBackend):
             plan = point_to_point(collective is Collective.SEND, options.peer, count, dtype)
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
-            return PreparedCall(plan, HeaderTemplate(header), None, blocks)
+            return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
+                                p2p_channel(options.tag), "in place", False)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=options.algorithm or self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
@@ -150,38 +180,37 @@ class TransportBackend(CollectiveBackend):
         plan = record(algorithm, Team.world(p, rank), dtype, length, blocks, options.root, ctx)
         header = CallHeader(self.group_name, self.epoch, 0, collective.value, algorithm.name,
                             dtype_name, count, shape, options.root, op)
-        return PreparedCall(plan, HeaderTemplate(header), combine, blocks)
+        average = options.op is ReduceOp.AVG and reducing and (
+            collective is not Collective.REDUCE or rank == options.root)
+        return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
+                            COLLECTIVE_CHANNEL, _layout(collective, rank, options.root), average)
 
-    def _collective(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
+    def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         options = call.options
-        collective = options.collective
-        blocks = prepared.blocks
-        rank, root = self.rank, options.root
+        plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
         tensor = call.tensor.array if call.tensor is not None else None
         recvbuf = None
-        if collective in _GATHERING:
-            buf = np.empty(blocks.total, prepared.plan.dtype)
-            np.copyto(blocks.view(buf, rank), tensor)
-        elif collective in (Collective.REDUCESCATTER, Collective.ALLTOALL) or (
-                collective is Collective.SCATTER and rank == root):
-            buf = _concatenate(call.inputs)
-        elif collective is Collective.SCATTER:
-            buf = np.empty(blocks.total, prepared.plan.dtype)
-        else:
+        if layout == "in place":
             buf = tensor
-        if collective is Collective.ALLTOALL:
-            recvbuf = np.empty(blocks.total, prepared.plan.dtype)
-        run_plan(prepared.plan, prepared.plan.slots(buf, recvbuf), self.transport,
-                 COLLECTIVE_CHANNEL, stamp, prepared.combine, options.timeout, collective.value)
-        if collective in _GATHERING:
+        elif layout == "gather":
+            buf = np.empty(blocks.total, plan.dtype)
+            np.copyto(blocks.view(buf, self.rank), tensor)
+        elif layout == "receive block":
+            buf = np.empty(blocks.total, plan.dtype)
+        else:
+            buf = _concatenate(call.inputs)
+            if layout == "exchange":
+                recvbuf = np.empty(blocks.total, plan.dtype)
+        run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.channel, stamp,
+                 prepared.combine, options.timeout, options.collective.value)
+        if layout == "gather":
             _scatter_blocks(buf, blocks, call.outputs)
-        elif collective is Collective.ALLTOALL:
+        elif layout == "exchange":
             _scatter_blocks(recvbuf, blocks, call.outputs)
-        elif collective in (Collective.REDUCESCATTER, Collective.SCATTER):
-            np.copyto(tensor, blocks.view(buf, rank))
-        if options.op is ReduceOp.AVG:
-            if collective is not Collective.REDUCE or rank == root:
-                finalize_average(call.tensor.array, call.tensor.dtype_name, self.world_size)
+        elif layout != "in place":
+            np.copyto(tensor, blocks.view(buf, self.rank))
+        if prepared.average:
+            finalize_average(call.tensor.array, call.tensor.dtype_name, self.world_size)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -9,7 +9,6 @@ run before anything is launched and raise ``TypeError``/``ValueError`` that say 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Tuple
 
 from ...tensors import TensorView, as_view
@@ -17,7 +16,6 @@ from ...types import CallOptions
 from ..base import GroupCall
 
 
-@dataclass(frozen=True)
 class MultiGpuCall(GroupCall):
     """A ``*_multigpu`` call: the GroupCall fields plus one tensor (or list) per local GPU.
 
@@ -32,11 +30,18 @@ class MultiGpuCall(GroupCall):
         n_elements: elements to send or receive.
     """
 
-    device_tensors: Tuple[TensorView, ...] = ()
-    device_lists: Tuple[Tuple[TensorView, ...], ...] = ()
-    root_index: int = 0
-    peer_index: int = 0
-    n_elements: int = 0
+    __slots__ = ("device_tensors", "device_lists", "root_index", "peer_index", "n_elements")
+
+    def __init__(self, options: CallOptions, seq: int,
+                 device_tensors: Tuple[TensorView, ...] = (),
+                 device_lists: Tuple[Tuple[TensorView, ...], ...] = (), root_index: int = 0,
+                 peer_index: int = 0, n_elements: int = 0):
+        super().__init__(options, seq)
+        self.device_tensors = device_tensors
+        self.device_lists = device_lists
+        self.root_index = root_index
+        self.peer_index = peer_index
+        self.n_elements = n_elements
 
 
 def _device_names(devices: Sequence[int]) -> str:
