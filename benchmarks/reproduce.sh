@@ -63,3 +63,6 @@ heavy -m benchmarks.agent_observer --world-size 2,4,8,16 --batch true,false \
 heavy -m benchmarks.agent_observer --world-size 32,64 --batch true,false \
     --iterations 100 --warmup 10 --json "$RESULTS/agent_observer-32-64.json"
 heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"
+# 6. the library's own cost per call, apart from data: a world-size-1 allreduce, and finding a
+#    prepared plan at 8, 512 and 4096 ranks (no Ray; seconds).
+heavy -m benchmarks.call_overhead --json "$RESULTS/call_overhead.json"

@@ -600,3 +600,40 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
     assert "**allreduce, 2 ranks, back to back**" in page
     assert "**gather, 2 ranks, barrier before every call**" in page
     assert "| size | ray p50 · busbw | torch p50 · busbw | gloo p50 · busbw |" in page
+
+
+def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp_path, capsys):
+    from benchmarks import call_overhead
+    out = tmp_path / "overhead.json"
+    assert call_overhead.main(["--ranks", "8,64", "--calls", "20", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    one = figures["world_size_one"]
+    assert one["allreduce_s"] > 0 and one["np_add_s"] > 0
+    rows = figures["plan_choice"]
+    assert [(r["ranks"], r["nodes"]) for r in rows] == [(8, 1), (64, 8)]
+    # recursive doubling inside a node: 3 rounds of one send and one receive at rank 0; across
+    # 8 nodes the hierarchy adds rounds, so the replay grows while the choice is one lookup.
+    assert rows[0]["messages"] == 6 and rows[1]["messages"] > rows[0]["messages"]
+    assert all(0 < r["choice_s"] < r["call_s"] for r in rows)
+    assert "| 64 | 8 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        call_overhead.main(["--ranks", "1"])
+
+
+def test_a_cached_plan_is_found_by_one_lookup_whatever_the_world_size():
+    from benchmarks.call_overhead import InstantTransport
+    from ray_collective.backends.base import GroupCall
+    from ray_collective.backends.transport_backend import TransportBackend
+    from ray_collective.tensors import as_view
+    from ray_collective.types import CallOptions, Collective
+    for world_size in (8, 4096):
+        transport = InstantTransport(0, world_size)
+        backend = TransportBackend("g", transport, node_of=[r // 8 for r in range(world_size)],
+                                   forced={})
+        tensor = as_view(np.zeros(2, np.float32), writable=True)
+        options = CallOptions(Collective.ALLREDUCE, timeout=60.0)
+        backend.run(GroupCall(options, 0, tensor))
+        first = backend.prepared(options, tensor)
+        for seq in range(1, 4):
+            backend.run(GroupCall(options, seq, tensor))
+        assert backend.prepared(options, tensor) is first and backend.prepared_calls() == 1

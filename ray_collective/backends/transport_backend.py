@@ -130,9 +130,21 @@ class TransportBackend(CollectiveBackend):
         self._prepared: Dict[Tuple, PreparedCall] = {}
 
     def run(self, call: GroupCall) -> None:
-        options = call.options
         reference = call.tensor if call.tensor is not None else (
             call.inputs[0] if call.inputs else call.outputs[0] if call.outputs else None)
+        prepared = self.prepared(call.options, reference)
+        self._run_prepared(call, prepared, prepared.template.stamp(call.seq))
+
+    def prepared(self, options: CallOptions, reference: Optional[TensorView]) -> PreparedCall:
+        """What calls with ``options`` on tensors like ``reference`` share, prepared at the first.
+
+        Args:
+            options: the call's options.
+            reference: the call's tensor (or first list entry), None for a barrier.
+
+        Returns:
+            The prepared call, from the cache or made and cached now.
+        """
         # The group hands out one options object per distinct request, so its identity stands
         # for its fields without hashing them (enum hashing is Python code, microseconds).
         if reference is None:
@@ -145,7 +157,7 @@ class TransportBackend(CollectiveBackend):
             if len(self._prepared) >= PLAN_CACHE_SIZE:
                 del self._prepared[next(iter(self._prepared))]
             self._prepared[key] = prepared
-        self._run_prepared(call, prepared, prepared.template.stamp(call.seq))
+        return prepared
 
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
