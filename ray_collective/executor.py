@@ -59,7 +59,7 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
     deadline = time.monotonic() + timeout
     collective = channel == COLLECTIVE_CHANNEL
     if collective:
-        transport.arrive(stamp.seq)
+        transport.arrive(stamp)
     isend, irecv = transport.isend, transport.irecv
     for step in plan.steps:
         if type(step) is Local:

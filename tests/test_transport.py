@@ -120,8 +120,8 @@ def test_abort_wakes_every_waiting_rank_with_the_cause():
 def test_absent_ranks_are_those_that_did_not_start_the_call():
     fabric = LocalFabric(3, "grp")
     transports = [fabric.transport(r) for r in range(3)]
-    transports[0].arrive(HEADER.seq)
-    transports[2].arrive(HEADER.seq)
+    transports[0].arrive(STAMP)
+    transports[2].arrive(STAMP)
     assert transports[0].absent_ranks(HEADER.seq) == [1]
 
 

@@ -162,6 +162,36 @@ def test_a_part_of_another_call_is_a_mismatch_naming_what_differs(field, value):
     np.testing.assert_array_equal(out, 0)  # nothing of a mismatched message is written
 
 
+@pytest.mark.parametrize("arrives_first", [True, False])
+def test_a_part_of_the_same_call_with_another_header_is_a_mismatch_without_any_receive(
+        arrives_first):
+    """Ranks that disagree on the root disagree on who sends to whom: the part is checked
+    against the call this rank is in, whether it came before the call began or after."""
+    mine = HeaderTemplate(HEADER).stamp(4)
+    theirs = CallStamp.of(CallHeader(**{**HEADER.__dict__, "seq": 4, "root": 2}))
+    inbox, _ = _inbox()
+    if not arrives_first:
+        inbox.begin(mine)
+    _arrive(inbox, Sender(theirs).inline(np.ones(6, np.float32)))
+    if arrives_first:
+        assert inbox.error is None  # no call begun yet: nothing to compare with
+        inbox.begin(mine)
+    assert isinstance(inbox.error, CollectiveMismatchError)
+    assert inbox.error.differences == {"root": (-1, 2)} and inbox.error.ranks == (1, 0)
+
+
+def test_parts_of_other_calls_and_other_channels_wait_for_their_receives():
+    """A fast peer's next call, and a send/recv of the same number, are not mismatches."""
+    mine = HeaderTemplate(HEADER).stamp(4)
+    inbox, _ = _inbox()
+    inbox.begin(mine)
+    _arrive(inbox, Sender(HeaderTemplate(HEADER).stamp(5)).inline(np.ones(6, np.float32)))
+    p2p = CallStamp.of(CallHeader("grp", 3, 4, "send/recv", "direct", "float32", 6, (6,)))
+    _arrive(inbox, Sender(p2p, tag=3).inline(np.ones(6, np.float32)), key=(0, 3))
+    _arrive(inbox, Sender(mine).inline(np.ones(6, np.float32)))
+    assert inbox.error is None and inbox.unexpected_parts() == 3
+
+
 def test_step_count_and_part_order_are_checked():
     stamp = HeaderTemplate(HEADER).stamp(0)
     for packet, expected in [

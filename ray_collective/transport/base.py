@@ -105,8 +105,8 @@ class Transport(ABC):
             GroupBrokenError: another rank aborted the group.
         """
 
-    def arrive(self, seq: int) -> None:
-        """Note that this rank has started collective number ``seq`` of the group.
+    def arrive(self, stamp: CallStamp) -> None:
+        """Note that this rank has started the collective of ``stamp`` (its number and header).
 
         Transports that can share this cheaply let a timed-out rank name the ranks that never
         came (see :meth:`absent_ranks`); the default shares nothing.

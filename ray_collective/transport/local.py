@@ -159,9 +159,9 @@ class LocalTransport(Transport):
                     return pending
                 fabric._cond.wait(remaining)
 
-    def arrive(self, seq: int) -> None:
+    def arrive(self, stamp: CallStamp) -> None:
         started = self.fabric._started_seq
-        started[self.rank] = max(started[self.rank], seq)
+        started[self.rank] = max(started[self.rank], stamp.seq)
 
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         return [rank for rank, started in enumerate(self.fabric._started_seq) if started < seq]

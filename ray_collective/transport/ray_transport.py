@@ -454,8 +454,9 @@ class RayTransport(Transport):
 
     # ------------------------------------------------------------ group status
 
-    def arrive(self, seq: int) -> None:
-        self.state.arrive(self.rank, seq)
+    def arrive(self, stamp: wire.CallStamp) -> None:
+        self.state.arrive(self.rank, stamp.seq)
+        self._inbox.begin(stamp)
 
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         by_node: Dict[str, List[int]] = defaultdict(list)

@@ -343,7 +343,22 @@ class Inbox:
         self._consumed = consumed
         self._posted: Dict[Hashable, Deque[Receive]] = defaultdict(deque)
         self._unexpected: Dict[Hashable, Deque[Part]] = defaultdict(deque)
+        self._current: Optional[CallStamp] = None
         self.error: Optional[CollectiveMismatchError] = None
+
+    def begin(self, stamp: CallStamp) -> None:
+        """Note that this rank has started the collective of ``stamp``.
+
+        From now on a collective part of the same call number whose header differs (another
+        root, op, shape...) is a mismatch as soon as it arrives, even if this rank never posts
+        a receive for its sender (ranks that disagree on the root do not agree on who sends to
+        whom either); parts that came early are checked now.
+        """
+        self._current = stamp
+        for (sender, tag), parts in self._unexpected.items():
+            if tag == COLLECTIVE_TAG:
+                for part in parts:
+                    self._check_current(sender, part)
 
     def post(self, key: Hashable, receive: Receive) -> None:
         """Post ``receive`` for messages on ``key`` = (sender, tag); parts already there are
@@ -364,8 +379,20 @@ class Inbox:
         if posted and not self._unexpected.get(key):
             self._consume(posted, part)
             return True
-        self._unexpected[key].append(part.keep())
+        kept = part.keep()
+        self._unexpected[key].append(kept)
+        if key[1] == COLLECTIVE_TAG:
+            self._check_current(key[0], kept)
         return False
+
+    def _check_current(self, sender: int, part: Part) -> None:
+        current = self._current
+        if (current is None or part.header == current.packed
+                or _SEQ.unpack_from(part.header, CallHeader.SEQ_OFFSET)[0] != current.seq):
+            return
+        if self.error is None:
+            self.error = mismatch(self.rank, sender, current, part.step, part.count,
+                                  bytes(part.header), part.step, part.count)
 
     def unexpected_parts(self) -> int:
         """Parts that arrived and are not yet consumed (stale messages of a failed call)."""
