@@ -73,18 +73,24 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """
 
     def __init__(self, group_name: str, rank: int, collective: str, seq: int,
-                 missing_ranks: Sequence[int], timeout: float):
+                 missing_ranks: Sequence[int], timeout: float,
+                 reported_by: Optional[int] = None):
         self.group_name = group_name
         self.rank = rank
         self.collective = collective
         self.seq = seq
         self.missing_ranks = tuple(sorted(set(missing_ranks)))
         self.timeout = timeout
+        self.reported_by = reported_by
+        who = "" if reported_by is None else f" (reported by rank {reported_by}, whose call " \
+                                               f"timed out first)"
         super().__init__(
             f"rank {rank} of group '{group_name}': {collective} #{seq} timed out after "
-            f"{timeout:g}s waiting for ranks {_ranks(self.missing_ranks)}. Check that every rank "
-            f"of the group makes the same collective calls in the same order, or pass a longer "
-            f"timeout= to the call or to init_collective_group.")
+            f"{timeout:g}s waiting for ranks {_ranks(self.missing_ranks)}{who}. Those ranks "
+            f"never started the call or stopped making progress in it (a stopped, hung or very "
+            f"busy process). Check that every rank of the group makes the same collective calls "
+            f"in the same order, or pass a longer timeout= to the call or to "
+            f"init_collective_group.")
 
 
 class PeerDiedError(CollectiveError):
@@ -237,15 +243,19 @@ def error_record(group_name: str, rank: int, error: BaseException) -> dict:
                       differences={k: list(v) for k, v in error.differences.items()})
     elif isinstance(error, PeerDiedError):
         record.update(collective=error.collective, seq=error.seq, dead=list(error.dead_ranks))
+    elif isinstance(error, CollectiveTimeoutError):
+        record.update(collective=error.collective, seq=error.seq,
+                      missing=list(error.missing_ranks), timeout=error.timeout)
     return record
 
 
 def error_from_record(record: dict, rank: int) -> CollectiveError:
     """The error ``rank`` raises for a failure another rank described with :func:`error_record`.
 
-    A peer-died report becomes this rank's own :class:`PeerDiedError` (naming the dead ranks);
-    a mismatch is rebuilt as the reporting rank saw it; anything else is a
-    :class:`RankFailedError`.
+    A peer-died report becomes this rank's own :class:`PeerDiedError` (naming the dead ranks),
+    a timeout its own :class:`CollectiveTimeoutError` (naming the ranks that held the call up,
+    so that every rank blames them, not the rank that timed out first); a mismatch is rebuilt
+    as the reporting rank saw it; anything else is a :class:`RankFailedError`.
     """
     group, reporter, kind = record["group"], record["rank"], record["kind"]
     if kind == "CollectiveMismatchError":
@@ -255,4 +265,8 @@ def error_from_record(record: dict, rank: int) -> CollectiveError:
     if kind == "PeerDiedError":
         return PeerDiedError(group, rank, record["collective"], record["seq"], record["dead"],
                              f"reported by rank {reporter}")
+    if kind == "CollectiveTimeoutError" and "missing" in record:
+        return CollectiveTimeoutError(group, rank, record["collective"], record["seq"],
+                                      record["missing"], record["timeout"],
+                                      reported_by=reporter)
     return RankFailedError(group, reporter, kind, record["message"])

@@ -52,8 +52,8 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
 
     Raises:
         CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start;
-            it names the ranks that never started the call when the transport knows them, else
-            the peers this rank was still waiting for.
+            it names the ranks that hold the call up (never started it, or stalled in it) when
+            the transport knows them, else the peers this rank was still waiting for.
         CollectiveMismatchError, PeerDiedError, GroupBrokenError: from the transport.
     """
     deadline = time.monotonic() + timeout
@@ -78,3 +78,5 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
             absent = transport.absent_ranks(stamp.seq) if collective else None
             raise CollectiveTimeoutError(stamp.template.group, transport.rank, what, stamp.seq,
                                          absent or [r.peer for r in pending], timeout)
+    if collective:
+        transport.complete(stamp)

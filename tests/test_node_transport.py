@@ -232,3 +232,21 @@ def test_a_peer_process_that_dies_is_named_within_a_fraction_of_a_second(tmp_pat
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_the_state_page_tells_stalled_ranks_from_waiting_and_finished_ones(tmp_path, monkeypatch):
+    from ray_collective.transport import node_state
+    monkeypatch.setattr(node_state, "STALL_S", 0.05)
+    state = node_state.NodeState(str(tmp_path), "g", 5)
+    try:
+        for rank in range(4):
+            state.arrive(rank, 7)        # rank 4 never starts call 7
+        state.complete(1)                # rank 1 finished it and computes elsewhere
+        state.arrive(3, 8)               # rank 3 is already in the next call
+        time.sleep(0.1)
+        state.beat(0)                    # rank 0 waits in call 7 and keeps beating
+        # rank 2 started call 7 and has given no sign of life since: stalled
+        assert state.responsive(list(range(5)), 7) == [0, 1, 3]
+        assert state.responsive([2, 3], 8) == [] and state.responsive([3], 6) == [3]
+    finally:
+        state.close()

@@ -3,6 +3,7 @@ numpy and torch tensors, several groups at once, ray.util.collective interop, an
 paths (dead rank, missing rank, mismatch), checked against numpy references."""
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -288,6 +289,52 @@ def test_killed_rank_gives_peer_died_error_on_the_others(ray_session):
     col.destroy_collective_group("killed")
     for actor in actors[:2]:
         ray_session.kill(actor)
+
+
+def _allreduce_loop_until_error(rank, group, timeout):
+    """Allreduce 8 B back to back until a call fails; report the failure and its time."""
+    tensor = np.ones(2, np.float32)
+    while True:
+        start = time.monotonic()
+        try:
+            col.allreduce(tensor, group, timeout=timeout)
+        except col.CollectiveError as err:
+            missing = getattr(err, "missing_ranks", getattr(getattr(err, "cause", None),
+                                                            "missing_ranks", ()))
+            return type(err).__name__, str(err), tuple(missing), time.monotonic() - start
+
+
+def test_a_stopped_rank_is_named_by_every_survivor_whichever_times_out_first(ray_session):
+    """SIGSTOP one rank (hung, not dead) while all four loop on allreduce: every survivor's
+    error names it, not the rank whose deadline passed first; once it runs again it learns
+    that the group broke."""
+    actors = start_members(ray_session, 4)
+    pids = ray_session.get([a.pid.remote() for a in actors])
+    col.declare_collective_group(actors, group_name="stopped")
+    stopped = 2
+    try:
+        # Rank 1 times out first. Whichever algorithm 8 B on 4 ranks takes here (recursive
+        # doubling: partners 0 and 3; reduce + broadcast: parent 0), it never waits on rank 2
+        # itself, so what it saw directly names another rank.
+        deadlines = [8.0, 2.0, 8.0, 8.0]
+        loops = [a.__ray_call__.remote(lambda _s, r=r: _allreduce_loop_until_error(
+            r, "stopped", deadlines[r])) for r, a in enumerate(actors)]
+        time.sleep(1.0)
+        os.kill(pids[stopped], signal.SIGSTOP)
+        survivors = [ref for r, ref in enumerate(loops) if r != stopped]
+        results = ray_session.get(survivors, timeout=60)
+        for kind, message, missing, elapsed in results:
+            assert kind == "CollectiveTimeoutError", message
+            assert missing == (stopped,), message
+            assert elapsed < 10.0
+        os.kill(pids[stopped], signal.SIGCONT)
+        kind, message, _, _ = ray_session.get(loops[stopped], timeout=60)
+        assert kind == "GroupBrokenError", message
+    finally:
+        os.kill(pids[stopped], signal.SIGCONT)
+        col.destroy_collective_group("stopped")
+        for actor in actors:
+            ray_session.kill(actor)
 
 
 def test_missing_rank_times_out_naming_it(ray_session, members):

@@ -9,7 +9,7 @@ protocol code (``transport.ray_transport.Deliveries``), so a receiving rank trea
 remote peers alike.
 
 It also answers for its node: which ranks are dead (process table), which have started a
-collective (the node's state page), and publishes an abort raised on another node.
+collective and are not stalled in it (the node's state page), and publishes an abort raised on another node.
 
 One post office per node per group, created by the node's lowest rank and owned by it; it
 handles one task at a time, which keeps each sender's messages in order.
@@ -73,9 +73,9 @@ class PostOffice:
         """Those of ``ranks`` whose process has exited."""
         return [r for r in ranks if not process_alive(self.local_pids.get(r, -1))]
 
-    def started(self, ranks: List[int], seq: int) -> List[int]:
-        """Those of ``ranks`` that have started collective ``seq``."""
-        return self.state.started(ranks, seq)
+    def responsive(self, ranks: List[int], seq: int) -> List[int]:
+        """Those of ``ranks`` that have started collective ``seq`` and are not stalled in it."""
+        return self.state.responsive(ranks, seq)
 
     def abort(self, record: dict) -> None:
         """Publish another node's failure to the ranks here."""

@@ -125,8 +125,8 @@ class RayRelay(Relay):
         answer = self._ask(node, "dead_ranks", ranks)
         return list(ranks) if answer is None else answer
 
-    def started(self, node, ranks, seq) -> List[int]:
-        return self._ask(node, "started", ranks, seq) or []
+    def responsive(self, node, ranks, seq) -> List[int]:
+        return self._ask(node, "responsive", ranks, seq) or []
 
     def abort(self, record) -> None:
         for node in self.other_nodes:

@@ -112,9 +112,12 @@ class Transport(ABC):
         came (see :meth:`absent_ranks`); the default shares nothing.
         """
 
+    def complete(self, stamp: CallStamp) -> None:
+        """Note that this rank has finished the collective of ``stamp``. Default: nothing."""
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
-        """The ranks known not to have started collective ``seq``; None when this transport
-        cannot tell."""
+        """The ranks known to hold up collective ``seq``: those that have not started it, and
+        (where the transport can tell) those stalled in it; None when it cannot tell."""
         return None
 
     @abstractmethod

@@ -2,10 +2,13 @@
 
 The file ``<group dir>/state`` holds, as int64 words: word 0, the abort flag (the aborting rank
 plus one); then, per rank of the group, the last collective sequence number it started plus
-one. Reading it costs no system call, so a waiting rank checks the abort flag at every wake-up
-and a timed-out rank names the local ranks that never started the call. The abort's reason is
-written to ``<group dir>/abort.json`` before the flag is raised. 8 bytes per rank: 3.2 KB at
-400 ranks.
+one; then, per rank, its last sign of life inside a call (``time.monotonic()`` in
+milliseconds, the same clock in every process of a node), 0 between calls. Reading it costs no
+system call, so a waiting rank checks the abort flag at every wake-up, and a timed-out rank
+names the local ranks that hold the call up: those that never started it, and those that
+started it but have given no sign of life for ``STALL_S`` (a stopped or hung process; a rank
+waiting in a call refreshes its sign every 0.1 s). The abort's reason is written to
+``<group dir>/abort.json`` before the flag is raised. 16 bytes per rank: 6.4 KB at 400 ranks.
 """
 
 from __future__ import annotations
@@ -13,11 +16,19 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
 from typing import List, Optional
 
 import numpy as np
 
 _HEAD = 1
+
+STALL_S = 1.0
+"""A rank in a call that has given no sign of life for this long is reported as stalled."""
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000.0) or 1  # 0 means "not in a call"
 
 
 class NodeState:
@@ -33,7 +44,7 @@ class NodeState:
         self.directory = directory
         self.group_name = group_name
         self.world_size = world_size
-        size = 8 * (_HEAD + world_size)
+        size = 8 * (_HEAD + 2 * world_size)
         fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < size:
@@ -42,17 +53,33 @@ class NodeState:
         finally:
             os.close(fd)
         self._words = np.frombuffer(self._map, np.int64)
+        self._beats = _HEAD + world_size
 
     def arrive(self, rank: int, seq: int) -> None:
-        """Record that ``rank`` started collective ``seq``."""
+        """Record that ``rank`` started collective ``seq`` (and is alive in it)."""
         words = self._words
         if words[_HEAD + rank] < seq + 1:
             words[_HEAD + rank] = seq + 1
+        words[self._beats + rank] = _now_ms()
 
-    def started(self, ranks: List[int], seq: int) -> List[int]:
-        """Those of ``ranks`` that have started collective ``seq``."""
-        words = self._words
-        return [r for r in ranks if words[_HEAD + r] >= seq + 1]
+    def beat(self, rank: int) -> None:
+        """Record that ``rank``, waiting in a call, is alive."""
+        self._words[self._beats + rank] = _now_ms()
+
+    def complete(self, rank: int) -> None:
+        """Record that ``rank`` has left its call (it owes no sign of life until the next)."""
+        self._words[self._beats + rank] = 0
+
+    def responsive(self, ranks: List[int], seq: int) -> List[int]:
+        """Those of ``ranks`` that have started collective ``seq`` and are not stalled in it.
+
+        A rank is stalled when its last started call is ``seq``, it has not left it, and its
+        last sign of life is more than ``STALL_S`` old.
+        """
+        words, beats = self._words, self._beats
+        stale = _now_ms() - int(STALL_S * 1000.0)
+        return [r for r in ranks if words[_HEAD + r] > seq + 1 or (
+            words[_HEAD + r] == seq + 1 and not 0 < words[beats + r] < stale)]
 
     def abort(self, record: dict) -> None:
         """Publish a failure to every member on this node (the first abort wins)."""

@@ -39,8 +39,8 @@ from typing import Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tu
 
 import numpy as np
 
-from ..errors import (CollectiveError, GroupBrokenError, PeerDiedError, error_from_record,
-                      error_record)
+from ..errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError, PeerDiedError,
+                      error_from_record, error_record)
 from . import uds, wire
 from .base import COLLECTIVE_CHANNEL, Request, SendRequest, Transport
 from .node_state import NodeState
@@ -80,8 +80,9 @@ class Relay:
         """Those of ``ranks`` (all on ``node``) known to be dead."""
         raise NotImplementedError
 
-    def started(self, node: str, ranks: List[int], seq: int) -> List[int]:
-        """Those of ``ranks`` (all on ``node``) that have started collective ``seq``."""
+    def responsive(self, node: str, ranks: List[int], seq: int) -> List[int]:
+        """Those of ``ranks`` (all on ``node``) that have started collective ``seq`` and are
+        not stalled in it (see ``NodeState.responsive``)."""
         raise NotImplementedError
 
     def abort(self, record: dict) -> None:
@@ -406,6 +407,7 @@ class RayTransport(Transport):
             if now >= deadline:
                 return pending
             if now >= next_local:
+                self.state.beat(self.rank)
                 remote = self._check_liveness({r.peer for r in pending}, now >= next_remote)
                 next_local = now + _LOCAL_LIVENESS_INTERVAL_S
                 if remote:
@@ -421,7 +423,11 @@ class RayTransport(Transport):
         record = self.state.aborted()
         if record is not None:
             error = error_from_record(record, self.rank)
-            if isinstance(error, PeerDiedError):
+            # A dead or stalled rank is named by every survivor's own error; the stalled rank
+            # itself, once it runs again, learns that the group broke without it.
+            if isinstance(error, PeerDiedError) or (
+                    isinstance(error, CollectiveTimeoutError)
+                    and self.rank not in error.missing_ranks):
                 raise error
             raise GroupBrokenError(self.group_name, self.rank, error)
         if self._dead:
@@ -458,6 +464,9 @@ class RayTransport(Transport):
         self.state.arrive(self.rank, stamp.seq)
         self._inbox.begin(stamp)
 
+    def complete(self, stamp: wire.CallStamp) -> None:
+        self.state.complete(self.rank)
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         by_node: Dict[str, List[int]] = defaultdict(list)
         for rank, peer in enumerate(self.peers):
@@ -465,9 +474,9 @@ class RayTransport(Transport):
         started = []
         for node, ranks in by_node.items():
             if node == self.node:
-                started += self.state.started(ranks, seq)
+                started += self.state.responsive(ranks, seq)
             else:
-                started += self.relay.started(node, ranks, seq)
+                started += self.relay.responsive(node, ranks, seq)
         absent = sorted(set(range(self.world_size)) - set(started))
         return absent or None
 
