@@ -248,5 +248,7 @@ def test_the_state_page_tells_stalled_ranks_from_waiting_and_finished_ones(tmp_p
         # rank 2 started call 7 and has given no sign of life since: stalled
         assert state.responsive(list(range(5)), 7) == [0, 1, 3]
         assert state.responsive([2, 3], 8) == [] and state.responsive([3], 6) == [3]
+        # rank 0, alive in call 7, holds up nobody's call 9: it waits for someone else
+        assert state.responsive([0, 1], 9) == [0]
     finally:
         state.close()

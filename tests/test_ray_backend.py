@@ -337,6 +337,62 @@ def test_a_stopped_rank_is_named_by_every_survivor_whichever_times_out_first(ray
             ray_session.kill(actor)
 
 
+def _init_group(rank, world_size, group, timeout):
+    try:
+        col.init_collective_group(world_size, rank, "ray", group, timeout=timeout)
+        return "ok", ""
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank got
+        return type(err).__name__, str(err)
+
+
+def _allreduce_ones(rank, group):
+    tensor = np.ones(4, np.float32)
+    col.allreduce(tensor, group, timeout=30.0)
+    return tensor.tolist()
+
+
+@pytest.mark.parametrize("survivors", ["destroy", "keep"])
+def test_a_group_is_rebuilt_after_a_crash_whatever_the_join_order(ray_session, survivors):
+    """Rank 2 is killed; the survivors destroy the broken group or keep it; fresh actors form
+    a group of the same name with ranks 1-3 joining before rank 0."""
+    old = start_members(ray_session, 4)
+    pids = ray_session.get([a.pid.remote() for a in old])
+    run_in(ray_session, old, _init_group, 4, "rebuilt", 30.0)
+    os.kill(pids[2], signal.SIGKILL)
+    alive = [a for r, a in enumerate(old) if r != 2]
+    refs = [a.__ray_call__.remote(lambda _s, r=r: _allreduce_expecting_error(
+        r, "rebuilt", 2, 30.0)) for r, a in zip((0, 1, 3), alive)]
+    assert [kind for kind, *_ in ray_session.get(refs, timeout=60)] == ["PeerDiedError"] * 3
+    if survivors == "destroy":
+        run_in(ray_session, alive, lambda r: col.destroy_collective_group("rebuilt"))
+    fresh = start_members(ray_session, 4)
+    try:
+        early = [a.__ray_call__.remote(lambda _s, r=r: _init_group(r, 4, "rebuilt", 30.0))
+                 for r, a in enumerate(fresh) if r != 0]
+        time.sleep(1.5)
+        last = fresh[0].__ray_call__.remote(lambda _s: _init_group(0, 4, "rebuilt", 30.0))
+        assert ray_session.get(early + [last], timeout=90) == [("ok", "")] * 4
+        assert run_in(ray_session, fresh, _allreduce_ones, "rebuilt") == [[4.0] * 4] * 4
+        run_in(ray_session, fresh, lambda r: col.destroy_collective_group("rebuilt"))
+    finally:
+        for actor in old + fresh:
+            ray_session.kill(actor)
+
+
+def test_a_rank_held_by_a_live_member_of_a_live_group_is_refused(ray_session, members):
+    actors = members[:2]
+    run_in(ray_session, actors, _init_group, 2, "taken", 30.0)
+    try:
+        intruder = start_members(ray_session, 1)[0]
+        kind, message = ray_session.get(intruder.__ray_call__.remote(
+            lambda _s: _init_group(1, 2, "taken", 5.0)), timeout=60)
+        assert kind == "ValueError" and "rank 1 has already joined" in message, message
+        assert run_in(ray_session, actors, _allreduce_ones, "taken") == [[2.0] * 4] * 2
+        ray_session.kill(intruder)
+    finally:
+        run_in(ray_session, actors, lambda r: col.destroy_collective_group("taken"))
+
+
 def test_missing_rank_times_out_naming_it(ray_session, members):
     actors = members[:3]
     col.declare_collective_group(actors, group_name="skipper")

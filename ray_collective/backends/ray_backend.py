@@ -168,6 +168,15 @@ class RayMembership(TransportBackend):
         # Held, never called: a post office lives as long as its creator holds a handle to it.
         self.post_office = post_office
 
+    def abort(self, error: BaseException) -> None:
+        super().abort(error)
+        # A rank that comes to rebuild the group must not mistake this incarnation for a live
+        # one: a member that died here never leaves it.
+        try:
+            rendezvous.mark_broken(rendezvous.KeyValue(), self.prefix, self.token)
+        except Exception:  # noqa: BLE001 - the store may be gone with the job; the abort stands
+            pass
+
     def close(self) -> None:
         transport = self.transport
         node = transport.node

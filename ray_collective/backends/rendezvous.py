@@ -11,21 +11,32 @@ may use the same group name. One incarnation of a group is identified by a rando
   is in the key itself, so one ``list`` call reads the whole membership.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
+- ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
+  member raised a collective error in it, or a joining rank found it dead.
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
 group) registers again under the new one. A rank never registers under a token it has left (a
 re-init after a destroy waits for the next incarnation), and a rank whose join times out
 withdraws its member key.
+
+Rebuilding after a crash works in any join order. A member that died never leaves, so its key
+stays under the old token until rank 0 (or the driver) opens the next incarnation; a rank that
+comes first and finds its rank taken does not count the old incarnation as live when it is
+marked broken, when a member of it on this node is a dead process, or when every other rank
+has left it: it marks it broken and waits for the next. Only a rank taken by a live member of a
+live incarnation is refused (``ValueError``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Set, Tuple
 
 from ..errors import CollectiveTimeoutError
+from ..transport.ray_transport import process_alive
 
 NAMESPACE = "ray_collective"
 
@@ -105,22 +116,26 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     """
     deadline = time.monotonic() + timeout
     registered = None
+    abandoned: Set[str] = set()
     pause = 0.002
     members: List[Member] = []
     while True:
         current = token or kv.get(prefix + "token")
+        if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
+            kv.delete_prefix(_member_key(prefix, registered, me))
+            abandoned.add(registered)
+            registered, members = None, []
         # Never rejoin an incarnation this rank left: a re-init after a destroy waits for the
         # next one, which rank 0 opens once it has left too.
-        if current is not None and current != registered \
+        if current is not None and current != registered and current not in abandoned \
                 and kv.get(f"{prefix}{current}/left/{me.rank}") is None:
-            on_token(current)
-            existed = kv.put(_member_key(prefix, current, me), "", overwrite=False)
-            others = [m for m in _members(kv, prefix, current) if m.rank == me.rank and m != me]
-            if existed or others:
-                raise ValueError(f"group '{group_name}': rank {me.rank} has already joined from "
-                                 f"another process (pid {others[0].pid if others else '?'}); "
-                                 f"every member needs its own rank in [0, {world_size})")
-            registered = current
+            if kv.get(f"{prefix}{current}/broken") is not None:
+                abandoned.add(current)
+            else:
+                registered = _register(kv, prefix, current, group_name, world_size, me,
+                                       on_token)
+                if registered is None:
+                    abandoned.add(current)
         if registered is not None:
             members = _members(kv, prefix, registered)
             if len(members) >= world_size:
@@ -136,6 +151,44 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                                          timeout)
         time.sleep(pause)
         pause = min(pause * 1.5, 0.05)
+
+
+def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
+              me: Member, on_token: Callable[[str], None]) -> Optional[str]:
+    """Register ``me`` under ``token``; None if that incarnation turned out to be dead.
+
+    Raises:
+        ValueError: a live member of a live incarnation holds ``me``'s rank.
+    """
+    # Look before registering: ``on_token`` takes over the rank's socket path, which a live
+    # holder of the rank is using.
+    holders = [m for m in _members(kv, prefix, token) if m.rank == me.rank and m != me]
+    if holders and _incarnation_is_dead(kv, prefix, token, me, world_size):
+        mark_broken(kv, prefix, token)
+        return None
+    if not holders:
+        on_token(token)
+        if not kv.put(_member_key(prefix, token, me), "", overwrite=False):
+            return token
+    raise ValueError(f"group '{group_name}': rank {me.rank} has already joined from another "
+                     f"process (pid {holders[0].pid if holders else os.getpid()}), which is "
+                     f"alive in the group's current incarnation; every member needs its own "
+                     f"rank in [0, {world_size})")
+
+
+def _incarnation_is_dead(kv: KeyValue, prefix: str, token: str, me: Member,
+                         world_size: int) -> bool:
+    """Whether no call of ``token``'s incarnation can ever complete again."""
+    members = _members(kv, prefix, token)
+    if any(m.node == me.node and m != me and not process_alive(m.pid) for m in members):
+        return True
+    gone = {int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")}
+    return gone >= set(range(world_size)) - {me.rank}
+
+
+def mark_broken(kv: KeyValue, prefix: str, token: str) -> None:
+    """Record that ``token``'s incarnation can never complete a call again (see the module)."""
+    kv.put(f"{prefix}{token}/broken")
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:

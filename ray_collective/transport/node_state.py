@@ -5,9 +5,9 @@ plus one); then, per rank of the group, the last collective sequence number it s
 one; then, per rank, its last sign of life inside a call (``time.monotonic()`` in
 milliseconds, the same clock in every process of a node), 0 between calls. Reading it costs no
 system call, so a waiting rank checks the abort flag at every wake-up, and a timed-out rank
-names the local ranks that hold the call up: those that never started it, and those that
-started it but have given no sign of life for ``STALL_S`` (a stopped or hung process; a rank
-waiting in a call refreshes its sign every 0.1 s). The abort's reason is written to
+names the local ranks that hold the call up: those that never came to it, and those in a call
+that have given no sign of life for ``STALL_S`` (a stopped or hung process; a rank waiting in
+a call refreshes its sign every 0.1 s). The abort's reason is written to
 ``<group dir>/abort.json`` before the flag is raised. 16 bytes per rank: 6.4 KB at 400 ranks.
 """
 
@@ -71,15 +71,21 @@ class NodeState:
         self._words[self._beats + rank] = 0
 
     def responsive(self, ranks: List[int], seq: int) -> List[int]:
-        """Those of ``ranks`` that have started collective ``seq`` and are not stalled in it.
+        """Those of ``ranks`` that do not hold up collective ``seq``.
 
-        A rank is stalled when its last started call is ``seq``, it has not left it, and its
-        last sign of life is more than ``STALL_S`` old.
+        A rank holds it up when it is in a call (any call: it may still be in an earlier one)
+        and has given no sign of life for ``STALL_S`` (stopped or hung), or when it is in no
+        call and has not started ``seq`` (it never came). A rank alive in an earlier call is
+        waiting for someone else, and is not blamed.
         """
         words, beats = self._words, self._beats
         stale = _now_ms() - int(STALL_S * 1000.0)
-        return [r for r in ranks if words[_HEAD + r] > seq + 1 or (
-            words[_HEAD + r] == seq + 1 and not 0 < words[beats + r] < stale)]
+        responsive = []
+        for r in ranks:
+            started, beat = words[_HEAD + r], words[beats + r]
+            if started > seq + 1 or (beat > stale if beat else started == seq + 1):
+                responsive.append(r)
+        return responsive
 
     def abort(self, record: dict) -> None:
         """Publish a failure to every member on this node (the first abort wins)."""
