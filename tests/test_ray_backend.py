@@ -470,3 +470,26 @@ def test_mismatched_shapes_raise_mismatch_on_the_ranks_involved(ray_session, mem
             assert again == "CollectiveMismatchError"
     finally:
         col.destroy_collective_group("mismatch")
+
+
+def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_session, members):
+    """A driver that exits without destroying its declared group kills its members with it:
+    nobody leaves, and the next group opened in the cluster removes its keys and directory."""
+    import json
+    import subprocess
+    import sys
+    from ray_collective.backends import rendezvous
+    address = ray_session.get_runtime_context().gcs_address
+    script = os.path.join(os.path.dirname(__file__), "abandoned_job.py")
+    finished = subprocess.run([sys.executable, script, address], capture_output=True,
+                              text=True, timeout=120, check=True)
+    left = json.loads(finished.stdout.strip().splitlines()[-1])
+    kv = rendezvous.KeyValue()
+    assert left["exists"] and kv.keys(f"{left['job']}/abandoned/")
+    deadline = time.monotonic() + 30
+    while kv.keys(f"{left['job']}/") or os.path.exists(left["directory"]):
+        assert time.monotonic() < deadline, "the finished job's group was never swept"
+        col.declare_collective_group(members[:2], group_name="after-abandoned")
+        col.destroy_collective_group("after-abandoned")
+        time.sleep(0.5)
+

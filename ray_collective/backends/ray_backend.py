@@ -61,10 +61,62 @@ def _runtime() -> Tuple[str, str, str]:
 def group_root(session_dir: str, job_id: str, group_name: str, token: str) -> str:
     """The directory holding the group's per-node directories (short, for socket paths)."""
     digest = hashlib.sha256(f"{job_id}/{group_name}/{token}".encode()).hexdigest()[:16]
+    return os.path.join(_group_dirs_base(session_dir), digest)
+
+
+def _group_dirs_base(session_dir: str) -> str:
     base = os.path.join(session_dir, "rc")
     if len(base) + 40 > _SOCKET_PATH_MAX:
         base = os.path.join(tempfile.gettempdir(), f"rc-{os.getuid()}")
-    return os.path.join(base, digest)
+    return base
+
+
+_JOB_FILE = "job"
+"""In a group's directory: the id of the job that made it (so that a later job can sweep it)."""
+
+
+def _finished_jobs() -> set:
+    """Ids of the jobs of this Ray cluster that have finished (empty if Ray cannot say)."""
+    try:
+        from ray._private.state import state
+        return {job["JobID"] for job in state.job_table() if job["IsDead"]}
+    except Exception:  # noqa: BLE001 - a private API of Ray: without it, nothing is swept
+        return set()
+
+
+def sweep_finished_jobs(session_dir: str) -> None:
+    """Remove the keys and this machine's group directories of jobs that have finished.
+
+    Members that die with their job (a driver that exits without destroying its groups) never
+    leave; whoever opens the next incarnation of any group cleans up after them.
+    """
+    finished = _finished_jobs()
+    if not finished:
+        return
+    rendezvous.sweep_finished_jobs(rendezvous.KeyValue(), finished)
+    base = _group_dirs_base(session_dir)
+    try:
+        roots = os.listdir(base)
+    except OSError:
+        return
+    for name in roots:
+        root = os.path.join(base, name)
+        try:
+            with open(os.path.join(root, _JOB_FILE)) as source:
+                job_id = source.read().strip()
+        except OSError:
+            continue
+        if job_id in finished:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _mark_job(root: str, job_id: str) -> None:
+    path = os.path.join(root, _JOB_FILE)
+    if not os.path.exists(path):
+        partial = f"{path}.{os.getpid()}"
+        with open(partial, "w") as out:
+            out.write(job_id)
+        os.replace(partial, path)
 
 
 def _private_dirs(path: str) -> None:
@@ -237,14 +289,17 @@ class RayBackendFactory(BackendFactory):
         prefix = rendezvous.group_prefix(job_id, group_name)
         token = self.token
         if token is None and rank == 0:
+            sweep_finished_jobs(session)
             token = rendezvous.open_incarnation(kv, prefix)
         endpoint: Dict[str, object] = {}
 
         def listen_under(current: str) -> None:
             if "listener" in endpoint:
                 endpoint["listener"].close()
-            directory = os.path.join(group_root(session, job_id, group_name, current), node[:8])
+            root = group_root(session, job_id, group_name, current)
+            directory = os.path.join(root, node[:8])
             _private_dirs(directory)
+            _mark_job(root, job_id)
             path = os.path.join(directory, f"{rank}.sock")
             if os.path.exists(path):
                 os.unlink(path)
@@ -280,7 +335,8 @@ class RayBackendFactory(BackendFactory):
                              post_office, forced)
 
     def declare(self, actors, ranks, world_size, group_name, timeout) -> DeclaredGroup:
-        job_id, _, _ = _runtime()
+        job_id, _, session = _runtime()
+        sweep_finished_jobs(session)
         token = rendezvous.open_incarnation(rendezvous.KeyValue(),
                                             rendezvous.group_prefix(job_id, group_name))
         return declare_in_actors(RayBackendFactory(token), actors, ranks, world_size,

@@ -83,6 +83,21 @@ def group_prefix(job_id: str, group_name: str) -> str:
     return f"{job_id}/{group_name}/"
 
 
+def sweep_finished_jobs(kv: KeyValue, finished_jobs: Set[str]) -> Set[str]:
+    """Delete the group keys of the jobs in ``finished_jobs``.
+
+    Members that die with their job (its driver exited) never leave their groups; the next
+    incarnation opened by a live job removes what they left.
+
+    Returns:
+        The job ids whose keys were deleted.
+    """
+    swept = {key.split("/", 1)[0] for key in kv.keys("")} & finished_jobs
+    for job_id in swept:
+        kv.delete_prefix(f"{job_id}/")
+    return swept
+
+
 def open_incarnation(kv: KeyValue, prefix: str) -> str:
     """Start a new incarnation of the group: clear old keys and publish a fresh token."""
     kv.delete_prefix(prefix)
