@@ -493,3 +493,27 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
         col.destroy_collective_group("after-abandoned")
         time.sleep(0.5)
 
+
+
+ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * 300]
+
+
+def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, members):
+    """Names that contain the key separator, climb directories, use unicode or run long are
+    all separate groups, used alternately on the same actors, and leave no key behind."""
+    from ray_collective.backends import rendezvous
+    actors = members[:2]
+    for name in ODD_NAMES:
+        col.declare_collective_group(actors, group_name=name)
+    try:
+        for round_ in range(2):
+            for position, name in enumerate(ODD_NAMES):
+                results = run_in(ray_session, actors, lambda r, n=name, k=position: (
+                    _allreduce_ones(r, n)[0] * (k + 1)))
+                assert results == [2.0 * (position + 1)] * 2
+    finally:
+        for name in ODD_NAMES:
+            col.destroy_collective_group(name)
+    job = ray_session.get_runtime_context().get_job_id()
+    kv = rendezvous.KeyValue()
+    assert [kv.keys(rendezvous.group_prefix(job, name)) for name in ODD_NAMES] == [[]] * 5

@@ -34,6 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Set, Tuple
+from urllib.parse import quote
 
 from ..errors import CollectiveTimeoutError
 from ..transport.ray_transport import process_alive
@@ -79,8 +80,12 @@ class Member:
 
 
 def group_prefix(job_id: str, group_name: str) -> str:
-    """The key prefix of ``group_name`` in job ``job_id``."""
-    return f"{job_id}/{group_name}/"
+    """The key prefix of ``group_name`` in job ``job_id``.
+
+    The name is percent-encoded, so that no group's prefix is the start of another's (group
+    ``a`` and group ``a/b``) and a name never adds a level to the key's path.
+    """
+    return f"{job_id}/{quote(group_name, safe='')}/"
 
 
 def sweep_finished_jobs(kv: KeyValue, finished_jobs: Set[str]) -> Set[str]:
