@@ -517,3 +517,53 @@ def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, 
     job = ray_session.get_runtime_context().get_job_id()
     kv = rendezvous.KeyValue()
     assert [kv.keys(rendezvous.group_prefix(job, name)) for name in ODD_NAMES] == [[]] * 5
+
+
+def _resources(rank):
+    """Open descriptors (memfds among them) and resident memory of this process."""
+    fds = os.listdir("/proc/self/fd")
+    memfds = 0
+    for fd in fds:
+        try:
+            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return len(fds), memfds, rss
+
+
+def _churn(rank, group, calls):
+    tensor = np.ones(2, np.float32)
+    for _ in range(calls):
+        col.allreduce(tensor, group)
+        tensor[:] = 1
+    return _resources(rank)
+
+
+def test_churn_leaves_descriptors_memory_keys_and_directories_where_they_were(
+        ray_session, members):
+    """200 create/destroy cycles with calls in each, then 10,000 small allreduces."""
+    from ray_collective.backends import rendezvous
+    actors = members[:2]
+    job = ray_session.get_runtime_context().get_job_id()
+    kv = rendezvous.KeyValue()
+    col.declare_collective_group(actors, group_name="warm")
+    run_in(ray_session, actors, _churn, "warm", 10)
+    col.destroy_collective_group("warm")
+    before = run_in(ray_session, actors, _resources)
+    for cycle in range(200):
+        col.declare_collective_group(actors, group_name="churn")
+        run_in(ray_session, actors, _churn, "churn", 2)
+        col.destroy_collective_group("churn")
+    assert kv.keys(rendezvous.group_prefix(job, "churn")) == []
+    col.declare_collective_group(actors, group_name="calls")
+    try:
+        during = run_in(ray_session, actors, _churn, "calls", 10_000, timeout=300)
+    finally:
+        col.destroy_collective_group("calls")
+    after = run_in(ray_session, actors, _resources)
+    for (fds0, memfds0, rss0), (fds1, memfds1, rss1), (fds2, _, rss2) in zip(before, after,
+                                                                          during):
+        assert (fds1, memfds1) == (fds0, memfds0)
+        assert rss1 - rss0 < 32 << 20 and rss2 - rss0 < 48 << 20
