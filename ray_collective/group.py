@@ -329,10 +329,6 @@ class GroupRegistry:
             raise GroupNotInitializedError(name)
         declared.destroy(timeout)
 
-    def names(self) -> Tuple[str, ...]:
-        """The names of the groups held."""
-        return tuple(n for n, g in self._groups.items() if g is not None)
-
 
 _PROCESS_REGISTRY = GroupRegistry()
 _active_registry: contextvars.ContextVar = contextvars.ContextVar("ray_collective_registry")

@@ -486,10 +486,6 @@ class RayTransport(Transport):
         if self.relay is not None:
             self.relay.abort(record)
 
-    def shared_memory_in_use(self) -> int:
-        """Bytes of shared memory this rank's arena holds now (for tests and benchmarks)."""
-        return self._arena.in_use()
-
     def close(self) -> None:
         for link in list(self._links_by_fd.values()):
             link.close()

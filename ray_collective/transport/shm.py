@@ -131,11 +131,6 @@ class SendArena:
         segments = [self._current, *self._draining.values()]
         return sum(len(s.live) for s in segments if s is not None)
 
-    def in_use(self) -> int:
-        """Bytes of shared memory this arena holds now."""
-        held = [self._current] if self._current is not None else []
-        return sum(s.size for s in held + list(self._draining.values()))
-
     def close(self) -> None:
         """Unmap and close every segment (receivers' own mappings stay valid until they unmap)."""
         for segment in [self._current, *self._draining.values()]:
@@ -167,10 +162,6 @@ class PeerSegments:
         for key in [k for k, entry in self._maps.items()
                     if k[0] == sender and k[1] < self._latest[sender] and entry[2] == 0]:
             self._drop(key)
-
-    def knows(self, sender: int, segment_id: int) -> bool:
-        """Whether the segment is mapped here already."""
-        return (sender, segment_id) in self._maps
 
     def hold(self, sender: int, segment_id: int) -> None:
         """Note one more unread message pointing into the segment."""
