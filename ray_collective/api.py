@@ -642,10 +642,9 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 
 def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
     """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
-    from .backends.nccl import NcclBackend
     from .backends.nccl.arguments import GpuArguments
     group = _group(group_name)
-    if not isinstance(group.backend, NcclBackend):
+    if not group.backend.multi_gpu:
         raise UnsupportedOperationError(
             f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this "
             f"process; group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "

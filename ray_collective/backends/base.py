@@ -43,9 +43,16 @@ class GroupCall:
 
 
 class CollectiveBackend(ABC):
-    """One rank's membership of one group on one backend."""
+    """One rank's membership of one group on one backend.
+
+    Attributes:
+        accepts_gpu_tensors: its calls take CUDA tensors (the API refuses them otherwise).
+        multi_gpu: it runs the ``*_multigpu`` calls, with a ``devices`` attribute listing the
+            GPUs of this process.
+    """
 
     accepts_gpu_tensors = False
+    multi_gpu = False
 
     @abstractmethod
     def run(self, call: GroupCall) -> None:

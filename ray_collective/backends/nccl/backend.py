@@ -104,6 +104,7 @@ class NcclBackend(CollectiveBackend):
     """
 
     accepts_gpu_tensors = True
+    multi_gpu = True
 
     def __init__(self, group_name: str, world_size: int, rank: int, devices: Sequence[int],
                  library: NcclLibrary, rendezvous: Rendezvous, options: NcclOptions,
