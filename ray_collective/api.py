@@ -216,10 +216,6 @@ def destroy_collective_group(group_name: str = "default") -> None:
 
     Called in a member, it destroys that member's membership. Called in the driver that
     declared the group, it makes every member leave and removes everything the group used.
-
-    Args:
-        group_name: the group.
-
     A process that is neither (never joined, or already left) is left as it is, with a logged
     warning, as in ``ray.util.collective``: cleanup code may destroy a group unconditionally.
 
