@@ -637,3 +637,12 @@ def test_a_cached_plan_is_found_by_one_lookup_whatever_the_world_size():
         for seq in range(1, 4):
             backend.run(GroupCall(options, seq, tensor))
         assert backend.prepared(options, tensor) is first and backend.prepared_calls() == 1
+
+
+def test_fault_detection_kills_a_rank_and_every_survivor_names_it(ray_session):
+    from benchmarks.fault_detection import format_rows, measure, percentile
+    row = measure(ray_session, 3, 8, 1)
+    assert row["survivors"] == 2 and row["named_the_dead_rank"] == 2
+    assert 0 < row["p50_s"] <= row["p95_s"] <= row["max_s"] < 10.0
+    assert "| 8 B | 3 | 2 | 2 |" in format_rows([row])
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == pytest.approx(4.8)

@@ -242,10 +242,13 @@ class RayMembership(TransportBackend):
         if {m.rank for m in self.members if m.node == node} <= gone:
             _shut_post_office(transport.group_key, node)
             shutil.rmtree(self.directory, ignore_errors=True)
+            root = os.path.dirname(self.directory)
             try:
-                os.rmdir(os.path.dirname(self.directory))
+                # Unless another node's directory of the group is still there (same machine).
+                if set(os.listdir(root)) <= {_JOB_FILE}:
+                    shutil.rmtree(root, ignore_errors=True)
             except OSError:
-                pass  # another node's directory of the group is still there (same machine)
+                pass
 
 
 def _shut_post_office(group_key: bytes, node: str) -> None:

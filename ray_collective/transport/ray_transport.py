@@ -49,6 +49,10 @@ from .shm import PeerSegments, SendArena
 INLINE_LIMIT = uds.INLINE_LIMIT
 _POLL_INTERVAL_S = 0.1
 _LOCAL_LIVENESS_INTERVAL_S = 0.1
+# A killed process closes its sockets a moment before it leaves the process table: a hang-up
+# waits this long for the exit, so that the death is known at once rather than at the next
+# liveness check. A peer that closed its links on purpose (it left the group) costs it once.
+_HANG_UP_GRACE_S = 0.02
 _REMOTE_LIVENESS_INTERVAL_S = 1.0
 
 SPIN_S = 50e-6
@@ -93,6 +97,16 @@ class Relay:
 def channel_tag(channel: Hashable) -> int:
     """The wire number of a channel: -1 for collectives, the tag for point-to-point."""
     return wire.COLLECTIVE_TAG if channel == COLLECTIVE_CHANNEL else channel[1]
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone, or goes within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def process_alive(pid: int) -> bool:
@@ -370,7 +384,7 @@ class RayTransport(Transport):
         self._deliveries.drop(link)
         if link.peer >= 0 and self._out_links.get(link.peer) is link:
             del self._out_links[link.peer]
-        if link.peer >= 0 and not process_alive(self.peers[link.peer].pid):
+        if link.peer >= 0 and _exits_within(self.peers[link.peer].pid, _HANG_UP_GRACE_S):
             self._dead.setdefault(link.peer, "its process exited")
         link.close()
 
@@ -483,6 +497,10 @@ class RayTransport(Transport):
     def abort(self, error: BaseException) -> None:
         record = error_record(self.group_name, self.rank, error)
         self.state.abort(record)
+        # Ranks of this node blocked in poll learn of it now, not at their next wake-up.
+        for rank, peer in enumerate(self.peers):
+            if rank != self.rank and peer.node == self.node:
+                uds.knock(peer.socket_path)
         if self.relay is not None:
             self.relay.abort(record)
 

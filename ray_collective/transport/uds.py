@@ -75,6 +75,24 @@ def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Link":
     return Link(sock)
 
 
+def knock(path: str) -> None:
+    """Wake the rank listening at ``path``: connect and hang up at once, without waiting.
+
+    A waiting rank sleeps in ``poll`` on its sockets, its listener among them; the connection
+    wakes it, it finds the hang-up (no HELLO, nothing read) and looks at its node's state page,
+    where the caller has published what it must know (an abort). Errors are ignored: a rank
+    that is gone or whose backlog is full needs no knock (it will look at its next wake-up).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.setblocking(False)
+    try:
+        sock.connect(path)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
 def accepted(sock: socket.socket) -> "Link":
     """Wrap a socket returned by ``accept`` (its peer is known once its HELLO is read)."""
     _enlarge_buffers(sock)
