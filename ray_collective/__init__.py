@@ -18,7 +18,8 @@ from .batch import BatchRemoteHandle, PerActor, batch_remote
 from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
-                     GroupError, GroupNotInitializedError, PeerDiedError, RankFailedError,
+                     GroupError, GroupNotInitializedError, PeerDiedError, PostOfficeDiedError,
+                     RankFailedError,
                      ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
@@ -41,7 +42,8 @@ __all__ = [
     "reducescatter_multigpu", "send_multigpu", "recv_multigpu", "synchronize",
     "nccl_available", "gloo_available", "is_backend_available",
     "ReduceOp", "Backend", "Work", "GroupRegistry", "use_registry",
-    "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "CollectiveMismatchError",
+    "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "PostOfficeDiedError",
+    "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
     "BackendNotAvailableError", "UnsupportedOperationError", "RankFailedError",
     "TensorRefError", "ArgumentError", "ArgumentValueError", "ArgumentTypeError",

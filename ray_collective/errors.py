@@ -110,6 +110,32 @@ class PeerDiedError(CollectiveError):
             f"a new one with the surviving or restarted actors.")
 
 
+class PostOfficeDiedError(CollectiveError):
+    """The post office of a node (the helper actor that carries messages between that node's
+    ranks and the other nodes) died; the ranks it served may well be alive.
+
+    Attributes:
+        group_name: the group.
+        rank: the rank that found out.
+        node: the node whose post office died.
+        served_ranks: the ranks on that node, cut off from the other nodes.
+    """
+
+    def __init__(self, group_name: str, rank: int, collective: str, seq: int, node: str,
+                 served_ranks: Sequence[int]):
+        self.group_name = group_name
+        self.rank = rank
+        self.collective = collective
+        self.seq = seq
+        self.node = node
+        self.served_ranks = tuple(sorted(set(served_ranks)))
+        super().__init__(
+            f"rank {rank} of group '{group_name}': {collective} #{seq} failed because the post "
+            f"office of node {node[:8]} died: the helper actor that carries messages between "
+            f"ranks {_ranks(self.served_ranks)} on that node and the other nodes (those ranks "
+            f"themselves may be alive). The group is broken: destroy it and create it again.")
+
+
 class CollectiveMismatchError(CollectiveError):
     """Two ranks made incompatible calls (different collective, dtype, count, shape, root, op...).
 
@@ -243,6 +269,9 @@ def error_record(group_name: str, rank: int, error: BaseException) -> dict:
                       differences={k: list(v) for k, v in error.differences.items()})
     elif isinstance(error, PeerDiedError):
         record.update(collective=error.collective, seq=error.seq, dead=list(error.dead_ranks))
+    elif isinstance(error, PostOfficeDiedError):
+        record.update(collective=error.collective, seq=error.seq, node=error.node,
+                      served=list(error.served_ranks))
     elif isinstance(error, CollectiveTimeoutError):
         record.update(collective=error.collective, seq=error.seq,
                       missing=list(error.missing_ranks), timeout=error.timeout)
@@ -253,6 +282,7 @@ def error_from_record(record: dict, rank: int) -> CollectiveError:
     """The error ``rank`` raises for a failure another rank described with :func:`error_record`.
 
     A peer-died report becomes this rank's own :class:`PeerDiedError` (naming the dead ranks),
+    a lost post office its own :class:`PostOfficeDiedError`,
     a timeout its own :class:`CollectiveTimeoutError` (naming the ranks that held the call up,
     so that every rank blames them, not the rank that timed out first); a mismatch is rebuilt
     as the reporting rank saw it; anything else is a :class:`RankFailedError`.
@@ -265,6 +295,9 @@ def error_from_record(record: dict, rank: int) -> CollectiveError:
     if kind == "PeerDiedError":
         return PeerDiedError(group, rank, record["collective"], record["seq"], record["dead"],
                              f"reported by rank {reporter}")
+    if kind == "PostOfficeDiedError":
+        return PostOfficeDiedError(group, rank, record["collective"], record["seq"],
+                                   record["node"], record["served"])
     if kind == "CollectiveTimeoutError" and "missing" in record:
         return CollectiveTimeoutError(group, rank, record["collective"], record["seq"],
                                       record["missing"], record["timeout"],

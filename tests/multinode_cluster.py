@@ -15,7 +15,8 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
   against numpy; failures are recorded as text;
 - the post-office actors while the group lives (one per node, checked by asking each where it
   runs), and the named actors and internal-KV keys left after the driver destroys the group;
-- the same for an imperative group (init_collective_group inside each member).
+- the same for an imperative group (init_collective_group inside each member);
+- what every rank raises, and how soon, when node 1's post office is killed mid-allreduce.
 """
 
 import json
@@ -29,6 +30,7 @@ from ray.cluster_utils import Cluster
 
 import ray_collective as col
 from ray_collective.algorithms.selector import select
+from ray_collective.backends.ray_backend import POST_OFFICE_LOOKUP_S
 from conftest import Member, numpy_reduce, rank_data, run_in
 from test_ray_backend import _group_keys, check_every_collective, every_collective, join, leave
 
@@ -193,13 +195,49 @@ def imperative_group(members: list) -> dict:
     return summary
 
 
+def _loop_until_error(rank: int, group: str) -> tuple:
+    """Allreduce back to back until a call fails: (error class, message, wall clock)."""
+    tensor = np.ones(SMALL, np.float64)
+    while True:
+        try:
+            col.allreduce(tensor, group, timeout=60.0)
+            tensor[:] = 1
+        except col.CollectiveError as err:
+            return type(err).__name__, str(err), time.time()
+
+
+def post_office_killed(members: list) -> dict:
+    """Kill node 1's post office while every rank loops on allreduce: what each rank raises,
+    how long after the kill, and what is left once the driver destroys the group."""
+    group = "multinode-post-office-killed"
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    formed = time.monotonic()
+    refs = [m.__ray_call__.remote(lambda _self, r=r: _loop_until_error(r, group))
+            for r, m in enumerate(members)]
+    # Past the moments after joining when a post office's name may not be registered yet
+    # (RayRelay: POST_OFFICE_LOOKUP_S), so that a missing name means a dead post office.
+    time.sleep(max(1.0, POST_OFFICE_LOOKUP_S - (time.monotonic() - formed)))
+    node = node_ids()[1]
+    victim = next(name for name in post_office_names() if name.endswith(node[:16]))
+    killed_at = time.time()
+    ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
+    outcomes = ray.get(refs, timeout=120)
+    col.destroy_collective_group(group)
+    return {"node": node, "errors": [kind for kind, _, _ in outcomes],
+            "messages": [message for _, message, _ in outcomes],
+            "seconds_after_kill": [at - killed_at for _, _, at in outcomes],
+            "post_offices_gone_after_s": post_offices_gone_within(10.0),
+            "keys_left": [k.decode() for k in _group_keys(ray, group)]}
+
+
 def main() -> dict:
     started = time.monotonic()
     cluster = start_cluster()
     try:
         summary = {"nodes": node_ids(), "cluster_start_s": time.monotonic() - started}
         members = start_members_on_nodes()
-        for name, scenario in (("declared", declared_group), ("imperative", imperative_group)):
+        for name, scenario in (("declared", declared_group), ("imperative", imperative_group),
+                               ("post_office_killed", post_office_killed)):
             begun = time.monotonic()
             summary[name] = scenario(members)
             summary[name]["seconds"] = time.monotonic() - begun

@@ -223,6 +223,8 @@ def test_work_wait_raises_the_calls_own_timeout_not_still_running():
 @pytest.mark.parametrize("error", [
     col.PeerDiedError("g", 1, "allreduce", 3, [2], "its process exited"),
     col.CollectiveTimeoutError("g", 0, "barrier", 1, [2, 3], 1.5),
+    col.CollectiveTimeoutError("g", 0, "barrier", 1, [2, 3], 1.5, reported_by=1),
+    col.PostOfficeDiedError("g", 0, "allreduce", 4, "abcdef0123", [2, 3]),
     col.CollectiveMismatchError("g", 0, 1, "allreduce", 2, {"count": (1, 2)}),
     col.GroupBrokenError("g", 0, col.PeerDiedError("g", 1, "allreduce", 3, [2])),
     col.RankFailedError("g", 1, "ValueError", "bad"),
@@ -235,6 +237,23 @@ def test_errors_survive_pickling_as_ray_sends_them_to_the_driver(error):
     assert vars(copy).keys() == vars(error).keys()
     if isinstance(error, col.GroupBrokenError):
         assert copy.cause.dead_ranks == (2,)
+
+
+@pytest.mark.parametrize("error, expected", [
+    (col.PeerDiedError("g", 1, "allreduce", 3, [2]), (col.PeerDiedError, "ranks [2] died")),
+    (col.CollectiveTimeoutError("g", 1, "allreduce", 3, [2], 5.0),
+     (col.CollectiveTimeoutError, "waiting for ranks [2] (reported by rank 1")),
+    (col.PostOfficeDiedError("g", 1, "allreduce", 3, "abcdef0123", [2, 3]),
+     (col.PostOfficeDiedError, "post office of node abcdef01 died")),
+    (ValueError("odd"), (col.RankFailedError, "failed with ValueError: odd")),
+])
+def test_a_failure_reaches_the_other_ranks_as_their_own_error(error, expected):
+    from ray_collective.errors import error_from_record, error_record
+    import json
+    rebuilt = error_from_record(json.loads(json.dumps(error_record("g", 1, error))), 0)
+    kind, text = expected
+    assert type(rebuilt) is kind and text in str(rebuilt)
+    assert getattr(rebuilt, "rank", 0) == 0  # raised as this rank's own error
 
 
 def test_send_recv_tags_match_in_order_per_tag():

@@ -17,6 +17,7 @@ handles one task at a time, which keeps each sender's messages in order.
 
 from __future__ import annotations
 
+import os
 import select
 import shutil
 import time
@@ -28,6 +29,9 @@ from ..transport import uds, wire
 from ..transport.node_state import NodeState
 from ..transport.ray_transport import Deliveries, RemoteMessage, process_alive
 from ..transport.shm import SendArena
+
+POST_OFFICE_PID_FILE = "post-office.pid"
+"""In a node's group directory: the process id of the node's post office."""
 
 
 class PostOffice:
@@ -53,6 +57,11 @@ class PostOffice:
         self.links: Dict[Tuple[int, int], uds.Link] = {}
         self.deliveries = Deliveries(self.arena, self._collect_releases)
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
+        # Where this node's ranks look to tell the loss of their post office from their peers'.
+        partial = os.path.join(directory, f"{POST_OFFICE_PID_FILE}.{os.getpid()}")
+        with open(partial, "w") as out:
+            out.write(str(os.getpid()))
+        os.replace(partial, os.path.join(directory, POST_OFFICE_PID_FILE))
 
     def deliver(self, messages: List[RemoteMessage]) -> None:
         """Send each ``(source, destination, tag, step, count, header, payload)`` to its rank."""

@@ -27,10 +27,11 @@ from ..algorithms.selector import forced_algorithms
 from ..errors import BackendNotAvailableError
 from ..transport import uds
 from ..transport.node_state import NodeState
-from ..transport.ray_transport import SPIN_S, Peer, RayTransport, Relay
+from ..transport.ray_transport import SPIN_S, Peer, RayTransport, Relay, process_alive
 from . import rendezvous
 from .base import BackendFactory, CollectiveBackend, DeclaredGroup
 from .declared import declare_in_actors
+from .post_office import POST_OFFICE_PID_FILE, PostOffice
 from .transport_backend import TransportBackend
 
 _NAMESPACE = rendezvous.NAMESPACE
@@ -134,58 +135,106 @@ def post_office_name(group_key: bytes, node: str) -> str:
     return f"post-office-{group_key.hex()}-{node[:16]}"
 
 
+POST_OFFICE_LOOKUP_S = 10.0
+"""How long a rank looks for another node's post office by name before it counts it as gone."""
+
+
 class RayRelay(Relay):
     """Reaches the other nodes of a group through their post office actors."""
 
-    def __init__(self, group_key: bytes, other_nodes: Sequence[str], deadline_s: float):
+    def __init__(self, group_key: bytes, node: str, other_nodes: Sequence[str],
+                 deadline_s: float, directory: str):
         self.group_key = group_key
+        self.node = node
         self.other_nodes = tuple(other_nodes)
         self.deadline_s = deadline_s
+        self._pid_file = os.path.join(directory, POST_OFFICE_PID_FILE)
+        self._local_pid: Optional[int] = None
+        self._local_seen = False
+        self._local_lookup_until = time.monotonic() + POST_OFFICE_LOOKUP_S
+        self._next_local_lookup = 0.0
         self._handles: Dict[str, object] = {}
+        self._gone: set = set()
 
     def _handle(self, node: str):
+        """The post office of ``node``; None once it is known to be gone.
+
+        Its creator starts it right after joining, so its name may be missing for a moment
+        after the group forms; a name missing ``POST_OFFICE_LOOKUP_S`` after that is a post
+        office that died.
+        """
+        if node in self._gone:
+            return None
         handle = self._handles.get(node)
         if handle is None:
             ray = _ray()
-            deadline = time.monotonic() + self.deadline_s
-            while True:
+            deadline = min(self._local_lookup_until, time.monotonic() + self.deadline_s)
+            while handle is None:
                 try:
                     handle = ray.get_actor(post_office_name(self.group_key, node),
                                            namespace=_NAMESPACE)
-                    break
                 except ValueError:
                     if time.monotonic() > deadline:
-                        raise
+                        self._gone.add(node)
+                        return None
                     time.sleep(0.01)
             self._handles[node] = handle
         return handle
 
     def deliver(self, node, messages) -> None:
-        self._handle(node).deliver.remote(messages)
+        handle = self._handle(node)
+        if handle is not None:  # else the receivers' wait finds the post office gone
+            handle.deliver.remote(messages)
 
     def _ask(self, node: str, method: str, *args):
         """The post office's answer; None when it is dead, [] when it does not answer soon."""
         ray = _ray()
+        handle = self._handle(node)
+        if handle is None:
+            return None
         try:
-            return ray.get(getattr(self._handle(node), method).remote(*args), timeout=10)
-        except (ray.exceptions.RayActorError, ValueError):
+            return ray.get(getattr(handle, method).remote(*args), timeout=10)
+        except ray.exceptions.RayActorError:
+            self._gone.add(node)
             return None
         except ray.exceptions.GetTimeoutError:
             return []
 
-    def dead_ranks(self, node, ranks) -> List[int]:
-        answer = self._ask(node, "dead_ranks", ranks)
-        return list(ranks) if answer is None else answer
+    def dead_ranks(self, node, ranks) -> Optional[List[int]]:
+        return self._ask(node, "dead_ranks", ranks)
+
+    def local_post_office_alive(self) -> bool:
+        if self._local_pid is None:
+            try:
+                with open(self._pid_file) as source:
+                    self._local_pid = int(source.read())
+            except (OSError, ValueError):
+                return self._local_name_alive()
+        return process_alive(self._local_pid)
+
+    def _local_name_alive(self) -> bool:
+        """Before the post office has written its pid (it may have died first): whether its
+        name is registered, asked at most once a second. A name once seen and then gone, or
+        never seen within ``POST_OFFICE_LOOKUP_S`` of joining, is a dead post office."""
+        now = time.monotonic()
+        if now < self._next_local_lookup:
+            return True
+        self._next_local_lookup = now + 1.0
+        try:
+            _ray().get_actor(post_office_name(self.group_key, self.node), namespace=_NAMESPACE)
+        except ValueError:
+            return not self._local_seen and now < self._local_lookup_until
+        self._local_seen = True
+        return True
 
     def responsive(self, node, ranks, seq) -> List[int]:
         return self._ask(node, "responsive", ranks, seq) or []
 
     def abort(self, record) -> None:
         for node in self.other_nodes:
-            try:
-                self._handle(node).abort.remote(record)
-            except ValueError:
-                pass  # that node's post office is gone, and its ranks with it
+            handle = self._handle(node)
+            if handle is not None:  # else that node's ranks find their post office gone
+                handle.abort.remote(record)
 
 
 def _ranks_over_cores(members: Sequence[rendezvous.Member]) -> Dict[str, bool]:
@@ -324,7 +373,7 @@ class RayBackendFactory(BackendFactory):
         nodes = {m.node for m in members}
         relay, post_office = None, None
         if len(nodes) > 1:
-            relay = RayRelay(group_key, sorted(nodes - {node}), timeout)
+            relay = RayRelay(group_key, node, sorted(nodes - {node}), timeout, directory)
             local = {m.rank: m.pid for m in members if m.node == node}
             if rank == min(local):
                 post_office = _start_post_office(directory, group_name, group_key, world_size,
@@ -352,7 +401,6 @@ def _start_post_office(directory: str, group_name: str, group_key: bytes, world_
     ray = _ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .post_office import PostOffice
     actor = ray.remote(PostOffice).options(
         name=post_office_name(group_key, node), namespace=_NAMESPACE, num_cpus=0,
         max_concurrency=1, max_restarts=0,

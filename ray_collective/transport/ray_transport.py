@@ -40,7 +40,7 @@ from typing import Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tu
 import numpy as np
 
 from ..errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError, PeerDiedError,
-                      error_from_record, error_record)
+                      PostOfficeDiedError, error_from_record, error_record)
 from . import uds, wire
 from .base import COLLECTIVE_CHANNEL, Request, SendRequest, Transport
 from .node_state import NodeState
@@ -80,8 +80,13 @@ class Relay:
         """Hand ``messages`` to ``node`` in one batch (asynchronously, order kept per node)."""
         raise NotImplementedError
 
-    def dead_ranks(self, node: str, ranks: List[int]) -> List[int]:
-        """Those of ``ranks`` (all on ``node``) known to be dead."""
+    def dead_ranks(self, node: str, ranks: List[int]) -> Optional[List[int]]:
+        """Those of ``ranks`` (all on ``node``) known to be dead; None when ``node``'s post
+        office is dead (nothing is known of its ranks then)."""
+        raise NotImplementedError
+
+    def local_post_office_alive(self) -> bool:
+        """Whether this node's post office is alive (True until it is known to be dead)."""
         raise NotImplementedError
 
     def responsive(self, node: str, ranks: List[int], seq: int) -> List[int]:
@@ -209,6 +214,7 @@ class RayTransport(Transport):
         self._view = memoryview(self._buffer)
         self._remote_batches: Dict[str, list] = {}
         self._dead: Dict[int, str] = {}
+        self._lost_post_offices: set = set()
         self._current: Optional[wire.CallStamp] = None
         self._protocol_error: Optional[CollectiveError] = None
         self.refused_connections = 0
@@ -439,7 +445,7 @@ class RayTransport(Transport):
             error = error_from_record(record, self.rank)
             # A dead or stalled rank is named by every survivor's own error; the stalled rank
             # itself, once it runs again, learns that the group broke without it.
-            if isinstance(error, PeerDiedError) or (
+            if isinstance(error, (PeerDiedError, PostOfficeDiedError)) or (
                     isinstance(error, CollectiveTimeoutError)
                     and self.rank not in error.missing_ranks):
                 raise error
@@ -448,6 +454,15 @@ class RayTransport(Transport):
             dead = sorted({r.peer for r in pending} & set(self._dead))
             if dead:
                 raise self._peer_died(dead)
+        if self._lost_post_offices:
+            # This node's post office carried every message from the other nodes here; another
+            # node's carried those to its ranks, so it matters only when waiting on them.
+            if self.node in self._lost_post_offices:
+                raise self._post_office_died(self.node)
+            for request in pending:
+                node = self.peers[request.peer].node
+                if node in self._lost_post_offices:
+                    raise self._post_office_died(node)
 
     def _peer_died(self, dead: List[int], what: str = "") -> PeerDiedError:
         stamp = self._current
@@ -457,7 +472,8 @@ class RayTransport(Transport):
                              "; ".join(self._dead[r] for r in dead))
 
     def _check_liveness(self, peers: set, remote_too: bool) -> bool:
-        """Look for dead peers among ``peers``; returns whether remote ones were asked about."""
+        """Look for dead peers among ``peers``, and for a dead post office on this node or
+        theirs; returns whether remote ones were asked about."""
         remote: Dict[str, List[int]] = defaultdict(list)
         for peer in peers:
             where = self.peers[peer]
@@ -465,12 +481,26 @@ class RayTransport(Transport):
                 remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
+        if self.relay is not None and self.node not in self._lost_post_offices \
+                and not self.relay.local_post_office_alive():
+            self._lost_post_offices.add(self.node)
         if not (remote and remote_too):
             return False
         for node, ranks in remote.items():
-            for peer in self.relay.dead_ranks(node, ranks):
+            dead = self.relay.dead_ranks(node, ranks)
+            if dead is None:
+                self._lost_post_offices.add(node)
+                continue
+            for peer in dead:
                 self._dead.setdefault(peer, f"its process on node {node[:8]} exited")
         return True
+
+    def _post_office_died(self, node: str) -> PostOfficeDiedError:
+        stamp = self._current
+        return PostOfficeDiedError(self.group_name, self.rank,
+                                   stamp.template.collective if stamp else "call",
+                                   stamp.seq if stamp else -1, node,
+                                   [r for r, peer in enumerate(self.peers) if peer.node == node])
 
     # ------------------------------------------------------------ group status
 
