@@ -53,6 +53,8 @@ _LOCAL_LIVENESS_INTERVAL_S = 0.1
 # waits this long for the exit, so that the death is known at once rather than at the next
 # liveness check. A peer that closed its links on purpose (it left the group) costs it once.
 _HANG_UP_GRACE_S = 0.02
+# The part size of large messages on a node with more ranks than cores (see RayTransport).
+CROWDED_PART_BYTES = 64 << 20
 _REMOTE_LIVENESS_INTERVAL_S = 1.0
 
 SPIN_S = 50e-6
@@ -133,11 +135,14 @@ class Deliveries:
     Args:
         arena: the sender's shared memory for large parts.
         reclaim: collects releases before the arena grows.
+        part_bytes: the size of a large message's parts.
     """
 
-    def __init__(self, arena: SendArena, reclaim: Callable[[], None]):
+    def __init__(self, arena: SendArena, reclaim: Callable[[], None],
+                 part_bytes: int = uds.PART_BYTES):
         self.arena = arena
         self.reclaim = reclaim
+        self.part_bytes = part_bytes
         self._queues: Dict[uds.Link, Deque[uds.OutgoingMessage]] = {}
 
     @property
@@ -150,7 +155,7 @@ class Deliveries:
         """Start sending ``payload`` on ``link``: its first part leaves now unless the link
         is still sending an earlier message."""
         message = uds.OutgoingMessage(link, self.arena, self.reclaim, step, tag, count, header,
-                                      payload, request)
+                                      payload, request, self.part_bytes)
         queue = self._queues.get(link)
         if queue is not None:
             queue.append(message)
@@ -208,7 +213,10 @@ class RayTransport(Transport):
         self._out_links: Dict[int, uds.Link] = {}
         self._arena = SendArena(f"ray_collective-{group_name}-{rank}")
         self._segments = PeerSegments()
-        self._deliveries = Deliveries(self._arena, self._collect_releases)
+        # Every part wakes its receiver: where ranks outnumber cores a wake-up is a context
+        # switch, so parts are as large as the message allows (overlap needs a core anyway).
+        self._deliveries = Deliveries(self._arena, self._collect_releases,
+                                      uds.PART_BYTES if spin_s else CROWDED_PART_BYTES)
         self._inbox = wire.Inbox(rank, self._read_segment, self._release)
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)

@@ -223,10 +223,10 @@ class OutgoingMessage:
     """
 
     __slots__ = ("link", "arena", "reclaim", "step", "tag", "count", "header", "payload",
-                 "request", "sent")
+                 "request", "sent", "part_bytes")
 
     def __init__(self, link: Link, arena: SendArena, reclaim, step: int, tag: int, count: int,
-                 header: bytes, payload: np.ndarray, request):
+                 header: bytes, payload: np.ndarray, request, part_bytes: int = PART_BYTES):
         self.link = link
         self.arena = arena
         self.reclaim = reclaim
@@ -237,6 +237,7 @@ class OutgoingMessage:
         self.payload = payload
         self.request = request
         self.sent = 0
+        self.part_bytes = part_bytes
 
     def advance(self) -> bool:
         """Send the next part; returns True once the whole message is out of this object."""
@@ -249,7 +250,7 @@ class OutgoingMessage:
             self.sent = nbytes
             return True
         start = self.sent
-        stop = min(nbytes, start + PART_BYTES)
+        stop = min(nbytes, start + self.part_bytes)
         raw = payload.view(np.uint8) if payload.dtype != np.uint8 else payload
         segment, fd, offset = self.arena.place(raw[start:stop], self.reclaim)
         frame = wire.data_frame(self.step, self.tag, self.count, nbytes, start, stop - start,
