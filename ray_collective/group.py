@@ -124,16 +124,13 @@ class Group:
             self._options[key] = options
         return options
 
-    def next_seq(self, kind: str = "", peer: int = -1, tag: int = 0) -> int:
-        """The sequence number of the next collective, or of the next send/recv to a peer and tag.
+    def _next_seq_locked(self, kind: str, peer: int, tag: int) -> int:
+        """The sequence number of the next collective, or of the next send/recv to a peer and tag
+        (the caller holds ``_lock``).
 
         Point-to-point calls have their own counters, so ranks that exchange messages stay in
         step with ranks that do not.
         """
-        with self._lock:
-            return self._next_seq_locked(kind, peer, tag)
-
-    def _next_seq_locked(self, kind: str, peer: int, tag: int) -> int:
         if not kind:
             seq = self._seq
             self._seq = seq + 1

@@ -182,8 +182,9 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
     """
     # Look before registering: ``on_token`` takes over the rank's socket path, which a live
     # holder of the rank is using.
-    holders = [m for m in _members(kv, prefix, token) if m.rank == me.rank and m != me]
-    if holders and _incarnation_is_dead(kv, prefix, token, me, world_size):
+    members = _members(kv, prefix, token)
+    holders = [m for m in members if m.rank == me.rank and m != me]
+    if holders and _incarnation_is_dead(kv, prefix, token, members, me, world_size):
         mark_broken(kv, prefix, token)
         return None
     if not holders:
@@ -196,10 +197,10 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
                      f"rank in [0, {world_size})")
 
 
-def _incarnation_is_dead(kv: KeyValue, prefix: str, token: str, me: Member,
-                         world_size: int) -> bool:
-    """Whether no call of ``token``'s incarnation can ever complete again."""
-    members = _members(kv, prefix, token)
+def _incarnation_is_dead(kv: KeyValue, prefix: str, token: str, members: List[Member],
+                         me: Member, world_size: int) -> bool:
+    """Whether no call of ``token``'s incarnation, whose members are ``members``, can ever
+    complete again."""
     if any(m.node == me.node and m != me and not process_alive(m.pid) for m in members):
         return True
     gone = {int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")}
