@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..transport import uds, wire
-from ..transport.node_state import NodeState
+from ..transport.node_state import NodeState, write_atomically
 from ..transport.ray_transport import Deliveries, RemoteMessage, process_alive
 from ..transport.shm import SendArena
 
@@ -58,10 +58,7 @@ class PostOffice:
         self.deliveries = Deliveries(self.arena, self._collect_releases)
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         # Where this node's ranks look to tell the loss of their post office from their peers'.
-        partial = os.path.join(directory, f"{POST_OFFICE_PID_FILE}.{os.getpid()}")
-        with open(partial, "w") as out:
-            out.write(str(os.getpid()))
-        os.replace(partial, os.path.join(directory, POST_OFFICE_PID_FILE))
+        write_atomically(os.path.join(directory, POST_OFFICE_PID_FILE), str(os.getpid()))
 
     def deliver(self, messages: List[RemoteMessage]) -> None:
         """Send each ``(source, destination, tag, step, count, header, payload)`` to its rank."""

@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..algorithms.selector import forced_algorithms
 from ..errors import BackendNotAvailableError
 from ..transport import uds
-from ..transport.node_state import NodeState
+from ..transport.node_state import NodeState, write_atomically
 from ..transport.ray_transport import SPIN_S, Peer, RayTransport, Relay, process_alive
 from . import rendezvous
 from .base import BackendFactory, CollectiveBackend, DeclaredGroup
@@ -114,10 +114,7 @@ def sweep_finished_jobs(session_dir: str) -> None:
 def _mark_job(root: str, job_id: str) -> None:
     path = os.path.join(root, _JOB_FILE)
     if not os.path.exists(path):
-        partial = f"{path}.{os.getpid()}"
-        with open(partial, "w") as out:
-            out.write(job_id)
-        os.replace(partial, path)
+        write_atomically(path, job_id)
 
 
 def _private_dirs(path: str) -> None:

@@ -27,6 +27,14 @@ STALL_S = 1.0
 """A rank in a call that has given no sign of life for this long is reported as stalled."""
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader in another process sees all of it or none."""
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as out:
+        out.write(text)
+    os.replace(partial, path)
+
+
 def _now_ms() -> int:
     return int(time.monotonic() * 1000.0) or 1  # 0 means "not in a call"
 
@@ -91,11 +99,7 @@ class NodeState:
         """Publish a failure to every member on this node (the first abort wins)."""
         if self._words[0]:
             return
-        path = os.path.join(self.directory, "abort.json")
-        partial = f"{path}.{os.getpid()}"
-        with open(partial, "w") as out:
-            json.dump(record, out)
-        os.replace(partial, path)
+        write_atomically(os.path.join(self.directory, "abort.json"), json.dumps(record))
         self._words[0] = int(record["rank"]) + 1
 
     def aborted(self) -> Optional[dict]:

@@ -472,11 +472,13 @@ class RayTransport(Transport):
                 if node in self._lost_post_offices:
                     raise self._post_office_died(node)
 
-    def _peer_died(self, dead: List[int], what: str = "") -> PeerDiedError:
+    def _call(self, what: str = "") -> Tuple[str, int]:
+        """(collective, sequence number) of the call in progress, for an error's message."""
         stamp = self._current
-        return PeerDiedError(self.group_name, self.rank,
-                             stamp.template.collective if stamp else what or "call",
-                             stamp.seq if stamp else -1, dead,
+        return (stamp.template.collective, stamp.seq) if stamp else (what or "call", -1)
+
+    def _peer_died(self, dead: List[int], what: str = "") -> PeerDiedError:
+        return PeerDiedError(self.group_name, self.rank, *self._call(what), dead,
                              "; ".join(self._dead[r] for r in dead))
 
     def _check_liveness(self, peers: set, remote_too: bool) -> bool:
@@ -504,10 +506,7 @@ class RayTransport(Transport):
         return True
 
     def _post_office_died(self, node: str) -> PostOfficeDiedError:
-        stamp = self._current
-        return PostOfficeDiedError(self.group_name, self.rank,
-                                   stamp.template.collective if stamp else "call",
-                                   stamp.seq if stamp else -1, node,
+        return PostOfficeDiedError(self.group_name, self.rank, *self._call(), node,
                                    [r for r, peer in enumerate(self.peers) if peer.node == node])
 
     # ------------------------------------------------------------ group status
@@ -523,13 +522,13 @@ class RayTransport(Transport):
         by_node: Dict[str, List[int]] = defaultdict(list)
         for rank, peer in enumerate(self.peers):
             by_node[peer.node].append(rank)
-        started = []
+        responsive = []
         for node, ranks in by_node.items():
             if node == self.node:
-                started += self.state.responsive(ranks, seq)
+                responsive += self.state.responsive(ranks, seq)
             else:
-                started += self.relay.responsive(node, ranks, seq)
-        absent = sorted(set(range(self.world_size)) - set(started))
+                responsive += self.relay.responsive(node, ranks, seq)
+        absent = sorted(set(range(self.world_size)) - set(responsive))
         return absent or None
 
     def abort(self, error: BaseException) -> None:
