@@ -9,9 +9,8 @@ same order on every rank, and end with bitwise equal buffers.
 import numpy as np
 import pytest
 
-from ray_collective.algorithms.catalog import ALGORITHMS, start
+from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice, start
 from ray_collective.algorithms.core import Blocks, Context, Recv, Send, Team
-from ray_collective.algorithms.selector import chooser
 from ray_collective.plan import KEEP_SCRATCH_BYTES, Local, record, view
 from ray_collective.sim.engine import run_lockstep
 from ray_collective.tensors import combiner
@@ -72,7 +71,7 @@ def _run(algorithm, p, count, root, node_of, use_plan):
     collective = algorithm.collective
     dtype = np.dtype(np.float64)
     combine = combiner(ReduceOp.SUM, "float64")
-    ctx = Context(dtype, combine, node_of=node_of, choose=chooser(dtype.itemsize))
+    ctx = Context(dtype, combine, node_of=node_of, choose=flat_choice(dtype.itemsize))
     inputs, length = _inputs(collective, p, count, seed=p * 1000 + count)
     blocks = Blocks.uniform(count, p)
     bufs = [x.copy() for x in inputs]

@@ -26,20 +26,33 @@ import numpy as np
 
 from . import (allgather, allreduce, alltoall, barrier, broadcast, gather, hierarchical, reduce,
                reducescatter, scatter)
-from .core import Algorithm, AlgorithmGen, Blocks, Context, Team
+from .core import Algorithm, AlgorithmGen, Blocks, Chooser, Context, Team
+from .rules import flat_algorithm_name
 
 
-def _index(*modules) -> Mapping[str, Mapping[str, Algorithm]]:
+def _index(algorithms) -> Mapping[str, Mapping[str, Algorithm]]:
     table: dict = {}
-    for module in modules:
-        for algorithm in module.ALGORITHMS:
-            table.setdefault(algorithm.collective, {})[algorithm.name] = algorithm
+    for algorithm in algorithms:
+        table.setdefault(algorithm.collective, {})[algorithm.name] = algorithm
     return MappingProxyType({c: MappingProxyType(by_name) for c, by_name in table.items()})
 
 
+_FLAT = _index(algorithm for module in (allreduce, reduce, broadcast, allgather, reducescatter,
+                                        gather, scatter, alltoall, barrier)
+               for algorithm in module.ALGORITHMS)
+
+
+def flat_choice(itemsize: int) -> Chooser:
+    """The ``Context.choose`` callback: the flat algorithm ``rules`` give a sub-team of a call
+    whose elements are ``itemsize`` bytes (no forcing applies inside a composite algorithm)."""
+    def choose(collective: str, team_size: int, count: int) -> Algorithm:
+        return _FLAT[collective][flat_algorithm_name(collective, count * itemsize, team_size)]
+    return choose
+
+
 ALGORITHMS: Mapping[str, Mapping[str, Algorithm]] = _index(
-    allreduce, reduce, broadcast, allgather, reducescatter, gather, scatter, alltoall, barrier,
-    hierarchical)
+    [*(a for by_name in _FLAT.values() for a in by_name.values()),
+     *hierarchical.algorithms(flat_choice)])
 
 
 def names(collective: str) -> Tuple[str, ...]:

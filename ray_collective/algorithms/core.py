@@ -56,6 +56,8 @@ class Recv:
 Op = Union[Send, Recv]
 Round = Tuple[Op, ...]
 AlgorithmGen = Generator[Round, None, object]
+Chooser = Callable[[str, int, int], "Algorithm"]
+"""``choose(collective, team_size, count)``: the algorithm a composite runs on a sub-team."""
 
 
 class Rotated(Sequence):
@@ -184,7 +186,7 @@ class Context:
                  alloc: Optional[Callable[[int], np.ndarray]] = None,
                  copy: Optional[Callable[[np.ndarray, np.ndarray], None]] = None,
                  node_of: Optional[Sequence[int]] = None,
-                 choose: Optional[Callable[[str, int, int], "Algorithm"]] = None,
+                 choose: Optional[Chooser] = None,
                  topology: Optional["Topology"] = None):
         self.dtype = np.dtype(dtype)
         self.combine = combine

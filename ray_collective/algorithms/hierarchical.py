@@ -21,13 +21,15 @@ ranks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Callable, Tuple
 
 import numpy as np
 
 from . import broadcast as flat_broadcast
 from . import reduce as flat_reduce
-from .core import Algorithm, AlgorithmGen, Context, Cost, Team, Topology
+from .core import Algorithm, AlgorithmGen, Chooser, Context, Cost, Team, Topology
 from .reduce import log_rounds
 
 _INTER_NODE_PHASE = 1 << 22
@@ -111,37 +113,50 @@ def reduce(team: Team, buf: np.ndarray, root: int, ctx: Context, step0: int = 0)
                              step0=step0 + _INTER_NODE_PHASE)
 
 
-def _phase_costs(collective: str, p: int, count: int, ranks_per_node: int,
-                 itemsize: int) -> tuple:
-    """(local rounds, local elements, heads' Cost) with the heads' algorithm the selector picks."""
-    # Imported here: the selector imports the catalog, which imports this module.
-    from .selector import chooser
+def _phase_costs(flat_choice: Callable[[int], Chooser], collective: str, p: int, count: int,
+                 ranks_per_node: int, itemsize: int) -> tuple:
+    """(local rounds, local elements, heads' Cost) with the heads' algorithm ``flat_choice`` picks."""
     heads = -(-p // max(ranks_per_node, 1))
-    inner = chooser(itemsize)(collective, heads, count).cost(heads, count, 1, itemsize)
+    inner = flat_choice(itemsize)(collective, heads, count).cost(heads, count, 1, itemsize)
     local = log_rounds(ranks_per_node)
     return local, count * local, inner
 
 
-def allreduce_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+def _allreduce_cost(flat_choice, p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """A bound: local reduce, the heads' allreduce and local broadcast, one after the other."""
-    rounds, elements, inner = _phase_costs("allreduce", p, count, ranks_per_node, itemsize)
+    rounds, elements, inner = _phase_costs(flat_choice, "allreduce", p, count, ranks_per_node,
+                                           itemsize)
     return Cost(2 * rounds + inner.rounds, elements + inner.max_elements_sent)
 
 
-def broadcast_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+def _broadcast_cost(flat_choice, p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """A bound: the heads' broadcast, then the local broadcast."""
-    rounds, elements, inner = _phase_costs("broadcast", p, count, ranks_per_node, itemsize)
+    rounds, elements, inner = _phase_costs(flat_choice, "broadcast", p, count, ranks_per_node,
+                                           itemsize)
     return Cost(rounds + inner.rounds, elements + inner.max_elements_sent)
 
 
-def reduce_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+def _reduce_cost(flat_choice, p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """A bound: the local reduce, then the heads' reduce."""
-    rounds, elements, inner = _phase_costs("reduce", p, count, ranks_per_node, itemsize)
+    rounds, elements, inner = _phase_costs(flat_choice, "reduce", p, count, ranks_per_node,
+                                           itemsize)
     return Cost(rounds + inner.rounds, elements + inner.max_elements_sent)
 
 
-ALGORITHMS = (
-    Algorithm("allreduce", "hierarchical", allreduce, allreduce_cost),
-    Algorithm("broadcast", "hierarchical", broadcast, broadcast_cost),
-    Algorithm("reduce", "hierarchical", reduce, reduce_cost),
-)
+def algorithms(flat_choice: Callable[[int], Chooser]) -> Tuple[Algorithm, ...]:
+    """The hierarchical algorithms, their costs bound to the heads' choice.
+
+    Args:
+        flat_choice: gives, for an element size, the chooser of the algorithm between heads
+            (the catalog's; passed in because the catalog is built from this module).
+
+    Returns:
+        The allreduce, broadcast and reduce entries of the catalog.
+    """
+    return (
+        Algorithm("allreduce", "hierarchical", allreduce,
+                  functools.partial(_allreduce_cost, flat_choice)),
+        Algorithm("broadcast", "hierarchical", broadcast,
+                  functools.partial(_broadcast_cost, flat_choice)),
+        Algorithm("reduce", "hierarchical", reduce, functools.partial(_reduce_cost, flat_choice)),
+    )

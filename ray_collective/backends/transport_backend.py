@@ -16,8 +16,9 @@ from typing import Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..algorithms.catalog import flat_choice
 from ..algorithms.core import Blocks, Context, Team, Topology
-from ..algorithms.selector import chooser, forced_algorithms, select
+from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
 from ..plan import Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
@@ -185,7 +186,7 @@ class TransportBackend(CollectiveBackend):
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=options.algorithm or self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
-        ctx = Context(dtype, combine, node_of=self.node_of, choose=chooser(dtype.itemsize),
+        ctx = Context(dtype, combine, node_of=self.node_of, choose=flat_choice(dtype.itemsize),
                       topology=self.topology)
         length = p * count if collective not in (Collective.ALLREDUCE, Collective.REDUCE,
                                                  Collective.BROADCAST) else count

@@ -15,9 +15,9 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..algorithms.catalog import start
+from ..algorithms.catalog import flat_choice, start
 from ..algorithms.core import Blocks, Context, Cost, Team
-from ..algorithms.selector import chooser, forced_algorithms, select
+from ..algorithms.selector import forced_algorithms, select
 from ..tensors import combiner
 from ..transport.base import COLLECTIVE_CHANNEL
 from ..transport.wire import CallHeader, CallStamp
@@ -125,7 +125,7 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
     combine = combiner(op, wire.name) if check else _noop
     ctx = Context(wire, combine, alloc=None if check else (lambda n: _phantom(n, wire)),
                   copy=None if check else _noop, node_of=node_of,
-                  choose=chooser(wire.itemsize))
+                  choose=flat_choice(wire.itemsize))
     length = _buffer_length(collective, ranks, count)
     blocks = Blocks.uniform(count, ranks)
     inputs = _inputs(collective, ranks, length, wire, op, seed) if check else None

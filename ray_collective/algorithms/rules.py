@@ -1,0 +1,73 @@
+"""Which flat (single-level) algorithm suits a call, by collective, message size and number
+of ranks: names only, so that every layer above the catalog can ask.
+
+The rules, and why:
+- small messages are latency-bound: log-round algorithms (recursive doubling, Bruck, binomial);
+  but where a node runs more ranks than it has cores, every message costs a process wake-up
+  on a shared core, and allreduce goes by binomial reduce + broadcast (2(p-1) messages instead
+  of p·log2 p): measured on 2 cores at 8 B, 1.13× faster than recursive doubling at 8 ranks,
+  1.2× at 16, 1.45× at 64, and even (within 3%) at 4, where recursive doubling is kept;
+- large messages are bandwidth-bound: ring on few ranks (one neighbour, 2(p-1)/p·n bytes),
+  Rabenseifner / recursive halving+doubling on many ranks (same bytes, log rounds instead of
+  2(p-1): a ring over hundreds of ranks pays hundreds of latencies);
+- algorithms that need a power of two are only picked when p is one.
+
+The choice between these and the hierarchical variants (several nodes) is the selector's
+(``selector.select``).
+"""
+
+from __future__ import annotations
+
+SMALL_MESSAGE_BYTES = 16 * 1024
+"""Below this many bytes per rank, latency dominates and log-round algorithms win."""
+
+RING_MAX_RANKS = 16
+"""Above this many ranks, ring algorithms pay too many latencies; log-round ones are used."""
+
+OVERSUBSCRIBED_TREE_MIN_RANKS = 4
+"""On an oversubscribed node, small allreduces above this many ranks go by reduce+broadcast."""
+
+SMALL_BLOCK_BYTES = 1024
+"""Alltoall blocks below this size go through Bruck's log-round packing."""
+
+
+def is_power_of_two(p: int) -> bool:
+    """Whether ``p`` is a power of two."""
+    return p & (p - 1) == 0
+
+
+def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
+                        oversubscribed: bool = False) -> str:
+    """The name of the flat algorithm for ``nbytes`` per rank on ``world_size`` ranks.
+
+    Args:
+        collective: the collective's name.
+        nbytes: bytes of one rank's tensor (one block for the list collectives).
+        world_size: ranks taking part.
+        oversubscribed: some node runs more ranks than it has cores.
+
+    Returns:
+        An algorithm name of the catalog.
+    """
+    p = world_size
+    small = nbytes < SMALL_MESSAGE_BYTES
+    if collective == "allreduce":
+        if small:
+            return ("reduce_broadcast" if oversubscribed and p > OVERSUBSCRIBED_TREE_MIN_RANKS
+                    else "recursive_doubling")
+        return "ring" if p <= RING_MAX_RANKS else "rabenseifner"
+    if collective == "broadcast":
+        return "binomial" if small or p < 3 else "scatter_allgather"
+    if collective == "allgather":
+        if not small and p <= RING_MAX_RANKS:
+            return "ring"
+        return "recursive_doubling" if is_power_of_two(p) else "bruck"
+    if collective == "reducescatter":
+        if is_power_of_two(p):
+            return "recursive_halving" if small or p > RING_MAX_RANKS else "ring"
+        return "ring" if not small and p <= RING_MAX_RANKS else "halving_fold"
+    if collective == "alltoall":
+        return "bruck" if nbytes < SMALL_BLOCK_BYTES and p > 8 else "pairwise"
+    if collective == "barrier":
+        return "dissemination"
+    return "binomial"
