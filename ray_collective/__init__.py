@@ -13,7 +13,8 @@ from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, 
                   get_collective_group_size, get_group_handle, get_rank, gloo_available,
                   init_collective_group, is_backend_available, is_group_initialized,
                   nccl_available, recv, recv_multigpu, reduce, reduce_multigpu, reducescatter,
-                  reducescatter_multigpu, scatter, send, send_multigpu, synchronize)
+                  reducescatter_multigpu, register_backend, scatter, send, send_multigpu,
+                  synchronize)
 from .batch import BatchRemoteHandle, PerActor, batch_remote
 from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
@@ -40,7 +41,7 @@ __all__ = [
     "gather", "scatter", "alltoall",
     "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",
     "reducescatter_multigpu", "send_multigpu", "recv_multigpu", "synchronize",
-    "nccl_available", "gloo_available", "is_backend_available",
+    "nccl_available", "gloo_available", "is_backend_available", "register_backend",
     "ReduceOp", "Backend", "Work", "GroupRegistry", "use_registry",
     "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "PostOfficeDiedError",
     "CollectiveMismatchError",

@@ -13,8 +13,11 @@ import logging
 import math
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from .backends import resolve
+from .backends import BACKENDS
 from .backends.base import BackendFactory, GroupCall
+from .backends.nccl import synchronize_device
+from .backends.nccl.arguments import GpuArguments
+from .declared import declare_in_actors
 from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
@@ -126,7 +129,8 @@ def init_collective_group(world_size: int, rank: int,
     Args:
         world_size: number of ranks in the group (>= 1).
         rank: this process's rank, in [0, world_size).
-        backend: ``"ray"`` (CPU; ``"gloo"`` is an alias), ``"nccl"`` (GPU), or a backend
+        backend: ``"ray"`` (CPU; ``"gloo"`` is an alias), ``"nccl"`` (GPU), the name of a
+            backend added with :func:`register_backend` (in this process), or a backend
             factory (``ray_collective.testing`` uses an in-process one).
         group_name: the group's name, unique within this process.
         gloo_timeout: accepted for compatibility with ``ray.util.collective``: the default
@@ -148,7 +152,7 @@ def init_collective_group(world_size: int, rank: int,
         raise ArgumentValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
     _check_group_name(group_name)
     timeout = _group_timeout(timeout, gloo_timeout)
-    factory = resolve(backend)
+    factory = BACKENDS.resolve(backend)
     current_registry().create(group_name, world_size, rank, factory, timeout)
 
 
@@ -203,9 +207,10 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         raise ArgumentTypeError(
             f"actors must be Ray actor handles (made with ActorClass.remote()), "
             f"not {type(strangers[0]).__name__}: {strangers[0]!r}")
-    factory = resolve(backend)
-    current_registry().declare(group_name, lambda: factory.declare(actors, ranks, world_size,
-                                                                   group_name, timeout))
+    factory = BACKENDS.resolve(backend)
+    current_registry().declare(group_name, lambda: declare_in_actors(factory, actors, ranks,
+                                                                     world_size, group_name,
+                                                                     timeout))
 
 
 create_collective_group = declare_collective_group
@@ -293,6 +298,30 @@ def get_collective_group_size(group_name: str = "default") -> int:
     return registry.get(group_name).world_size if registry.is_initialized(group_name) else -1
 
 
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Add a backend of your own, to be named by ``backend=name`` in this process.
+
+    A declared group sends the factory to its members, so registering in the driver is
+    enough there; a member that calls :func:`init_collective_group` itself must register the
+    name in its own process first (at import of the module that defines the backend). The
+    built-in ``"ray"`` and ``"nccl"`` are registered the same way.
+
+    Args:
+        name: the backend's name (case-insensitive).
+        factory: a :class:`~ray_collective.backends.base.BackendFactory`; the memberships it
+            creates declare what they can run (``collectives``, ``accepts_gpu_tensors``,
+            ``multi_gpu``).
+
+    Returns:
+        None.
+
+    Raises:
+        ArgumentTypeError: ``name`` is not a string, or ``factory`` not a BackendFactory.
+        ArgumentValueError: the name is empty, an alias of a built-in backend, or taken.
+    """
+    BACKENDS.register(name, factory)
+
+
 def is_backend_available(backend: Union[str, Backend]) -> bool:
     """Whether ``backend`` can run in this process.
 
@@ -304,7 +333,7 @@ def is_backend_available(backend: Union[str, Backend]) -> bool:
         ``ray.util.collective``).
     """
     try:
-        factory = resolve(backend)
+        factory = BACKENDS.resolve(backend)
     except (TypeError, ValueError):
         return False
     return factory.available()
@@ -638,7 +667,6 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 
 def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
     """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
-    from .backends.nccl.arguments import GpuArguments
     group = _group(group_name)
     if not group.backend.multi_gpu:
         raise UnsupportedOperationError(
@@ -864,5 +892,4 @@ def synchronize(gpu_id: int) -> None:
         BackendNotAvailableError: CuPy with NCCL is not available in this process.
         ValueError: ``gpu_id`` is not a visible GPU.
     """
-    from .backends.nccl import synchronize_device
     synchronize_device(gpu_id)

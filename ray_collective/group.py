@@ -17,11 +17,12 @@ import contextvars
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from abc import ABC, abstractmethod
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
-from .backends.base import BackendFactory, CollectiveBackend, DeclaredGroup, GroupCall
+from .backends.base import BackendFactory, CollectiveBackend, GroupCall
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
-                     GroupBrokenError, GroupNotInitializedError)
+                     GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
 from .types import CallOptions, Collective, ReduceOp
 
 # Distinct call options a group keeps (they differ by collective, op, root, peer, tag and a
@@ -113,10 +114,18 @@ class Group:
 
         Returns:
             A frozen :class:`CallOptions`, built once per distinct request.
+
+        Raises:
+            UnsupportedOperationError: the group's backend does not run ``collective``.
         """
         key = (collective, timeout, op, root, peer, tag)
         options = self._options.get(key)
         if options is None:
+            if collective not in self.backend.collectives:
+                raise UnsupportedOperationError(
+                    f"group '{self.name}' (rank {self.rank}) runs on a backend "
+                    f"({type(self.backend).__name__}) that has no {collective.value}; it runs "
+                    f"{', '.join(sorted(c.value for c in self.backend.collectives))}")
             if len(self._options) >= OPTIONS_CACHE_SIZE:
                 self._options.clear()
             options = CallOptions(collective, self.timeout if timeout is None else timeout,
@@ -229,6 +238,19 @@ class Group:
         if worker is not None:
             worker.shutdown(wait=True)
         self.backend.close()
+
+
+class DeclaredGroup(ABC):
+    """A group declared from this driver: what the driver needs to destroy it."""
+
+    name: str
+    actors: Tuple
+    members: Tuple
+    """The member actors in rank order: ``members[r]`` is rank r."""
+
+    @abstractmethod
+    def destroy(self, timeout: float) -> None:
+        """Make every member leave and remove what the group left behind."""
 
 
 class GroupRegistry:

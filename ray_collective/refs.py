@@ -29,6 +29,7 @@ import numpy as np
 from . import api
 from .batch import PerActor, batch_remote
 from .errors import CollectiveError, GroupNotInitializedError, TensorRefError
+from .group import current_registry
 from .tensors import SUPPORTED_DTYPES, as_view
 from .types import ReduceOp
 
@@ -60,7 +61,6 @@ class _RefCall:
 
 def _members(group_name: str) -> tuple:
     """The actors of a group this driver declared, in rank order."""
-    from .group import current_registry
     api._check_group_name(group_name)
     declared = current_registry().declared(group_name)
     if declared is None:
@@ -279,7 +279,6 @@ def _run_in_member(actor: Any, call: _RefCall, boxed_ref: List[Any]) -> Any:
     Returns:
         This rank's result (see the driver-side function of ``call.collective``).
     """
-    from .group import current_registry
     group = current_registry().get(call.group_name)
     tensor = _resolve(group, call, boxed_ref[0]) if boxed_ref else None
     return _COLLECTIVES[call.collective](group, call, tensor)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from . import api
 from .backends.base import BackendFactory
@@ -38,7 +38,7 @@ class RanksFailed(Exception):
 def run_ranks(world_size: int, body: Callable[[int], Any], *, group_name: str = "default",
               timeout: float = 60.0, node_of: Optional[Sequence] = None,
               return_exceptions: bool = False,
-              factory_of: Optional[Callable[[int], BackendFactory]] = None,
+              factory_of: Optional[Callable[[int], Union[str, BackendFactory]]] = None,
               join_timeout: Optional[float] = None) -> List[Any]:
     """Run ``body(rank)`` for every rank in its own thread (named ``rank-<rank>``), inside an
     initialized group.
@@ -50,8 +50,8 @@ def run_ranks(world_size: int, body: Callable[[int], Any], *, group_name: str = 
         timeout: the group's default call deadline in seconds.
         node_of: an optional pretend rank→node map (exercises the node-aware algorithms).
         return_exceptions: put each rank's exception in the result list instead of raising.
-        factory_of: the backend factory each rank joins through; by default one in-process
-            fabric for all ranks.
+        factory_of: the backend each rank joins through (a factory, or the name of a
+            registered backend); by default one in-process fabric for all ranks.
         join_timeout: seconds all threads may take together (default ``timeout`` + 30), so a
             hang surfaces as an error, not a stuck test.
 

@@ -32,7 +32,8 @@ import ray_collective as col
 from ray_collective.algorithms.selector import select
 from ray_collective.backends.ray_backend import POST_OFFICE_LOOKUP_S
 from conftest import Member, numpy_reduce, rank_data, run_in
-from test_ray_backend import _group_keys, check_every_collective, every_collective, join, leave
+from contract import check_every_collective, every_collective
+from test_ray_backend import _group_keys, join, leave
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)

@@ -1,5 +1,6 @@
-"""The public API over the in-process backend: every collective, real ranks in threads, numpy
-as the reference; plus asynchrony, timeouts, mismatches, bad input and group lifetime."""
+"""The public API over the in-process backend, real ranks in threads, numpy as the reference:
+every dtype and op (every collective at every size is tests/test_contract.py); plus
+asynchrony, timeouts, mismatches, bad input and group lifetime."""
 
 import threading
 import time
@@ -11,8 +12,6 @@ import ray_collective as col
 from ray_collective.testing import RanksFailed, run_ranks
 from conftest import numpy_reduce, rank_data
 
-WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17]
-LENGTHS = [0, 1, 7, 1000]
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
        col.ReduceOp.AVG]
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -31,64 +30,9 @@ def _expect_equal(got, want, dtype):
         np.testing.assert_array_equal(got, want)
 
 
-# ------------------------------------------------------------------ every collective, every size
+# ------------------------------------------------------------------ every dtype and op
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_every_collective_every_size(world_size, length):
-    p = world_size
-    inputs = [rank_data(r, length, "int64") for r in range(p)]
-    blocks = [[rank_data(r * 100 + j, length, "int64") for j in range(p)] for r in range(p)]
-    root = p // 2
-
-    def body(rank):
-        out = {}
-        x = inputs[rank].copy()
-        col.allreduce(x)
-        out["allreduce"] = x
-        x = inputs[rank].copy()
-        col.reduce(x, dst_rank=root, op=col.ReduceOp.MAX)
-        out["reduce"] = x
-        x = inputs[rank].copy() if rank == root else np.zeros(length, np.int64)
-        col.broadcast(x, src_rank=root)
-        out["broadcast"] = x
-        gathered = [np.zeros(length, np.int64) for _ in range(p)]
-        col.allgather(gathered, inputs[rank])
-        out["allgather"] = gathered
-        x = np.zeros(length, np.int64)
-        col.reducescatter(x, blocks[rank])
-        out["reducescatter"] = x
-        gathered = [np.zeros(length, np.int64) for _ in range(p)]
-        col.gather(gathered, inputs[rank], dst_rank=root)
-        out["gather"] = gathered
-        x = np.zeros(length, np.int64)
-        col.scatter(x, blocks[rank] if rank == root else None, src_rank=root)
-        out["scatter"] = x
-        received = [np.zeros(length, np.int64) for _ in range(p)]
-        col.alltoall(received, blocks[rank])
-        out["alltoall"] = received
-        col.barrier()
-        return out
-
-    results = run_ranks(p, body)
-    summed = numpy_reduce(inputs, col.ReduceOp.SUM)
-    maxed = numpy_reduce(inputs, col.ReduceOp.MAX)
-    for rank, out in enumerate(results):
-        np.testing.assert_array_equal(out["allreduce"], summed)
-        np.testing.assert_array_equal(out["reduce"], maxed if rank == root else inputs[rank])
-        np.testing.assert_array_equal(out["broadcast"], inputs[root])
-        for i in range(p):
-            np.testing.assert_array_equal(out["allgather"][i], inputs[i])
-            if rank == root:
-                np.testing.assert_array_equal(out["gather"][i], inputs[i])
-            else:
-                np.testing.assert_array_equal(out["gather"][i], np.zeros(length))
-            np.testing.assert_array_equal(out["alltoall"][i], blocks[i][rank])
-        np.testing.assert_array_equal(out["reducescatter"],
-                                      numpy_reduce([blocks[r][rank] for r in range(p)],
-                                                   col.ReduceOp.SUM))
-        np.testing.assert_array_equal(out["scatter"], blocks[root][rank])
-
+# Every collective at every size is the contract of tests/contract.py (tests/test_contract.py).
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world_size", [3, 4])

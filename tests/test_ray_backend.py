@@ -11,91 +11,7 @@ import pytest
 
 import ray_collective as col
 from conftest import numpy_reduce, rank_data, run_in, start_members
-
-OPS = {"SUM": col.ReduceOp.SUM, "MAX": col.ReduceOp.MAX, "PRODUCT": col.ReduceOp.PRODUCT,
-       "AVG": col.ReduceOp.AVG, "MIN": col.ReduceOp.MIN}
-
-
-def _as_kind(array, kind):
-    if kind == "torch":
-        import torch
-        return torch.from_numpy(array)
-    return array
-
-
-def _to_numpy(tensor):
-    return tensor.numpy() if hasattr(tensor, "numpy") else np.asarray(tensor)
-
-
-def every_collective(rank, group, world_size, dtype, op_name, length, kind):
-    """Inside a member: run every collective once on deterministic inputs; return the outputs."""
-    op = OPS[op_name]
-    p, root = world_size, world_size - 1
-    mine = rank_data(rank, length, dtype, op)
-    blocks = [rank_data(rank * 100 + j, length, dtype, op) for j in range(p)]
-
-    def fresh(array):
-        return _as_kind(array.copy(), kind)
-
-    out = {}
-    tensor = fresh(mine)
-    col.allreduce(tensor, group, op)
-    out["allreduce"] = tensor
-    tensor = fresh(mine)
-    col.reduce(tensor, root, group, op)
-    out["reduce"] = tensor
-    tensor = fresh(mine)
-    col.broadcast(tensor, root, group)
-    out["broadcast"] = tensor
-    gathered = [fresh(np.zeros_like(mine)) for _ in range(p)]
-    col.allgather(gathered, fresh(mine), group)
-    out["allgather"] = gathered
-    tensor = fresh(np.zeros_like(mine))
-    col.reducescatter(tensor, [fresh(b) for b in blocks], group, op)
-    out["reducescatter"] = tensor
-    gathered = [fresh(np.zeros_like(mine)) for _ in range(p)] if rank == root else None
-    col.gather(gathered, fresh(mine), root, group)
-    out["gather"] = gathered
-    tensor = fresh(np.zeros_like(mine))
-    col.scatter(tensor, [fresh(b) for b in blocks] if rank == root else None, root, group)
-    out["scatter"] = tensor
-    received = [fresh(np.zeros_like(mine)) for _ in range(p)]
-    col.alltoall(received, [fresh(b) for b in blocks], group)
-    out["alltoall"] = received
-    col.barrier(group)
-    if p > 1:
-        tensor = fresh(np.zeros_like(mine))
-        work = col.send(fresh(mine), (rank + 1) % p, group, async_op=True)
-        col.recv(tensor, (rank - 1) % p, group)
-        work.wait()
-        out["sendrecv"] = tensor
-    return {k: ([_to_numpy(t) for t in v] if isinstance(v, list) else
-                None if v is None else _to_numpy(v)) for k, v in out.items()}
-
-
-def check_every_collective(results, world_size, dtype, op_name, length):
-    """Compare each rank's outputs of :func:`every_collective` with numpy."""
-    op = OPS[op_name]
-    p, root = world_size, world_size - 1
-    mine = [rank_data(r, length, dtype, op) for r in range(p)]
-    blocks = [[rank_data(r * 100 + j, length, dtype, op) for j in range(p)] for r in range(p)]
-    close = (np.testing.assert_allclose if np.dtype(dtype).kind == "f"
-             else np.testing.assert_array_equal)
-    for rank, got in enumerate(results):
-        close(got["allreduce"], numpy_reduce(mine, op))
-        if rank == root:
-            close(got["reduce"], numpy_reduce(mine, op))
-            for j in range(p):
-                np.testing.assert_array_equal(got["gather"][j], mine[j])
-        np.testing.assert_array_equal(got["broadcast"], mine[root])
-        for j in range(p):
-            np.testing.assert_array_equal(got["allgather"][j], mine[j])
-            np.testing.assert_array_equal(got["alltoall"][j], blocks[j][rank])
-        close(got["reducescatter"], numpy_reduce([blocks[r][rank] for r in range(p)], op))
-        np.testing.assert_array_equal(got["scatter"], blocks[root][rank])
-        if p > 1:
-            np.testing.assert_array_equal(got["sendrecv"], mine[(rank - 1) % p])
-
+from contract import CASES, check_every_collective, every_collective
 
 def join(rank, group, world_size, timeout=60.0):
     col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
@@ -116,9 +32,7 @@ def test_declared_group_every_collective(ray_session, members, world_size):
     group = f"declared-{world_size}"
     col.declare_collective_group(actors, backend="ray", group_name=group)
     try:
-        cases = [("int64", "SUM", 7), ("float32", "MAX", 1000), ("int32", "PRODUCT", 1),
-                 ("float64", "AVG", 0), ("uint8", "MIN", 5000)]
-        for dtype, op_name, length in cases:
+        for dtype, op_name, length in CASES:
             results = run_in(ray_session, actors, every_collective, group, world_size, dtype,
                              op_name, length, "numpy")
             check_every_collective(results, world_size, dtype, op_name, length)

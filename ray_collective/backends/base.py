@@ -8,10 +8,11 @@ the group layer, so every backend gets them for free.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, FrozenSet, Optional, Sequence, Tuple
 
 from ..tensors import TensorView
-from ..types import CallOptions
+from ..types import CallOptions, Collective
 
 
 class GroupCall:
@@ -49,10 +50,13 @@ class CollectiveBackend(ABC):
         accepts_gpu_tensors: its calls take CUDA tensors (the API refuses them otherwise).
         multi_gpu: it runs the ``*_multigpu`` calls, with a ``devices`` attribute listing the
             GPUs of this process.
+        collectives: the operations it runs (the API refuses the others before any
+            communication, with ``UnsupportedOperationError``).
     """
 
     accepts_gpu_tensors = False
     multi_gpu = False
+    collectives: FrozenSet[Collective] = frozenset(Collective)
 
     @abstractmethod
     def run(self, call: GroupCall) -> None:
@@ -100,32 +104,33 @@ class BackendFactory(ABC):
             CollectiveTimeoutError: the other ranks did not join within ``timeout`` seconds.
         """
 
-    def declare(self, actors: Sequence, ranks: Sequence[int], world_size: int, group_name: str,
-                timeout: float) -> "DeclaredGroup":
-        """Join ``actors[i]`` as rank ``ranks[i]``, driven from the driver.
+    def prepare_declaration(self, group_name: str) -> "Declaration":
+        """What the members of a group declared from the driver join with.
 
-        The default runs :meth:`create` inside each actor (``backends.declared``); a backend
-        overrides it to prepare the incarnation first or to clean up after it.
+        The default sends this factory to the members as it is; a backend overrides it to
+        prepare the incarnation first (from the driver) or to clean up after it.
 
-        Raises:
-            CollectiveTimeoutError: the actors did not all join within ``timeout`` seconds.
-            Exception: an actor's own failure to join.
+        Args:
+            group_name: the group being declared.
+
+        Returns:
+            The :class:`Declaration`.
         """
-        from .declared import declare_in_actors  # here: declared.py builds on this module
-        return declare_in_actors(self, actors, ranks, world_size, group_name, timeout)
+        return Declaration(self, None)
 
 
-class DeclaredGroup(ABC):
-    """A group declared from this driver: what the driver needs to destroy it."""
+@dataclass(frozen=True)
+class Declaration:
+    """How the members of a group declared from the driver join, and what is left after them.
 
-    name: str
-    actors: Tuple
-    members: Tuple
-    """The member actors in rank order: ``members[r]`` is rank r."""
+    Attributes:
+        member_factory: the factory each member joins with (sent to the actors).
+        clean_up: removes what the group keeps outside its members, run once they left (and
+            after a failed declaration); None when there is nothing.
+    """
 
-    @abstractmethod
-    def destroy(self, timeout: float) -> None:
-        """Make every member leave and remove what the group left behind."""
+    member_factory: BackendFactory
+    clean_up: Optional[Callable[[], None]]
 
 
 def node_map_or_none(node_of: Optional[Sequence]) -> Optional[Tuple]:

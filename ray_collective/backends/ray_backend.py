@@ -11,11 +11,12 @@ Joining (``RayBackendFactory.create``), inside each member process:
 
 Leaving (``close``) removes this rank's socket; the last member on a node removes the node's
 directory and post office, the last member of the group its keys. A group declared from the
-driver is joined by running the same code inside each actor (``backends.declared``).
+driver is joined by running the same code inside each actor (``ray_collective.declared``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -29,8 +30,7 @@ from ..transport import uds
 from ..transport.node_state import NodeState, write_atomically
 from ..transport.ray_transport import SPIN_S, Peer, RayTransport, Relay, process_alive
 from . import rendezvous
-from .base import BackendFactory, CollectiveBackend, DeclaredGroup
-from .declared import declare_in_actors
+from .base import BackendFactory, CollectiveBackend, Declaration
 from .post_office import POST_OFFICE_PID_FILE, PostOffice
 from .transport_backend import TransportBackend
 
@@ -383,14 +383,15 @@ class RayBackendFactory(BackendFactory):
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced)
 
-    def declare(self, actors, ranks, world_size, group_name, timeout) -> DeclaredGroup:
+    def prepare_declaration(self, group_name: str) -> Declaration:
+        # The driver opens the incarnation, so that the members join the same one whatever
+        # their order, and removes it after them whatever they did.
         job_id, _, session = _runtime()
         sweep_finished_jobs(session)
         token = rendezvous.open_incarnation(rendezvous.KeyValue(),
                                             rendezvous.group_prefix(job_id, group_name))
-        return declare_in_actors(RayBackendFactory(token), actors, ranks, world_size,
-                                 group_name, timeout,
-                                 lambda: _remove_incarnation(group_name, token))
+        return Declaration(RayBackendFactory(token),
+                           functools.partial(_remove_incarnation, group_name, token))
 
 
 def _start_post_office(directory: str, group_name: str, group_key: bytes, world_size: int,

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from ..errors import CollectiveTimeoutError
-from .base import BackendFactory, DeclaredGroup
+from .backends.base import BackendFactory
+from .errors import CollectiveTimeoutError
+from .group import DeclaredGroup, current_registry
 
 
 def _join_in_actor(actor, factory: BackendFactory, group_name: str, world_size: int, rank: int,
                    timeout: float) -> int:
     """Run inside a member actor: join the declared group through the process's registry."""
-    from ..group import current_registry
     current_registry().create(group_name, world_size, rank, factory, timeout)
     return rank
 
 
 def _leave_in_actor(actor, group_name: str) -> bool:
     """Run inside a member actor: destroy its membership of ``group_name`` if it has one."""
-    from ..group import current_registry
     registry = current_registry()
     if not registry.is_initialized(group_name):
         return False
@@ -60,18 +59,17 @@ class ActorGroup(DeclaredGroup):
 
 
 def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence[int],
-                      world_size: int, group_name: str, timeout: float,
-                      clean_up: Optional[Callable[[], None]] = None) -> ActorGroup:
-    """Join ``actors[i]`` as rank ``ranks[i]`` through ``factory``, from the driver.
+                      world_size: int, group_name: str, timeout: float) -> ActorGroup:
+    """Join ``actors[i]`` as rank ``ranks[i]`` of a group on ``factory``'s backend, from the driver.
 
     Args:
-        factory: what each member joins with (sent to the actors).
+        factory: the backend (its :meth:`~BackendFactory.prepare_declaration` says what the
+            members join with).
         actors: the member actors.
         ranks: the rank of each actor.
         world_size: ranks in the group.
         group_name: the group's name.
         timeout: seconds the members may take to join.
-        clean_up: what to remove after the members leave (also on a failed declaration).
 
     Returns:
         The declared group.
@@ -82,8 +80,9 @@ def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence
             that cannot run there); the members that did join leave again.
     """
     import ray
-    group = ActorGroup(group_name, actors, ranks, clean_up)
-    refs = [actor.__ray_call__.remote(_join_in_actor, factory, group_name, world_size, rank,
+    declaration = factory.prepare_declaration(group_name)
+    group = ActorGroup(group_name, actors, ranks, declaration.clean_up)
+    refs = [actor.__ray_call__.remote(_join_in_actor, declaration.member_factory, group_name, world_size, rank,
                                       timeout) for actor, rank in zip(actors, ranks)]
     ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
     try:

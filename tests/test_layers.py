@@ -1,0 +1,174 @@
+"""The package's import structure: no cycle, imports inside functions only for optional
+dependencies, and the layers of DESIGN.md (algorithms know nothing of transports or Ray;
+transports know nothing of algorithms or backends).
+
+Read from the source with ``ast`` (module-level imports; ``if TYPE_CHECKING:`` blocks are not
+imports at run time), so a violation is found without importing anything.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "ray_collective"
+OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy")
+"""Imported inside functions, so that ``import ray_collective`` needs none of them."""
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _targets(module: str, node: ast.AST) -> list:
+    """The modules an import statement of ``module`` names (package modules and others)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = _package_of(module)
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    submodules = [f"{base}.{alias.name}" for alias in node.names
+                  if f"{base}.{alias.name}" in MODULES]
+    return submodules or [base]
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(module: str):
+    """(module-level imported modules, [(line, imported module) inside functions])."""
+    tree = ast.parse(MODULES[module].read_text())
+    top, inner = [], []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking_block(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                targets = _targets(module, child)
+                if in_function:
+                    inner.extend((child.lineno, target) for target in targets)
+                else:
+                    top.extend(targets)
+            visit(child, in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return top, inner
+
+
+IMPORTS = {module: _imports(module) for module in MODULES}
+
+
+def _internal_graph() -> dict:
+    return {module: sorted({t for t in top if t in MODULES and t != module})
+            for module, (top, _) in IMPORTS.items()}
+
+
+def _find_cycle(graph: dict):
+    """One import cycle as a list of modules, or None."""
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in graph[module]:
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target, path + [target])
+                if found:
+                    return found
+        state[module] = "done"
+        return None
+
+    for module in graph:
+        if module not in state:
+            cycle = visit(module, [module])
+            if cycle:
+                return cycle
+    return None
+
+
+def _imports_optional_dependency_at_top(module: str) -> bool:
+    return any(t.split(".")[0] in OPTIONAL_DEPENDENCIES for t in IMPORTS[module][0])
+
+
+def test_the_package_is_read():
+    assert len(MODULES) > 40
+    assert "ray_collective.algorithms.catalog" in MODULES
+
+
+def test_no_import_cycle_between_modules():
+    cycle = _find_cycle(_internal_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": []}
+    assert _find_cycle(graph) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": ["b"], "b": [], "c": ["a"]}) is None
+
+
+def test_imports_inside_functions_are_only_of_optional_dependencies():
+    """An import inside a function hides a dependency (often a cycle); only the optional ones
+    may hide there, or a module of ours that imports one of them at its top."""
+    hidden = [f"{MODULES[module].relative_to(PACKAGE_DIR.parent)}:{line} imports {target}"
+              for module, (_, inner) in IMPORTS.items() for line, target in inner
+              if not (target.split(".")[0] in OPTIONAL_DEPENDENCIES
+                      or (target in MODULES and _imports_optional_dependency_at_top(target)))]
+    assert not hidden, "\n".join(hidden)
+
+
+@pytest.mark.parametrize("layer, forbidden", [
+    ("ray_collective.algorithms", ("ray_collective.transport", "ray_collective.backends",
+                                   "ray_collective.group", "ray_collective.api", "ray")),
+    ("ray_collective.transport", ("ray_collective.algorithms", "ray_collective.backends",
+                                  "ray_collective.group", "ray_collective.api")),
+])
+def test_layers_import_nothing_above_them(layer, forbidden):
+    wrong = [f"{module} imports {target}"
+             for module, (top, inner) in IMPORTS.items() if module.startswith(layer)
+             for target in top + [t for _, t in inner]
+             if any(target == f or target.startswith(f + ".") for f in forbidden)]
+    assert not wrong, "\n".join(wrong)
+
+
+LAYERS = (
+    ("types", "errors", "tensors"),
+    ("algorithms", "transport"),
+    ("plan", "executor", "sim"),
+    ("backends",),
+    ("group",),
+    ("declared",),
+    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__"),
+)
+"""README's layers, bottom first: a module imports only from its own layer or those below."""
+
+
+def _layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for depth, names in enumerate(LAYERS):
+        if top in names:
+            return depth
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it there and in README")
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    upward = [f"{module} (layer {_layer_of(module)}) imports {target} "
+              f"(layer {_layer_of(target)})"
+              for module, (top, inner) in IMPORTS.items()
+              for target in top + [t for _, t in inner]
+              if target in MODULES and _layer_of(target) > _layer_of(module)]
+    assert not upward, "\n".join(upward)
