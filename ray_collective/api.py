@@ -10,7 +10,6 @@ keyword-only ``async_op`` (return a :class:`~ray_collective.group.Work` instead 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .backends import BACKENDS
@@ -21,65 +20,21 @@ from .declared import declare_in_actors
 from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
-from .types import DEFAULT_TIMEOUT_S, Backend, CallOptions, Collective, ReduceOp
+from .types import Backend, CallOptions, Collective, ReduceOp
+from .validation import (check_group_name, check_rank, check_reduce_op, check_timeout,
+                         check_world_size, group_timeout)
 
 _log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- validation helpers
-
-def _check_group_name(group_name: Any) -> str:
-    if not isinstance(group_name, str) or not group_name:
-        raise ArgumentValueError(f"group_name must be a non-empty string, not {group_name!r}")
-    return group_name
-
-
-def _check_timeout(timeout: Any, what: str = "timeout") -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ArgumentValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
-    return float(timeout)
-
-
-def _group_timeout(timeout: Any, gloo_timeout: Any) -> float:
-    """A group's default deadline in seconds: ``timeout``, else ``gloo_timeout`` (milliseconds,
-    as ``ray.util.collective`` takes it), else 1800 s; each checked when given."""
-    if gloo_timeout is not None:
-        _check_timeout(gloo_timeout, "gloo_timeout")
-    if timeout is not None:
-        return _check_timeout(timeout)
-    return DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
-
+# ---------------------------------------------------------------- argument helpers
 
 def _check_rank(rank: Any, group: Group, what: str) -> int:
-    return _check_rank_of(rank, group.world_size, group.name, what)
-
-
-def _check_rank_of(rank: Any, world_size: int, group_name: str, what: str) -> int:
-    """``rank`` if it is an int in ``0..world_size-1``, for a group known only by its size."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ArgumentTypeError(f"{what} must be an int, not {type(rank).__name__}")
-    if not 0 <= rank < world_size:
-        raise ArgumentValueError(
-            f"{what}={rank} is out of range for group '{group_name}' of "
-            f"{world_size} ranks (valid: 0..{world_size - 1})")
-    return rank
-
-
-def _check_op(op: Any) -> ReduceOp:
-    if isinstance(op, ReduceOp):
-        return op
-    # ray.util.collective's own ReduceOp members are accepted by name.
-    name = getattr(op, "name", None)
-    if isinstance(name, str) and name in ReduceOp.__members__:
-        return ReduceOp[name]
-    raise ArgumentTypeError(
-        f"op must be a ray_collective.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), "
-        f"not {op!r}")
+    return check_rank(rank, group.world_size, group.name, what)
 
 
 def _group(group_name: str) -> Group:
-    return current_registry().get(_check_group_name(group_name))
+    return current_registry().get(check_group_name(group_name))
 
 
 def _view(group: Group, tensor: Any, writable: bool, what: str) -> TensorView:
@@ -106,7 +61,7 @@ def _views(group: Group, tensors: Any, writable: bool, what: str,
 
 
 def _options(group: Group, collective: Collective, timeout: Optional[float], **fields) -> CallOptions:
-    return group.options(collective, None if timeout is None else _check_timeout(timeout),
+    return group.options(collective, None if timeout is None else check_timeout(timeout),
                          **fields)
 
 
@@ -146,12 +101,9 @@ def init_collective_group(world_size: int, rank: int,
         BackendNotAvailableError: the backend cannot run in this process.
         CollectiveTimeoutError: the other ranks did not join in time.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ArgumentValueError(f"rank must be an int in [0, {world_size}), not {rank!r}")
-    _check_group_name(group_name)
-    timeout = _group_timeout(timeout, gloo_timeout)
+    check_world_size(world_size)
+    check_rank(rank, world_size, check_group_name(group_name))
+    timeout = group_timeout(timeout, gloo_timeout)
     factory = BACKENDS.resolve(backend)
     current_registry().create(group_name, world_size, rank, factory, timeout)
 
@@ -188,9 +140,7 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
     """
     if not isinstance(actors, (list, tuple)) or not actors:
         raise ArgumentValueError("actors must be a non-empty list of Ray actor handles")
-    world_size = len(actors) if world_size is None else world_size
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
+    world_size = check_world_size(len(actors) if world_size is None else world_size)
     if world_size != len(actors):
         raise ArgumentValueError(
             f"world_size={world_size} but {len(actors)} actors were given; every "
@@ -200,8 +150,8 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
         raise ArgumentValueError(
             f"ranks must be a permutation of 0..{world_size - 1}, one per actor, "
             f"not {ranks!r}")
-    _check_group_name(group_name)
-    timeout = _group_timeout(timeout, gloo_timeout)
+    check_group_name(group_name)
+    timeout = group_timeout(timeout, gloo_timeout)
     strangers = [a for a in actors if not hasattr(a, "__ray_call__")]
     if strangers:
         raise ArgumentTypeError(
@@ -234,7 +184,7 @@ def destroy_collective_group(group_name: str = "default") -> None:
         ArgumentValueError: ``group_name`` is not a non-empty string.
     """
     registry = current_registry()
-    _check_group_name(group_name)
+    check_group_name(group_name)
     if registry.is_initialized(group_name):
         registry.destroy(group_name)
     elif registry.declared(group_name) is not None:
@@ -379,7 +329,7 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
         CollectiveError: timeout, mismatch, dead peer or broken group.
     """
     group = _group(group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     view = _view(group, tensor, True, "tensor")
     check_op(op, view.dtype_name)
     return _submit(group, _options(group, Collective.ALLREDUCE, timeout, op=op), async_op,
@@ -407,7 +357,7 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
         GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
     """
     group = _group(group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
     view = _view(group, tensor, group.rank == dst_rank, "tensor")
     check_op(op, view.dtype_name)
@@ -488,7 +438,7 @@ def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "defaul
         GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
     """
     group = _group(group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     view = _view(group, tensor, True, "tensor")
     inputs = _views(group, tensor_list, False, "tensor_list", like=view)
     check_op(op, view.dtype_name)
@@ -717,7 +667,7 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
         CollectiveError: timeout, dead peer or broken group.
     """
     group, gpu = _multigpu_group("allreduce_multigpu", group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
     options = _options(group, Collective.ALLREDUCE, None, op=op)
@@ -744,7 +694,7 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
         CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("reduce_multigpu", group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
     dst_tensor = gpu.index(dst_tensor, "dst_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
@@ -826,7 +776,7 @@ def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: Li
         CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("reducescatter_multigpu", group_name)
-    op = _check_op(op)
+    op = check_reduce_op(op)
     outputs = gpu.tensors(output_tensor_list, "output_tensor_list")
     inputs = gpu.tensor_lists(input_tensor_lists, "input_tensor_lists", outputs,
                               "output_tensor_list")

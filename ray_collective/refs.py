@@ -32,6 +32,7 @@ from .errors import CollectiveError, GroupNotInitializedError, TensorRefError
 from .group import current_registry
 from .tensors import SUPPORTED_DTYPES, as_view
 from .types import ReduceOp
+from .validation import check_group_name, check_rank, check_reduce_op, check_timeout
 
 __all__ = ["allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs",
            "reducescatter_refs", "send_ref"]
@@ -61,7 +62,7 @@ class _RefCall:
 
 def _members(group_name: str) -> tuple:
     """The actors of a group this driver declared, in rank order."""
-    api._check_group_name(group_name)
+    check_group_name(group_name)
     declared = current_registry().declared(group_name)
     if declared is None:
         raise GroupNotInitializedError(group_name)
@@ -84,7 +85,7 @@ def _check_refs(tensor_refs: Any, members: tuple, what: str) -> List[Any]:
 
 
 def _check_call_timeout(timeout: Any) -> Optional[float]:
-    return None if timeout is None else api._check_timeout(timeout)
+    return None if timeout is None else check_timeout(timeout)
 
 
 def _run_refs(collective: str, tensor_refs: Any, group_name: str, timeout: Any,
@@ -106,8 +107,8 @@ def _run_refs(collective: str, tensor_refs: Any, group_name: str, timeout: Any,
     members = _members(group_name)
     refs = _check_refs(tensor_refs, members, what)
     call = _RefCall(collective, group_name,
-                    op=ReduceOp.SUM if op is None else api._check_op(op),
-                    root=0 if root is None else api._check_rank_of(root[1], len(members),
+                    op=ReduceOp.SUM if op is None else check_reduce_op(op),
+                    root=0 if root is None else check_rank(root[1], len(members),
                                                                    group_name, root[0]),
                     timeout=_check_call_timeout(timeout))
     boxed = PerActor([[ref] for ref in refs])
@@ -255,8 +256,8 @@ def send_ref(tensor_ref: Any, src_rank: int, dst_rank: int, group_name: str = "d
     if not isinstance(tensor_ref, ray.ObjectRef):
         raise TypeError(f"send_ref: tensor_ref must be an ObjectRef, not "
                         f"{type(tensor_ref).__name__}")
-    src_rank = api._check_rank_of(src_rank, len(members), group_name, "src_rank")
-    dst_rank = api._check_rank_of(dst_rank, len(members), group_name, "dst_rank")
+    src_rank = check_rank(src_rank, len(members), group_name, "src_rank")
+    dst_rank = check_rank(dst_rank, len(members), group_name, "dst_rank")
     if src_rank == dst_rank:
         raise ValueError(f"send_ref: src_rank and dst_rank are both {src_rank}; a rank does "
                          f"not send to itself")

@@ -146,7 +146,7 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 
 
 LAYERS = (
-    ("types", "errors", "tensors"),
+    ("types", "errors", "tensors", "validation"),
     ("algorithms", "transport"),
     ("plan", "executor", "sim"),
     ("backends",),

@@ -4,15 +4,18 @@ A process of an NCCL group owns k GPUs, the group's ``devices`` (``cuda:<index>`
 torch number the visible devices). The plain collectives take one tensor on one of them; the
 ``*_multigpu`` variants take one tensor per GPU, in the order of ``devices``, and GPU ``i`` of
 rank ``r`` is number ``r * k + i`` among the ``world_size * k`` GPUs of the group. These checks
-run before anything is launched and raise ``TypeError``/``ValueError`` that say what to do.
+run before anything is launched and raise ``ArgumentTypeError``/``ArgumentValueError`` (see
+``ray_collective.validation``) that say what to do.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence, Tuple
 
+from ...errors import ArgumentTypeError, ArgumentValueError
 from ...tensors import TensorView, as_view
 from ...types import CallOptions
+from ...validation import check_index
 from ..base import GroupCall
 
 
@@ -65,14 +68,14 @@ def device_of(view: TensorView, devices: Sequence[int], group_name: str, what: s
         ValueError: the tensor is on a GPU this process does not use in the group.
     """
     if not view.device.startswith("cuda:"):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} is a CPU {view.kind} tensor, but group '{group_name}' runs on the nccl "
             f"backend, which moves GPU memory only. Pass a cupy array or a torch CUDA tensor on "
             f"{_device_names(devices)} (for example cupy.asarray(x) or x.cuda()), or use a "
             f"group on the 'ray' backend for CPU tensors.")
     device = int(view.device.split(":", 1)[1])
     if device not in devices:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{what} is on {view.device}, but this process uses {_device_names(devices)} in "
             f"group '{group_name}'. Move the tensor there (tensor.to(...) or "
             f"cupy.cuda.Device(...)), or create the group with the GPU you need.")
@@ -86,7 +89,7 @@ def _check_like(views: Sequence[TensorView], what: str, reference: TensorView,
         for field, label in (("shape", "shape"), ("dtype_name", "dtype"), ("kind", "kind")):
             mine, theirs = getattr(view, field), getattr(reference, field)
             if mine != theirs:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{what}[{i}] has {label} {mine!r} but {reference_name} has {label} "
                     f"{theirs!r}; every tensor of a multi-GPU call must have the same shape "
                     f"and dtype.")
@@ -118,7 +121,7 @@ class GpuArguments:
         for i, view in enumerate(views):
             device = device_of(view, self.devices, self.group_name, f"{what}[{i}]")
             if device != expected[i]:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{what}[{i}] is on cuda:{device} but belongs on cuda:{expected[i]}: a "
                     f"multi-GPU call takes one tensor per GPU, in the order "
                     f"{_device_names(self.devices)}.")
@@ -135,14 +138,14 @@ class GpuArguments:
             The views.
 
         Raises:
-            TypeError: not a list, a CPU tensor, or an unsupported tensor type.
-            ValueError: wrong length, a tensor on the wrong GPU, shapes or dtypes that differ.
+            ArgumentTypeError: not a list, a CPU tensor, or an unsupported tensor type.
+            ArgumentValueError: wrong length, a tensor on the wrong GPU, shapes or dtypes that differ.
         """
         if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"{what} must be a list with one GPU tensor per GPU of this "
+            raise ArgumentTypeError(f"{what} must be a list with one GPU tensor per GPU of this "
                             f"process, not {type(tensors).__name__}")
         if len(tensors) != len(self.devices):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{what} has {len(tensors)} tensors, but this process uses {len(self.devices)} "
                 f"GPUs {_device_names(self.devices)} in group '{self.group_name}'; pass one "
                 f"tensor per GPU, in that order.")
@@ -165,11 +168,11 @@ class GpuArguments:
             The views, ``[local GPU][GPU of the group]``.
 
         Raises:
-            TypeError, ValueError: as :meth:`tensors`, for the outer or an inner list.
+            ArgumentTypeError, ArgumentValueError: as :meth:`tensors`, for the outer or an inner list.
         """
         length = self.world_size * len(self.devices)
         if not isinstance(lists, (list, tuple)) or len(lists) != len(self.devices):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{what} must be a list of {len(self.devices)} lists (one per GPU of this "
                 f"process, {_device_names(self.devices)}), each of {length} tensors; got "
                 f"{_length_text(lists)}")
@@ -177,7 +180,7 @@ class GpuArguments:
         for i, inner in enumerate(lists):
             name = f"{what}[{i}]"
             if not isinstance(inner, (list, tuple)) or len(inner) != length:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{name} must be a list of {length} tensors (one per GPU of group "
                     f"'{self.group_name}'), not {_length_text(inner)}")
             views = self._views_on(inner, name, [self.devices[i]] * length)
@@ -196,16 +199,12 @@ class GpuArguments:
             The index.
 
         Raises:
-            TypeError: not an int.
-            ValueError: out of range.
+            ArgumentTypeError: not an int.
+            ArgumentValueError: out of range.
         """
         count = len(self.devices)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-        if not 0 <= value < count:
-            raise ValueError(f"{what}={value} is out of range: every process of group "
-                             f"'{self.group_name}' owns {count} GPUs (valid: 0..{count - 1})")
-        return value
+        return check_index(value, count, what, f"the {count} GPUs each process of group "
+                                               f"'{self.group_name}' owns")
 
     def tensor(self, tensor: Any, n_elements: Any) -> Tuple[TensorView, int]:
         """The one GPU tensor of send_multigpu/recv_multigpu, and how many elements move.
@@ -218,15 +217,15 @@ class GpuArguments:
             The view and the element count.
 
         Raises:
-            TypeError: a CPU tensor, an unsupported tensor, or ``n_elements`` not an int.
-            ValueError: a GPU outside the group, or ``n_elements`` out of range.
+            ArgumentTypeError: a CPU tensor, an unsupported tensor, or ``n_elements`` not an int.
+            ArgumentValueError: a GPU outside the group, or ``n_elements`` out of range.
         """
         view = as_view(tensor, writable=False, what="tensor")
         device_of(view, self.devices, self.group_name, "tensor")
         if isinstance(n_elements, bool) or not isinstance(n_elements, int):
-            raise TypeError(f"n_elements must be an int, not {type(n_elements).__name__}")
+            raise ArgumentTypeError(f"n_elements must be an int, not {type(n_elements).__name__}")
         if not 0 <= n_elements <= view.count:
-            raise ValueError(f"n_elements={n_elements} is out of range for a tensor of "
+            raise ArgumentValueError(f"n_elements={n_elements} is out of range for a tensor of "
                              f"{view.count} elements (0 means all of them)")
         return view, n_elements or view.count
 

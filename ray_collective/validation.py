@@ -1,0 +1,105 @@
+"""The checks of a call's plain arguments (names, ranks, indices, deadlines, ops), shared by
+every entry point: the collectives (``api``), the declarative ``*_refs`` collectives (``refs``)
+and the multi-GPU calls (``backends.nccl.arguments``).
+
+Each returns the value it accepted (normalised) or raises :class:`ArgumentTypeError` /
+:class:`ArgumentValueError` with the argument's name, the value and what is valid; nothing has
+been sent when they raise, so the group stays usable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from .errors import ArgumentTypeError, ArgumentValueError
+from .types import DEFAULT_TIMEOUT_S, ReduceOp
+
+
+def check_group_name(group_name: Any) -> str:
+    """``group_name`` if it is a non-empty string.
+
+    Raises:
+        ArgumentValueError: anything else.
+    """
+    if not isinstance(group_name, str) or not group_name:
+        raise ArgumentValueError(f"group_name must be a non-empty string, not {group_name!r}")
+    return group_name
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float:
+    """``timeout`` as float seconds, if it is a finite positive number.
+
+    Raises:
+        ArgumentValueError: zero, negative, NaN, infinite, a bool or not a number.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ArgumentValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
+def group_timeout(timeout: Any, gloo_timeout: Any) -> float:
+    """A group's default deadline in seconds: ``timeout``, else ``gloo_timeout`` (milliseconds,
+    as ``ray.util.collective`` takes it), else 1800 s; each checked when given.
+
+    Raises:
+        ArgumentValueError: either is not a positive number.
+    """
+    if gloo_timeout is not None:
+        check_timeout(gloo_timeout, "gloo_timeout")
+    if timeout is not None:
+        return check_timeout(timeout)
+    return DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
+
+
+def check_index(value: Any, size: int, what: str, among: str) -> int:
+    """``value`` if it is an int in ``0..size-1``.
+
+    Args:
+        value: the argument.
+        size: how many there are.
+        what: the argument's name (``dst_rank``, ``src_gpu_index``, ...).
+        among: what ``size`` counts, for the message (``"group 'g' of 4 ranks"``).
+
+    Raises:
+        ArgumentTypeError: not an int (a bool is not one).
+        ArgumentValueError: out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not 0 <= value < size:
+        raise ArgumentValueError(f"{what}={value} is out of range for {among} "
+                                 f"(valid: 0..{size - 1})")
+    return value
+
+
+def check_rank(rank: Any, world_size: int, group_name: str, what: str = "rank") -> int:
+    """``rank`` if it is a rank of a group of ``world_size`` ranks (see :func:`check_index`)."""
+    return check_index(rank, world_size, what, f"group '{group_name}' of {world_size} ranks")
+
+
+def check_world_size(world_size: Any) -> int:
+    """``world_size`` if it is an int >= 1.
+
+    Raises:
+        ArgumentValueError: anything else.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
+    return world_size
+
+
+def check_reduce_op(op: Any) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`; ``ray.util.collective``'s members are taken by name.
+
+    Raises:
+        ArgumentTypeError: not a reduce op.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    name: Optional[str] = getattr(op, "name", None)
+    if isinstance(name, str) and name in ReduceOp.__members__:
+        return ReduceOp[name]
+    raise ArgumentTypeError(
+        f"op must be a ray_collective.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG), not {op!r}")
