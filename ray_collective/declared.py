@@ -60,7 +60,7 @@ class ActorGroup(DeclaredGroup):
 
 def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence[int],
                       world_size: int, group_name: str, timeout: float) -> ActorGroup:
-    """Join ``actors[i]`` as rank ``ranks[i]`` of a group on ``factory``'s backend, from the driver.
+    """Join ``actors[i]`` as rank ``ranks[i]`` of a group on ``factory``'s backend (driver side).
 
     Args:
         factory: the backend (its :meth:`~BackendFactory.prepare_declaration` says what the
