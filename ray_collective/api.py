@@ -1,10 +1,26 @@
 """The public functions: validate the arguments, find the group, hand the call to its backend.
 
-Names and argument order follow ``ray.util.collective``; every collective also takes the
-keyword-only ``async_op`` (return a :class:`~ray_collective.group.Work` instead of blocking) and
-``timeout`` (seconds; default: the group's). Bad arguments raise an ``ArgumentTypeError`` or
-``ArgumentValueError`` (a ``TypeError``/``ValueError`` that is also the ``RuntimeError``
-``ray.util.collective`` raises) before anything is sent.
+Names and argument order follow ``ray.util.collective``. What every collective shares is said
+here once; each function's docstring says only what is its own.
+
+Arguments every collective takes:
+    group_name: the group (default ``"default"``); for the ``*_multigpu`` calls an ``nccl``
+        group.
+    op: the reduction, a :class:`ReduceOp` (``ray.util.collective``'s members are accepted by
+        name); the reducing collectives only.
+    async_op: keyword-only; return a :class:`~ray_collective.group.Work` instead of blocking
+        (its ``wait`` raises what the call would have raised).
+    timeout: keyword-only; seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+Returns: None, or the Work of the call with ``async_op=True``.
+
+Raises, whatever the collective:
+    ArgumentTypeError, ArgumentValueError: bad arguments, before anything is sent (a
+        ``TypeError``/``ValueError`` that is also the ``RuntimeError`` ``ray.util.collective``
+        raises); the group stays usable.
+    GroupNotInitializedError: this process is not a member of ``group_name``.
+    CollectiveError: the call failed: ``CollectiveTimeoutError``, ``CollectiveMismatchError``,
+        ``PeerDiedError``, ``GroupBrokenError``... (see ``errors``); the group is then broken.
 """
 
 from __future__ import annotations
@@ -60,7 +76,8 @@ def _views(group: Group, tensors: Any, writable: bool, what: str,
     return views
 
 
-def _options(group: Group, collective: Collective, timeout: Optional[float], **fields) -> CallOptions:
+def _options(group: Group, collective: Collective, timeout: Optional[float],
+             **fields) -> CallOptions:
     return group.options(collective, None if timeout is None else check_timeout(timeout),
                          **fields)
 
@@ -315,18 +332,15 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
 
     Args:
         tensor: numpy array or torch tensor, contiguous; overwritten with the result.
-        group_name: the group.
-        op: the reduction.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, op, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments, before any communication.
-        GroupNotInitializedError: no such group here.
-        CollectiveError: timeout, mismatch, dead peer or broken group.
+        ArgumentTypeError, ArgumentValueError, GroupNotInitializedError, CollectiveError: as
+            every collective.
     """
     group = _group(group_name)
     op = check_reduce_op(op)
@@ -344,17 +358,15 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
     Args:
         tensor: the contribution; on ``dst_rank`` overwritten with the result, elsewhere unchanged.
         dst_rank: the rank that receives the result.
-        group_name: the group.
-        op: the reduction.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, op, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments (including dst_rank out of range).
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments (including dst_rank out of range).
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     op = check_reduce_op(op)
@@ -372,16 +384,15 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
     Args:
         tensor: the data on ``src_rank``; overwritten elsewhere.
         src_rank: the rank whose tensor is sent.
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments (including src_rank out of range).
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments (including src_rank out of range).
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
@@ -398,17 +409,16 @@ def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", 
         tensor_list: one tensor per rank, each shaped like ``tensor``; filled with rank i's
             tensor at index i.
         tensor: this rank's contribution.
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments (list length not the world size, shapes or dtypes
-            that differ).
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments (list length not the world size,
+            shapes or dtypes that differ).
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     view = _view(group, tensor, False, "tensor")
@@ -425,17 +435,15 @@ def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "defaul
     Args:
         tensor: overwritten with the reduction of every rank's ``tensor_list[rank]``.
         tensor_list: one tensor per rank, each shaped like ``tensor``.
-        group_name: the group.
-        op: the reduction.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, op, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments.
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     op = check_reduce_op(op)
@@ -456,16 +464,15 @@ def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
             rank i's tensor at index i; ignored elsewhere (may be None).
         tensor: this rank's contribution.
         dst_rank: the rank that receives.
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments.
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
@@ -486,16 +493,15 @@ def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
         tensor_list: on ``src_rank``, one tensor per rank shaped like ``tensor``; ignored
             elsewhere (may be None).
         src_rank: the rank that sends.
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments.
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
@@ -514,16 +520,15 @@ def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
     Args:
         output_tensor_list: one tensor per rank, filled.
         input_tensor_list: one tensor per rank, all shaped like the outputs.
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments.
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments.
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     inputs = _views(group, input_tensor_list, False, "input_tensor_list")
@@ -538,15 +543,14 @@ def barrier(group_name: str = "default", *, async_op: bool = False,
     """Block until every rank of the group has called ``barrier``.
 
     Args:
-        group_name: the group.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     group = _group(group_name)
     return _submit(group, _options(group, Collective.BARRIER, timeout), async_op)
@@ -575,17 +579,16 @@ def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, 
     Args:
         tensor: the data.
         dst_rank: the receiving rank (not this rank).
-        group_name: the group.
         tag: sends and recvs with the same tag between two ranks match in order.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments (including a send to itself).
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`.
+        ArgumentTypeError, ArgumentValueError: bad arguments (including a send to itself).
+        GroupNotInitializedError, CollectiveError: as every collective.
     """
     return _point_to_point(Collective.SEND, tensor, dst_rank, group_name, tag, async_op, timeout)
 
@@ -597,17 +600,16 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
     Args:
         tensor: overwritten with the data; must match the sent tensor's shape and dtype.
         src_rank: the sending rank (not this rank).
-        group_name: the group.
         tag: see :func:`send`.
-        async_op: return a Work handle instead of blocking.
-        timeout: seconds before a ``CollectiveTimeoutError`` (default: the group's).
+        group_name, async_op, timeout: as every collective (see the module
+            docstring).
 
     Returns:
         None, or a Work with ``async_op=True``.
 
     Raises:
-        TypeError, ValueError: bad arguments (including a recv from itself).
-        GroupNotInitializedError, CollectiveError: as for :func:`allreduce`; a sent tensor of
+        ArgumentTypeError, ArgumentValueError: bad arguments (including a recv from itself).
+        GroupNotInitializedError, CollectiveError: as every collective; a sent tensor of
             another shape or dtype raises ``CollectiveMismatchError``.
     """
     return _point_to_point(Collective.RECV, tensor, src_rank, group_name, tag, async_op, timeout)
@@ -663,7 +665,8 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
     Raises:
         UnsupportedOperationError: the group is not on the NCCL backend.
         GroupNotInitializedError: no such group here.
-        TypeError, ValueError: bad arguments (one tensor per GPU, same shape and dtype).
+        ArgumentTypeError, ArgumentValueError: bad arguments (one tensor per GPU, same shape and
+            dtype).
         CollectiveError: timeout, dead peer or broken group.
     """
     group, gpu = _multigpu_group("allreduce_multigpu", group_name)
@@ -690,8 +693,8 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
         None, once the result is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("reduce_multigpu", group_name)
     op = check_reduce_op(op)
@@ -718,8 +721,8 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
         None, once the result is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("broadcast_multigpu", group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
@@ -743,8 +746,8 @@ def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: 
         None, once the results are in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("allgather_multigpu", group_name)
     inputs = gpu.tensors(input_tensor_list, "input_tensor_list")
@@ -772,8 +775,8 @@ def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: Li
         None, once the results are in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     group, gpu = _multigpu_group("reducescatter_multigpu", group_name)
     op = check_reduce_op(op)
@@ -800,8 +803,8 @@ def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: st
         None, once the data has left.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index, group_name,
                              n_elements)
@@ -822,8 +825,8 @@ def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: st
         None, once the data is in place.
 
     Raises:
-        UnsupportedOperationError, GroupNotInitializedError, TypeError, ValueError,
-        CollectiveError: see :func:`allreduce_multigpu`.
+        UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
+            ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
     _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index, group_name,
                              n_elements)
