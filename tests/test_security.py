@@ -3,6 +3,7 @@ the group's files and shared memory are out of another user's reach, no TCP port
 one node, and a crafted frame on a rank's socket is refused or fails the group with a typed
 error, never unpickled."""
 
+import array
 import contextlib
 import errno
 import json
@@ -126,7 +127,7 @@ def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
     for entry in os.listdir(directory):
         mode = os.stat(os.path.join(directory, entry)).st_mode
         assert not mode & (stat.S_IWOTH | stat.S_IWGRP), (entry, oct(mode))
-        if not stat.S_ISSOCK(mode):
+        if not stat.S_ISSOCK(mode):  # connecting needs a socket's write bit, never its read
             assert not mode & (stat.S_IROTH | stat.S_IRGRP), (entry, oct(mode))
 
     attempts = [("list directory", lambda: os.listdir(directory)),
@@ -237,7 +238,11 @@ def _crafted_connection(ray, members, group, packets_of):
     try:
         sock.connect(socket_path)
         for packet in packets_of(key):
-            sock.send(packet)
+            if isinstance(packet, tuple):  # (bytes, a descriptor passed with them)
+                sock.sendmsg([packet[0]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                            array.array("i", [packet[1]]))])
+            else:
+                sock.send(packet)
         yield sock
     finally:
         sock.close()
@@ -287,9 +292,9 @@ def test_a_connection_without_the_group_key_is_refused_and_the_rank_works_on(
     assert not marker.exists()
 
 
-def _with_key(marker, key):
+def _with_key(marker, key, not_shared_memory=-1):
     """Frames sent as rank 1 by a process that knows the key (a member gone wrong): each is
-    malformed or belongs to no call."""
+    malformed or belongs to no call; ``not_shared_memory`` is a descriptor of something else."""
     hello = wire.hello(1, key)
     pickled = _malicious_pickle(marker)
     return {
@@ -304,7 +309,14 @@ def _with_key(marker, key):
                                                          nbytes=1 << 62, part_offset=-64)],
         "pickle as header and payload": [hello, _inline_data(pickled, pickled)],
         "unknown frame kind": [hello, struct.pack("<B", 99) + pickled],
+        "a pipe passed as shared memory": [hello, (_inline_data(b"h" * 40, b"", segment=0,
+                                                                part_bytes=64),
+                                                   not_shared_memory)],
     }
+
+
+UNPARSABLE_HEADERS = {"absurd sizes and offsets", "pickle as header and payload"}
+"""Cases whose frame is well formed, so its call header is what fails to make sense."""
 
 
 def _allreduce_until_error(rank, group, calls):
@@ -334,13 +346,24 @@ def test_a_malformed_frame_with_the_key_fails_the_group_with_a_typed_error(
     frames, and one that makes no sense breaks the group at once, on every rank, with an error
     saying so; nothing is unpickled, nothing hangs."""
     marker = tmp_path / "unpickled"
-    with _crafted_connection(ray_session, members, pair,
-                             lambda key: _with_key(str(marker), key)[case]):
-        outcomes = run_in(ray_session, members[:2], _allreduce_until_error, pair, 20)
+    pipe = os.pipe()
+    try:
+        with _crafted_connection(ray_session, members, pair,
+                                 lambda key: _with_key(str(marker), key, pipe[0])[case]):
+            outcomes = run_in(ray_session, members[:2], _allreduce_until_error, pair, 20)
+    finally:
+        for end in pipe:
+            os.close(end)
     target, other = outcomes
-    assert target[0] < 3 and target[1] in ("CollectiveError", "CollectiveMismatchError"), target
-    assert "rank 1" in target[2] and ("malformed" in target[2] or "header" in target[2]), target
-    assert other[1] in ("GroupBrokenError", "CollectiveMismatchError", "CollectiveError"), other
+    if case in UNPARSABLE_HEADERS:
+        # rank 0 reports the header it could not read; rank 1 the same mismatch from its side
+        assert target[1] == other[1] == "CollectiveMismatchError", outcomes
+        assert "rank 1 has 'malformed collective message header" in target[2], target
+    else:
+        assert target[1] == "CollectiveError", target
+        assert "rank 1 sent a malformed frame" in target[2], target
+        assert other[1] == "GroupBrokenError" and "malformed frame" in other[2], other
+    assert target[0] < 3, target  # within the first calls after the frame was sent
     for passed, kind, message, elapsed, again, again_elapsed in outcomes:
         assert elapsed < 5.0 and again == "GroupBrokenError" and again_elapsed < 0.5, message
     assert not marker.exists()
