@@ -106,6 +106,7 @@ def test_ranks_calling_on_differently_named_groups_time_out_naming_the_absent_ra
         absent = [ODD_RANK] if rank != ODD_RANK else [r for r in range(WORLD) if r != ODD_RANK]
         assert kind == "CollectiveTimeoutError", (rank, first)
         assert f"waiting for ranks {absent}" in message, (rank, first)
-        assert timeout <= elapsed < timeout + BOUND_S, (rank, first)
+        # a rank may learn of the timeout from a peer whose call started a little earlier
+        assert timeout / 2 < elapsed < timeout + BOUND_S, (rank, first)
         for kind, message, elapsed in (again, elsewhere):
             assert kind == "GroupBrokenError" and elapsed < 0.5, (rank, again, elsewhere)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import run_in
+from conftest import process_resources, run_in
 from ray_collective.transport import wire
 
 NOBODY = 65534
@@ -256,11 +256,13 @@ def _inline_data(header, payload, **fields):
     return wire.data_frame(**frame) + header + payload
 
 
-def _refused_packets(marker, key):
-    """Packets of a connection that does not prove the group's key (or names no rank)."""
+def _refused_packets(marker, key, descriptor=-1):
+    """Packets of a connection that does not prove the group's key (or names no rank);
+    ``descriptor`` is one to pass along."""
     eight_bytes = np.ones(2, np.float32).tobytes()
     return {
         "hello with a wrong key": [wire.hello(1, os.urandom(16)), _inline_data(b"", eight_bytes)],
+        "hello with a wrong key and a descriptor": [(wire.hello(1, os.urandom(16)), descriptor)],
         "hello from a rank out of range": [wire.hello(7, key), _inline_data(b"", eight_bytes)],
         "garbage bytes": [os.urandom(200)],
         "data frame without hello": [_inline_data(b"x" * 30, eight_bytes, nbytes=1 << 62,
@@ -270,14 +272,26 @@ def _refused_packets(marker, key):
     }
 
 
+@pytest.fixture
+def pipe():
+    """A pipe's (read end, write end): descriptors that are not shared memory."""
+    ends = os.pipe()
+    yield ends
+    for end in ends:
+        os.close(end)
+
+
 @pytest.mark.parametrize("case", list(_refused_packets("", b"")))
 def test_a_connection_without_the_group_key_is_refused_and_the_rank_works_on(
-        ray_session, members, pair, tmp_path, case):
+        ray_session, members, pair, pipe, tmp_path, case):
     """Nothing a connection sends is read until its HELLO proves the key; the rank closes it
-    and goes on with correct results."""
+    (and any descriptor it passed) and goes on with correct results."""
     marker = tmp_path / "unpickled"
+    run_in(ray_session, members[:2], _allreduce_checked, pair, 2)  # shared memory set up
+    descriptors = run_in(ray_session, members[:1], process_resources)[0][:2]
     with _crafted_connection(ray_session, members, pair,
-                             lambda key: _refused_packets(str(marker), key)[case]) as sock:
+                             lambda key: _refused_packets(str(marker), key, pipe[0])[case]) \
+            as sock:
         # the rank reads the connection while it waits in its next calls
         deadline = time.monotonic() + 30
         while run_in(ray_session, members[:1], _refused, pair)[0] == 0:
@@ -289,6 +303,7 @@ def test_a_connection_without_the_group_key_is_refused_and_the_rank_works_on(
         except ConnectionResetError:
             pass  # closed by the rank with packets of this connection unread
     assert run_in(ray_session, members[:2], _allreduce_checked, pair, 4) == [4, 4]
+    assert run_in(ray_session, members[:1], process_resources)[0][:2] == descriptors
     assert not marker.exists()
 
 
@@ -341,19 +356,14 @@ def _allreduce_until_error(rank, group, calls):
 
 @pytest.mark.parametrize("case", list(_with_key("", b"")))
 def test_a_malformed_frame_with_the_key_fails_the_group_with_a_typed_error(
-        ray_session, members, pair, tmp_path, case):
+        ray_session, members, pair, pipe, tmp_path, case):
     """A connection that proves the key is a member: what it sends is parsed as fixed binary
     frames, and one that makes no sense breaks the group at once, on every rank, with an error
     saying so; nothing is unpickled, nothing hangs."""
     marker = tmp_path / "unpickled"
-    pipe = os.pipe()
-    try:
-        with _crafted_connection(ray_session, members, pair,
-                                 lambda key: _with_key(str(marker), key, pipe[0])[case]):
-            outcomes = run_in(ray_session, members[:2], _allreduce_until_error, pair, 20)
-    finally:
-        for end in pipe:
-            os.close(end)
+    with _crafted_connection(ray_session, members, pair,
+                             lambda key: _with_key(str(marker), key, pipe[0])[case]):
+        outcomes = run_in(ray_session, members[:2], _allreduce_until_error, pair, 20)
     target, other = outcomes
     if case in UNPARSABLE_HEADERS:
         # rank 0 reports the header it could not read; rank 1 the same mismatch from its side
