@@ -86,3 +86,18 @@ def run_in(ray, actors, function, *args, timeout=120):
     refs = [a.__ray_call__.remote(lambda _self, r=rank: function(r, *args))
             for rank, a in enumerate(actors)]
     return ray.get(refs, timeout=timeout)
+
+
+def process_resources(rank):
+    """Inside a member: open descriptors (memfds among them) and resident memory of its
+    process."""
+    fds = os.listdir("/proc/self/fd")
+    memfds = 0
+    for fd in fds:
+        try:
+            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:
+            pass
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return len(fds), memfds, rss

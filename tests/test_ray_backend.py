@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import numpy_reduce, rank_data, run_in, start_members
+from conftest import numpy_reduce, process_resources, rank_data, run_in, start_members
 from contract import CASES, check_every_collective, every_collective
+
 
 def join(rank, group, world_size, timeout=60.0):
     col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
@@ -426,26 +427,12 @@ def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, 
     assert [kv.keys(rendezvous.group_prefix(job, name)) for name in ODD_NAMES] == [[]] * 5
 
 
-def _resources(rank):
-    """Open descriptors (memfds among them) and resident memory of this process."""
-    fds = os.listdir("/proc/self/fd")
-    memfds = 0
-    for fd in fds:
-        try:
-            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return len(fds), memfds, rss
-
-
 def _churn(rank, group, calls):
     tensor = np.ones(2, np.float32)
     for _ in range(calls):
         col.allreduce(tensor, group)
         tensor[:] = 1
-    return _resources(rank)
+    return process_resources(rank)
 
 
 def test_churn_leaves_descriptors_memory_keys_and_directories_where_they_were(
@@ -458,7 +445,7 @@ def test_churn_leaves_descriptors_memory_keys_and_directories_where_they_were(
     col.declare_collective_group(actors, group_name="warm")
     run_in(ray_session, actors, _churn, "warm", 10)
     col.destroy_collective_group("warm")
-    before = run_in(ray_session, actors, _resources)
+    before = run_in(ray_session, actors, process_resources)
     for cycle in range(200):
         col.declare_collective_group(actors, group_name="churn")
         run_in(ray_session, actors, _churn, "churn", 2)
@@ -469,7 +456,7 @@ def test_churn_leaves_descriptors_memory_keys_and_directories_where_they_were(
         during = run_in(ray_session, actors, _churn, "calls", 10_000, timeout=300)
     finally:
         col.destroy_collective_group("calls")
-    after = run_in(ray_session, actors, _resources)
+    after = run_in(ray_session, actors, process_resources)
     for (fds0, memfds0, rss0), (fds1, memfds1, rss1), (fds2, _, rss2) in zip(before, after,
                                                                           during):
         assert (fds1, memfds1) == (fds0, memfds0)
