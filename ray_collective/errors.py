@@ -168,9 +168,11 @@ class GroupBrokenError(CollectiveError):
         self.group_name = group_name
         self.rank = rank
         self.cause = cause
+        advice = "Destroy the group and create it again."
+        told = str(cause).rstrip()
         super().__init__(
-            f"rank {rank} of group '{group_name}' is broken by an earlier failure: {cause} "
-            f"Destroy the group and create it again.")
+            f"rank {rank} of group '{group_name}' is broken by an earlier failure: {told}"
+            + ("" if told.endswith(advice) else f" {advice}"))
 
 
 class GroupError(CollectiveError):

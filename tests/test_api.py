@@ -614,3 +614,13 @@ def test_run_ranks_reports_every_failed_rank():
 
     with pytest.raises(RanksFailed, match="rank 1: KeyError"):
         run_ranks(2, body)
+
+
+@pytest.mark.parametrize("cause", [
+    "rank 2 died.",
+    "rank 2 died. Destroy the group and create it again.",
+])
+def test_a_broken_group_gives_its_advice_once(cause):
+    message = str(col.GroupBrokenError("g", 1, RuntimeError(cause)))
+    assert message.startswith("rank 1 of group 'g' is broken by an earlier failure: rank 2 died.")
+    assert message.count("Destroy the group and create it again.") == 1
