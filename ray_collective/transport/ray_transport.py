@@ -15,12 +15,15 @@ only where its node has a core for every rank of the group there (the rendezvous
 none at all on an oversubscribed node, where spinning would take the core a peer needs. Then it
 blocks in ``poll``, waking at least every 0.1 s to look for failures.
 
-Across nodes, sends go to a :class:`Relay` (the node's post office actor, see
-``backends.post_office``), batched: one actor task per destination node per round, however
+Across nodes, messages travel on authenticated TCP streams between the two ranks
+(``transport.tcp``, chosen by default; see :class:`Streams`), opened on a rank's first send to
+or receive from a peer there, and read in the same poll loop as the Unix sockets. Or, where
+the group chose the object store, sends go to a :class:`Relay` (the node's post office actor,
+see ``backends.post_office``), batched: one actor task per destination node per round, however
 many ranks of that node the round addresses. The post office delivers them on its node as if
 it were the sender.
 
-Failures: a peer's socket closing, or its process gone from the process table (checked every
+Failures: a peer's socket or stream closing, or its process gone from the process table (checked every
 0.1 s for the peers a rank waits for on its node, every second through the relay for the
 others), means it died; an abort by any rank is published in the node's shared state page
 (``transport.node_state``) and, through the relay, on every other node, and every waiting rank
@@ -41,7 +44,7 @@ import numpy as np
 
 from ..errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError, PeerDiedError,
                       PostOfficeDiedError, error_from_record, error_record)
-from . import uds, wire
+from . import tcp, uds, wire
 from .base import COLLECTIVE_CHANNEL, Request, SendRequest, Transport
 from .node_state import NodeState
 from .shm import PeerSegments, SendArena
@@ -73,6 +76,20 @@ class Peer:
     node: str
     pid: int
     socket_path: str
+
+
+class Streams:
+    """A rank's way to the ranks of other nodes over TCP (made by the backend).
+
+    Args:
+        listener: this rank's listening socket on its node's address.
+        address: where rank ``peer`` listens: ``(host, port)``; it may wait for the peer to
+            publish it, and raises ``OSError`` when it never does.
+    """
+
+    def __init__(self, listener, address: Callable[[int], Tuple[str, int]]):
+        self.listener = listener
+        self.address = address
 
 
 class Relay:
@@ -188,14 +205,16 @@ class RayTransport(Transport):
         peers: where every rank lives, indexed by rank.
         listener: this rank's listening socket (bound before the rendezvous).
         state: this node's shared state page of the group.
-        relay: reaches other nodes; None when the group has one node.
+        relay: reaches other nodes' post offices; None when the group has one node.
+        streams: carries messages to other nodes when given (else the relay does).
         connect_timeout: seconds to wait for a local peer's socket to accept.
         spin_s: seconds to poll without sleeping before blocking (0 on oversubscribed nodes).
     """
 
     def __init__(self, rank: int, group_name: str, group_key: bytes, peers: Sequence[Peer],
                  listener, state: NodeState, relay: Optional[Relay] = None,
-                 connect_timeout: float = 30.0, spin_s: float = 0.0):
+                 connect_timeout: float = 30.0, spin_s: float = 0.0,
+                 streams: Optional[Streams] = None):
         self.rank = rank
         self.world_size = len(peers)
         self.group_name = group_name
@@ -221,6 +240,13 @@ class RayTransport(Transport):
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._remote_batches: Dict[str, list] = {}
+        self._streams = streams
+        self._stream_listener_fd = -1
+        if streams is not None:
+            self._stream_listener_fd = streams.listener.fileno()
+            self._poll.register(self._stream_listener_fd, select.POLLIN)
+        self._streams_by_fd: Dict[int, tcp.StreamLink] = {}
+        self._stream_to: Dict[int, tcp.StreamLink] = {}
         self._dead: Dict[int, str] = {}
         self._lost_post_offices: set = set()
         self._current: Optional[wire.CallStamp] = None
@@ -234,6 +260,8 @@ class RayTransport(Transport):
         self._current = stamp
         tag = channel_tag(channel)
         if self.peers[peer].node != self.node:
+            if self._streams is not None:
+                return self._send_stream(peer, tag, stamp.packed, step, data)
             return self._send_remote(peer, tag, stamp.packed, step, data)
         request = SendRequest(peer)
         link = self._link_to(peer)
@@ -252,6 +280,45 @@ class RayTransport(Transport):
         batch = self._remote_batches.setdefault(self.peers[peer].node, [])
         batch.append((self.rank, peer, tag, step, len(data), packed, payload))
         return SendRequest(peer, done=True)
+
+    def _send_stream(self, peer: int, tag: int, packed: bytes, step: int,
+                     data: np.ndarray) -> Request:
+        request = SendRequest(peer)
+        link = self._stream_link(peer, "send")
+        frames = tcp.frame_pieces(step, tag, len(data), packed, data)
+        for frame in frames[:-1]:
+            link.send(frame)
+        link.send(frames[-1], request)
+        self._watch_stream(link)
+        return request
+
+    def _stream_link(self, peer: int, what: str) -> tcp.StreamLink:
+        """The stream this rank sends to ``peer`` on: the first one opened between the two, by
+        either end (messages to a peer must all take one stream to keep their order)."""
+        link = self._stream_to.get(peer)
+        if link is None:
+            if peer in self._dead:
+                raise self._peer_died([peer], what)
+            try:
+                host, port = self._streams.address(peer)
+                link = tcp.connect(host, port, self.rank, peer, self.group_key,
+                                   self.connect_timeout)
+            except OSError as err:
+                self._dead[peer] = (f"its stream on node {self.peers[peer].node[:8]} refused a "
+                                    f"connection: {err}")
+                raise self._peer_died([peer], what) from err
+            self._stream_to[peer] = link
+            self._streams_by_fd[link.fd] = link
+            self._poll.register(link.fd, select.POLLIN)
+        return link
+
+    def _watch_stream(self, link: tcp.StreamLink) -> None:
+        if link.closed or link.unwritable:
+            self._read_stream(link)
+            self._drop_stream(link)
+        elif self._streams_by_fd.get(link.fd) is link:
+            self._poll.modify(link.fd, select.POLLIN | (select.POLLOUT if link.backlogged
+                                                          else 0))
 
     def _flush_remote(self) -> None:
         if self._remote_batches:
@@ -283,6 +350,15 @@ class RayTransport(Transport):
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
         self._current = stamp
         receive = wire.Receive(peer, stamp, step, out, combine)
+        if (self._streams is not None and self.peers[peer].node != self.node
+                and peer not in self._stream_to and peer not in self._dead):
+            # A stream to the sender, whoever opened it, is how its death is seen at once.
+            # Failing to open one raises nothing here: what the sender sent before it went
+            # may be in the inbox already, and the wait raises if the receive misses it.
+            try:
+                self._stream_link(peer, "recv")
+            except PeerDiedError:
+                pass
         self._inbox.post((peer, channel_tag(channel)), receive)
         return receive
 
@@ -355,6 +431,95 @@ class RayTransport(Transport):
             self._links_by_fd[link.fd] = link
             self._poll.register(link.fd, select.POLLIN)
 
+    def _accept_streams(self) -> None:
+        while True:
+            try:
+                sock, _ = self._streams.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # the connection went before it was accepted
+            link = tcp.accepted(sock, self.rank, self.group_key)
+            self._streams_by_fd[link.fd] = link
+            self._poll.register(link.fd, select.POLLIN)
+
+    def _read_stream(self, link: tcp.StreamLink) -> None:
+        """Handle what ``link`` has received: its handshake, then its frames."""
+        try:
+            while True:
+                was_open = link.open
+                frame = link.receive()
+                if link.open and not was_open:
+                    self._on_stream_open(link)
+                if frame is None:
+                    return
+                self._on_stream_frame(link, frame)
+        except tcp.HandshakeError:
+            self.refused_connections += 1
+            if link.peer >= 0 and self._stream_to.get(link.peer) is link:
+                self._dead.setdefault(link.peer, "its stream did not prove the group's key")
+            self._drop_stream(link)
+        except ValueError as err:
+            self._stream_protocol_error(link, err)
+
+    def _on_stream_open(self, link: tcp.StreamLink) -> None:
+        if not 0 <= link.peer < self.world_size or self.peers[link.peer].node == self.node:
+            self.refused_connections += 1
+            link.peer = -1
+            self._drop_stream(link)
+            return
+        # The first stream between two ranks carries both ways; a second one (both connected
+        # at once) only brings the other's messages.
+        self._stream_to.setdefault(link.peer, link)
+        if link.backlogged:
+            self._poll.modify(link.fd, select.POLLIN | select.POLLOUT)
+
+    def _on_stream_frame(self, link: tcp.StreamLink, frame: memoryview) -> None:
+        if link.peer < 0:
+            return  # refused on opening: nothing it sent is read
+        try:
+            if frame[0] != wire.DATA:
+                raise ValueError(f"frame kind {frame[0]} on a stream")
+            tag, part = wire.parse_data(frame, link)
+            if part.segment != wire.INLINE:
+                raise ValueError("a shared-memory part on a stream")
+            self._inbox.arrive((link.peer, tag), part)
+        except (ValueError, struct.error) as err:
+            self._stream_protocol_error(link, err)
+
+    def _stream_protocol_error(self, link: tcp.StreamLink, err: Exception) -> None:
+        self._protocol_error = CollectiveError(
+            f"rank {self.rank} of group '{self.group_name}': rank {link.peer} sent a malformed "
+            f"frame on its stream ({type(err).__name__}: {err}); the stream was closed and the "
+            f"group is broken. Destroy the group and create it again.")
+        self._drop_stream(link, ended=False)
+
+    def _drop_stream(self, link: tcp.StreamLink, ended: bool = True) -> None:
+        """Forget a stream that closed. Once every stream with a peer has ended, the peer is
+        dead (a rank closes its streams only when it dies or leaves the group): two ranks that
+        connected to each other at once have two, and each delivers what was sent on it before
+        its end, so a message is never lost to the other one's end arriving first."""
+        if self._streams_by_fd.get(link.fd) is not link:
+            return
+        del self._streams_by_fd[link.fd]
+        self._poll.unregister(link.fd)
+        peer = link.peer
+        ours = peer >= 0 and self._stream_to.get(peer) is link
+        if ours:
+            del self._stream_to[peer]
+        if ended and peer >= 0 and (link.open or ours) and not any(
+                other.peer == peer for other in self._streams_by_fd.values()):
+            self._dead.setdefault(peer, f"its stream from node {self.peers[peer].node[:8]} "
+                                        f"ended (its process exited or left the group)")
+        link.close()
+
+    def _on_stream_event(self, link: tcp.StreamLink, events: int) -> None:
+        if events & select.POLLOUT:
+            link.flush()
+        if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            self._read_stream(link)
+        self._watch_stream(link)
+
     def _read_link(self, link: uds.Link) -> None:
         buffer = self._buffer
         while not link.closed:
@@ -373,6 +538,11 @@ class RayTransport(Transport):
                 continue
             link = self._links_by_fd.get(fd)
             if link is None:
+                stream = self._streams_by_fd.get(fd)
+                if stream is not None:
+                    self._on_stream_event(stream, events)
+                elif fd == self._stream_listener_fd:
+                    self._accept_streams()
                 continue
             if events & select.POLLOUT:
                 link.flush()
@@ -491,7 +661,9 @@ class RayTransport(Transport):
                 remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
-        if self.relay is not None and self.node not in self._lost_post_offices \
+        if self.relay is None:
+            return False
+        if self.node not in self._lost_post_offices \
                 and not self.relay.local_post_office_alive():
             self._lost_post_offices.add(self.node)
         if not (remote and remote_too):
@@ -526,6 +698,8 @@ class RayTransport(Transport):
         for node, ranks in by_node.items():
             if node == self.node:
                 responsive += self.state.responsive(ranks, seq)
+            elif self.relay is None:
+                return None  # nothing reaches that node's state page
             else:
                 responsive += self.relay.responsive(node, ranks, seq)
         absent = sorted(set(range(self.world_size)) - set(responsive))
@@ -546,6 +720,12 @@ class RayTransport(Transport):
             link.close()
         self._links_by_fd.clear()
         self._out_links.clear()
+        for stream in list(self._streams_by_fd.values()):
+            stream.close()
+        self._streams_by_fd.clear()
+        self._stream_to.clear()
+        if self._streams is not None:
+            self._streams.listener.close()
         self._listener.close()
         self._segments.close()
         self._arena.close()
