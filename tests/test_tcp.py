@@ -338,3 +338,17 @@ def test_close_leaves_no_listener_and_no_stream(tmp_path):
     assert all(t._streams.listener.fileno() == -1 for t in transports)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(address, timeout=2).close()
+
+
+def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.2)
+    transports = _transports(tmp_path, 2)
+    silent = socket.create_connection(transports[0]._streams.address(0), timeout=5)
+    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    assert transports[0].wait([receive], time.monotonic() + 1.0) == [receive]
+    assert transports[0].refused_connections == 1
+    challenge = silent.recv(tcp.CHALLENGE.size)
+    assert challenge.startswith(tcp.MAGIC) and silent.recv(1) == b""   # closed
+    silent.close()
+    for transport in transports:
+        transport.close()

@@ -513,6 +513,15 @@ class RayTransport(Transport):
                                         f"ended (its process exited or left the group)")
         link.close()
 
+    def _expire_handshakes(self, now: float) -> None:
+        """Close the accepted streams whose other end has not proved the key in time (a
+        stranger that connected and said nothing holds no socket for long). Streams this
+        rank opened wait: their peer answers when it next waits, however busy it is now."""
+        for link in list(self._streams_by_fd.values()):
+            if link.peer < 0 and now - link.opened_at > tcp.HANDSHAKE_TIMEOUT_S:
+                self.refused_connections += 1
+                self._drop_stream(link, ended=False)
+
     def _on_stream_event(self, link: tcp.StreamLink, events: int) -> None:
         if events & select.POLLOUT:
             link.flush()
@@ -606,6 +615,7 @@ class RayTransport(Transport):
                 return pending
             if now >= next_local:
                 self.state.beat(self.rank)
+                self._expire_handshakes(now)
                 remote = self._check_liveness({r.peer for r in pending}, now >= next_remote)
                 next_local = now + _LOCAL_LIVENESS_INTERVAL_S
                 if remote:

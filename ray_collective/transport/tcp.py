@@ -36,6 +36,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from collections import deque
 from typing import Deque, List, Optional, Tuple
 
@@ -61,6 +62,9 @@ PROOF = struct.Struct(f"<{MAC_BYTES}s")
 _RANKS = struct.Struct("<ii")
 
 SOCKET_BUFFER = 4 << 20
+
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection whose handshake has not completed this long after it opened is closed."""
 
 
 class HandshakeError(ConnectionError):
@@ -177,6 +181,7 @@ class StreamLink:
         closed: nothing more will arrive (the stream ended or failed, or this end closed it).
         unwritable: sending failed because the other end is gone.
         refused: the other end failed the handshake (the link is closed).
+        opened_at: when the connection was made (``time.monotonic()``).
     """
 
     def __init__(self, sock: socket.socket, rank: int, key: bytes, peer: Optional[int] = None):
@@ -188,6 +193,7 @@ class StreamLink:
         self.closed = False
         self.unwritable = False
         self.refused = False
+        self.opened_at = time.monotonic()
         self._key = key
         self._connecting = peer is not None
         self._accept_nonce = b""
