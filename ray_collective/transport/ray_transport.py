@@ -668,7 +668,11 @@ class RayTransport(Transport):
         for peer in peers:
             where = self.peers[peer]
             if where.node != self.node:
-                remote[where.node].append(peer)
+                # A peer with a stream is seen to die when the stream ends: asking its post
+                # office (an actor call that can take seconds on a loaded cluster) would only
+                # hold this rank away from reading that end.
+                if peer not in self._stream_to:
+                    remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
         if self.relay is None:
