@@ -105,6 +105,7 @@ def test_both_ends_prove_the_key_then_frames_flow_whole_and_in_order():
         rebuilt.view(np.uint8)[part.part_offset:part.part_offset + part.part_bytes] = \
             np.frombuffer(part.payload, np.uint8)
     assert offsets == [i * PART for i in range(len(frames))]
+    assert len(acceptor._buffer) > PART    # grown for the first large part
     np.testing.assert_array_equal(rebuilt, payload)
     connector.close()
     acceptor.close()
@@ -185,6 +186,7 @@ def test_frames_cut_anywhere_by_the_stream_are_put_back_together():
         if frame is not None:
             frames.append(bytes(frame))
     assert len(frames) == 2 and frames[0] == frames[1]
+    assert len(link._buffer) == tcp.SMALL_BUFFER_BYTES   # small messages, small buffer
     tag, part = wire.parse_data(memoryview(frames[0]), None)
     assert tag == 5 and np.frombuffer(part.payload).tolist() == [1.0, 2.0, 3.0]
     writer.close()

@@ -23,11 +23,11 @@ see ``backends.post_office``), batched: one actor task per destination node per 
 many ranks of that node the round addresses. The post office delivers them on its node as if
 it were the sender.
 
-Failures: a peer's socket or stream closing, or its process gone from the process table (checked every
-0.1 s for the peers a rank waits for on its node, every second through the relay for the
-others), means it died; an abort by any rank is published in the node's shared state page
-(``transport.node_state``) and, through the relay, on every other node, and every waiting rank
-raises it within one poll interval.
+Failures: a peer's socket or streams closing, or its process gone from the process table
+(checked every 0.1 s for the peers a rank waits for on its node, every second through the relay
+for the others that have no stream), means it died; an abort by any rank is published in the
+node's shared state page (``transport.node_state``) and, through the relay, on every other
+node, and every waiting rank raises it within one poll interval.
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ MAX_FRAME_BYTES = wire.DATA_FRAME.size + MAX_HEADER_BYTES + STREAM_PART_BYTES
 """The largest frame a stream accepts; a longer length prefix is a protocol error."""
 
 LENGTH = struct.Struct("<I")
+SMALL_BUFFER_BYTES = LENGTH.size + wire.DATA_FRAME.size + MAX_HEADER_BYTES + (64 << 10)
+"""A stream's receive buffer until a larger frame comes: a rank with streams to many peers
+(an alltoall across many nodes) keeps a quarter of a part's size per stream that carries only
+small messages."""
 NONCE_BYTES = 16
 MAC_BYTES = hashlib.sha256().digest_size
 MAGIC = b"RCS1"
@@ -198,7 +202,7 @@ class StreamLink:
         self._connecting = peer is not None
         self._accept_nonce = b""
         self._connect_nonce = b""
-        self._buffer = bytearray(MAX_FRAME_BYTES + LENGTH.size)
+        self._buffer = bytearray(SMALL_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = 0
         self._end = 0
@@ -270,7 +274,7 @@ class StreamLink:
             frame = self._next_frame()
             if frame is not None or self.closed:
                 return frame
-            if not self._fill(len(self._buffer)):
+            if not self._fill():
                 return None
 
     def _next_frame(self) -> Optional[memoryview]:
@@ -286,16 +290,25 @@ class StreamLink:
         self._start = begin + length
         return self._view[begin:self._start]
 
-    def _fill(self, limit: int) -> bool:
-        """Read what the kernel has, up to ``limit`` bytes held; whether anything came."""
+    def _fill(self, limit: Optional[int] = None) -> bool:
+        """Read what the kernel has, up to ``limit`` bytes held (the buffer's size when None);
+        whether anything came."""
         if self._start == self._end:
             self._start = self._end = 0
-        elif self._start + self._partial_frame_bytes() > len(self._buffer):
+        needed = self._partial_frame_bytes() if self.open else 0
+        if needed > len(self._buffer):
+            # The first frame larger than the buffer: make room for the largest there is.
+            kept = self._end - self._start
+            larger = bytearray(MAX_FRAME_BYTES + LENGTH.size)
+            larger[:kept] = self._buffer[self._start:self._end]
+            self._buffer, self._view = larger, memoryview(larger)
+            self._start, self._end = 0, kept
+        elif self._start + needed > len(self._buffer):
             # The frame begun at the end of the buffer would not fit: move it to the front.
             kept = self._end - self._start
             self._buffer[:kept] = self._buffer[self._start:self._end]
             self._start, self._end = 0, kept
-        room = limit - self._end
+        room = (len(self._buffer) if limit is None else limit) - self._end
         if room <= 0:
             return False
         try:
