@@ -303,23 +303,6 @@ def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
     transports[0].close()
 
 
-def test_a_malformed_frame_on_a_stream_breaks_the_call(tmp_path):
-    transports = _transports(tmp_path, 2)
-    host, port = transports[0]._streams.address(0)
-    rogue = tcp.connect(host, port, 1, 0, KEY, 5)
-    rogue.send([tcp.LENGTH.pack(8) + b"\x02garbage"])
-    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
-    deadline = time.monotonic() + 5
-    with pytest.raises(CollectiveError, match="malformed frame"):
-        while time.monotonic() < deadline:
-            rogue.receive()
-            rogue.flush()
-            transports[0].wait([receive], time.monotonic() + 0.05)
-    rogue.close()
-    for transport in transports:
-        transport.close()
-
-
 def test_close_leaves_no_listener_and_no_stream(tmp_path):
     transports = _transports(tmp_path, 2)
     address = transports[0]._streams.address(0)
@@ -352,5 +335,54 @@ def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path,
     challenge = silent.recv(tcp.CHALLENGE.size)
     assert challenge.startswith(tcp.MAGIC) and silent.recv(1) == b""   # closed
     silent.close()
+    for transport in transports:
+        transport.close()
+
+
+def _exchange_once(transports, sender, receiver):
+    stamp = _stamp()
+    send = transports[sender].isend(receiver, p2p_channel(0), stamp, 0, np.ones(1))
+    receive = transports[receiver].irecv(sender, p2p_channel(0), stamp, 0, np.zeros(1))
+    deadline = time.monotonic() + 5
+    while not (send.done and receive.done):
+        assert time.monotonic() < deadline
+        transports[sender].wait([send], time.monotonic() + 0.01)
+        transports[receiver].wait([receive], time.monotonic() + 0.01)
+
+
+def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
+    transports = _transports(tmp_path, 2)
+    _exchange_once(transports, 0, 1)
+    receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
+                                  np.zeros(1))
+    threading.Timer(0.2, transports[0].abort, [PeerDiedError("g", 0, "allreduce", 3, [5],
+                                                             "its process exited")]).start()
+    started = time.monotonic()
+    with pytest.raises(PeerDiedError) as caught:
+        transports[1].wait([receive], time.monotonic() + 30)
+    assert caught.value.dead_ranks == (5,) and "reported by rank 0" in str(caught.value)
+    assert time.monotonic() - started < 0.2 + 0.5   # no post office here: the stream did it
+    for transport in transports:
+        transport.close()
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x02garbage", bytes([wire.ABORT]) + b"not json", bytes([wire.ABORT]) + b"[1, 2]",
+    bytes([wire.ABORT]) + b'{"group": "g"}',
+    bytes([wire.ABORT]) + b'{"group": "other", "rank": 0, "kind": "X", "message": ""}'])
+def test_a_malformed_frame_on_a_stream_breaks_the_call_and_publishes_nothing(tmp_path, frame):
+    transports = _transports(tmp_path, 2)
+    host, port = transports[0]._streams.address(0)
+    rogue = tcp.connect(host, port, 1, 0, KEY, 5)
+    rogue.send(tcp.control_frame(frame))
+    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    deadline = time.monotonic() + 5
+    with pytest.raises(CollectiveError, match="malformed frame"):
+        while time.monotonic() < deadline:
+            rogue.receive()
+            rogue.flush()
+            transports[0].wait([receive], time.monotonic() + 0.05)
+    assert transports[0].state.aborted() is None
+    rogue.close()
     for transport in transports:
         transport.close()

@@ -478,6 +478,9 @@ class RayTransport(Transport):
         if link.peer < 0:
             return  # refused on opening: nothing it sent is read
         try:
+            if frame[0] == wire.ABORT:
+                self._on_stream_abort(link, wire.parse_abort(frame))
+                return
             if frame[0] != wire.DATA:
                 raise ValueError(f"frame kind {frame[0]} on a stream")
             tag, part = wire.parse_data(frame, link)
@@ -486,6 +489,19 @@ class RayTransport(Transport):
             self._inbox.arrive((link.peer, tag), part)
         except (ValueError, struct.error) as err:
             self._stream_protocol_error(link, err)
+
+    def _on_stream_abort(self, link: tcp.StreamLink, record: dict) -> None:
+        """Publish another node's failure on this node, as its post office would; the record
+        must describe an error of this group (else the frame is malformed)."""
+        try:
+            error_from_record(record, self.rank)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"an ABORT frame with a malformed record: {err!r}") from err
+        if record["group"] != self.group_name or not isinstance(record["rank"], int):
+            raise ValueError(f"an ABORT frame of group {record['group']!r}, rank "
+                             f"{record['rank']!r}")
+        self.state.abort(record)
+        self._knock_local_peers()
 
     def _stream_protocol_error(self, link: tcp.StreamLink, err: Exception) -> None:
         self._protocol_error = CollectiveError(
@@ -722,12 +738,23 @@ class RayTransport(Transport):
     def abort(self, error: BaseException) -> None:
         record = error_record(self.group_name, self.rank, error)
         self.state.abort(record)
-        # Ranks of this node blocked in poll learn of it now, not at their next wake-up.
+        self._knock_local_peers()
+        # The peers this rank has streams with learn of it at once, and publish it on their
+        # node (and, breaking in turn, on the nodes they have streams with); the post offices
+        # reach every other node.
+        frame = wire.abort_frame(record)
+        for link in list(self._streams_by_fd.values()):
+            if link.open and not (link.closed or link.unwritable):
+                link.send(tcp.control_frame(frame))
+        if self.relay is not None:
+            self.relay.abort(record)
+
+    def _knock_local_peers(self) -> None:
+        """Wake the ranks of this node blocked in poll, so that they look at the state page now
+        rather than at their next wake-up."""
         for rank, peer in enumerate(self.peers):
             if rank != self.rank and peer.node == self.node:
                 uds.knock(peer.socket_path)
-        if self.relay is not None:
-            self.relay.abort(record)
 
     def close(self) -> None:
         for link in list(self._links_by_fd.values()):

@@ -4,7 +4,7 @@ prefix.
 A rank whose group spans nodes listens on its node's address (never on all interfaces), on a
 port the OS picks. A stream carries the frames of the wire protocol (``transport.wire``), each
 preceded by its length, since a byte stream keeps no packet boundaries. Only ``DATA`` frames
-with an inline payload travel on it: a large message is cut into parts of
+with an inline payload (and ``ABORT`` when a group breaks) travel on it: a large message is cut into parts of
 :data:`STREAM_PART_BYTES`, each sent straight from the caller's tensor (gathered by the kernel
 with the frame and call header, no copy) and reduced or copied by the receiver while the next
 part is on its way.
@@ -147,6 +147,11 @@ def accepted(sock: socket.socket, rank: int, key: bytes) -> "StreamLink":
     _tune(sock)
     sock.setblocking(False)
     return StreamLink(sock, rank, key)
+
+
+def control_frame(body: bytes) -> list:
+    """The pieces of a frame that is not a message (an ABORT)."""
+    return [LENGTH.pack(len(body)) + body]
 
 
 def frame_pieces(step: int, tag: int, count: int, header: bytes, payload: np.ndarray,
