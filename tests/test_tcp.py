@@ -355,11 +355,13 @@ def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
     _exchange_once(transports, 0, 1)
     receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
                                   np.zeros(1))
-    threading.Timer(0.2, transports[0].abort, [PeerDiedError("g", 0, "allreduce", 3, [5],
-                                                             "its process exited")]).start()
+    aborter = threading.Timer(0.2, transports[0].abort, [
+        PeerDiedError("g", 0, "allreduce", 3, [5], "its process exited")])
+    aborter.start()
     started = time.monotonic()
     with pytest.raises(PeerDiedError) as caught:
         transports[1].wait([receive], time.monotonic() + 30)
+    aborter.join()
     assert caught.value.dead_ranks == (5,) and "reported by rank 0" in str(caught.value)
     assert time.monotonic() - started < 0.2 + 0.5   # no post office here: the stream did it
     for transport in transports:

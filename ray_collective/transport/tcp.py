@@ -4,10 +4,10 @@ prefix.
 A rank whose group spans nodes listens on its node's address (never on all interfaces), on a
 port the OS picks. A stream carries the frames of the wire protocol (``transport.wire``), each
 preceded by its length, since a byte stream keeps no packet boundaries. Only ``DATA`` frames
-with an inline payload (and ``ABORT`` when a group breaks) travel on it: a large message is cut into parts of
-:data:`STREAM_PART_BYTES`, each sent straight from the caller's tensor (gathered by the kernel
-with the frame and call header, no copy) and reduced or copied by the receiver while the next
-part is on its way.
+with an inline payload (and ``ABORT`` when a group breaks) travel on it: a large message is cut
+into parts of :data:`STREAM_PART_BYTES`, each sent straight from the caller's tensor (gathered
+by the kernel with the frame and call header, no copy) and reduced or copied by the receiver
+while the next part is on its way.
 
 Before any frame is read, both ends prove that they know the group's incarnation key, without
 sending it (a challenge-response with HMAC-SHA256):
