@@ -9,18 +9,26 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
 - the members' real nodes, the rank→node map each member's backend holds, and what the
   selector picks for that map;
 - which ranks sent anything to another node, after a phase of only the collectives that have a
-  hierarchical variant: the relay reaches a node's post office lazily, on a rank's first send
-  there, so a rank that never sent across nodes holds no post-office handle;
+  hierarchical variant: streams open lazily, on a rank's first send to or receive from a rank
+  there, and (over the object store) the relay reaches a node's post office lazily, on a
+  rank's first send there, so a rank that never talked across nodes holds neither;
 - every collective (and send/recv, barrier) on small and large (> 64 KiB) tensors, checked
   against numpy; failures are recorded as text;
 - the post-office actors while the group lives (one per node, checked by asking each where it
   runs), and the named actors and internal-KV keys left after the driver destroys the group;
-- the same for an imperative group (init_collective_group inside each member);
-- what every rank raises, and how soon, when node 1's post office is killed mid-allreduce.
+- the same for the declared group over the object store (``RAY_COLLECTIVE_CROSS_NODE``) and
+  for an imperative group (init_collective_group inside each member) over streams;
+- over streams: a stranger that connects to a rank's stream listener with a wrong key
+  (refused, counted, the group unharmed), and the stream sockets each member held, looked
+  for among its open files after the destroy;
+- what every rank raises, and how soon, when node 1's post office is killed mid-allreduce;
+- what every survivor raises, and how soon, when rank 3 is SIGKILLed mid-allreduce, the
+  allreduce a ring so that rank 3 has a stream to rank 4 (last: it costs a member).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -30,7 +38,8 @@ from ray.cluster_utils import Cluster
 
 import ray_collective as col
 from ray_collective.algorithms.selector import select
-from ray_collective.backends.ray_backend import POST_OFFICE_LOOKUP_S
+from ray_collective.backends.ray_backend import CROSS_NODE_VARIABLE, POST_OFFICE_LOOKUP_S
+from ray_collective.transport import tcp
 from conftest import Member, numpy_reduce, rank_data, run_in
 from contract import check_every_collective, every_collective
 from test_ray_backend import _group_keys, join, leave
@@ -98,11 +107,42 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
         col.reduce(tensor, root, group)
         outputs[f"reduce-{length}"] = tensor
     backend = current_registry().get(group).backend
-    relay = backend.transport.relay
+    transport = backend.transport
+    relay = transport.relay
+    streams = transport._streams
+    stream_nodes = {transport.peers[peer].node for peer in transport._stream_to}
     return {"outputs": outputs, "membership": type(backend).__name__,
             "node": ray.get_runtime_context().get_node_id(),
             "node_of": None if backend.node_of is None else list(backend.node_of),
-            "sent_to_nodes": sorted(relay._handles) if relay is not None else []}
+            "streams": streams is not None,
+            "stream_sockets": [] if streams is None else sorted(
+                [_inode(streams.listener.fileno())]
+                + [_inode(fd) for fd in transport._streams_by_fd]),
+            "sent_to_nodes": sorted(stream_nodes if streams is not None
+                                    else set(relay._handles) if relay is not None else ())}
+
+
+def _inode(fd: int) -> int:
+    return os.fstat(fd).st_ino
+
+
+def open_socket_inodes(_rank: int) -> list:
+    """Inside a member: the inodes of every socket its process holds open."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.append(int(target[len("socket:["):-1]))
+    return found
+
+
+def set_environment(_rank: int, name: str, value: str) -> None:
+    """Inside a member: set what its next groups read from the environment (the transport
+    between nodes, a forced algorithm)."""
+    os.environ[name] = value
 
 
 def check_hierarchical_phase(results: list, root: int) -> list:
@@ -131,6 +171,7 @@ def observe_hierarchy(results: list, root: int) -> dict:
         "selected": {f"{c}-{n}": select(c, n, 8, WORLD_SIZE, node_of).name
                      for c in HIERARCHICAL_COLLECTIVES for n in (SMALL, LARGE)},
         "ranks_that_crossed_nodes": [r for r, res in enumerate(results) if res["sent_to_nodes"]],
+        "streams": [r["streams"] for r in results],
         "root": root,
         "failures": check_hierarchical_phase(results, root),
     }
@@ -170,21 +211,72 @@ def post_offices_gone_within(seconds: float) -> float:
     return -1.0
 
 
-def declared_group(members: list) -> dict:
-    group = "multinode-declared"
+def declared_group(members: list, cross_node: str = "streams") -> dict:
+    group = f"multinode-declared-{cross_node}"
+    run_in(ray, members, set_environment, CROSS_NODE_VARIABLE, cross_node)
     col.declare_collective_group(members, backend="ray", group_name=group)
     root = WORLD_SIZE - 1
-    summary = observe_hierarchy(run_in(ray, members, hierarchical_phase, group, root), root)
+    results = run_in(ray, members, hierarchical_phase, group, root)
+    summary = observe_hierarchy(results, root)
     summary["failures"] += every_collective_failures(members, group)
+    if cross_node == "streams":
+        summary["stranger"] = stranger_with_a_wrong_key(members, group)
     summary["post_office_nodes"] = post_office_nodes()
     col.destroy_collective_group(group)
     summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)
     summary["keys_left"] = [k.decode() for k in _group_keys(ray, group)]
+    still_open = run_in(ray, members, open_socket_inodes)
+    summary["stream_sockets_left"] = [sorted(set(r["stream_sockets"]) & set(now))
+                                      for r, now in zip(results, still_open)]
+    summary["stream_sockets_seen"] = sum(len(r["stream_sockets"]) for r in results)
     return summary
+
+
+def _allreduce_once(rank: int, group: str) -> bool:
+    tensor = rank_data(rank, SMALL, "float64")
+    col.allreduce(tensor, group)
+    return bool(np.array_equal(tensor, numpy_reduce(
+        [rank_data(r, SMALL, "float64") for r in range(WORLD_SIZE)], col.ReduceOp.SUM)))
+
+
+def _refused_connections(_rank: int, group: str) -> int:
+    from ray_collective.group import current_registry
+    return current_registry().get(group).backend.transport.refused_connections
+
+
+def stranger_with_a_wrong_key(members: list, group: str) -> dict:
+    """The driver connects to rank 2's stream listener (its endpoint read from the group's
+    keys) with a key of its own, while the members run allreduces (a rank accepts while it
+    waits): what the stranger saw, what rank 2 counted, and whether the group still works."""
+    target = 2
+    endpoint = next(k.decode().rsplit("/", 3)[1:] for k in _group_keys(ray, group)
+                    if f"/stream/{target}/" in k.decode())
+    host, port = endpoint[1], int(endpoint[2])
+    stranger = tcp.connect(host, port, 0, target, os.urandom(16), 10)
+    refused_by_stranger = False
+    correct = []
+    deadline = time.monotonic() + 30
+    while not stranger.closed and time.monotonic() < deadline:
+        refs = [m.__ray_call__.remote(lambda _self, r=r: _allreduce_once(r, group))
+                for r, m in enumerate(members)]
+        while not stranger.closed and ray.wait(refs, num_returns=len(refs), timeout=0.01)[1]:
+            try:
+                stranger.receive()
+            except tcp.HandshakeError:
+                refused_by_stranger = True
+        correct += ray.get(refs)
+    stranger_closed = stranger.closed
+    stranger.close()
+    correct += run_in(ray, members, _allreduce_once, group)
+    return {"host": host, "closed": stranger_closed, "opened": stranger.open,
+            "refused_by_stranger": refused_by_stranger,
+            "refused_by_target": run_in(ray, members, _refused_connections, group),
+            "allreduces_correct": all(correct)}
 
 
 def imperative_group(members: list) -> dict:
     group = "multinode-imperative"
+    run_in(ray, members, set_environment, CROSS_NODE_VARIABLE, "streams")
     joined = run_in(ray, members, join, group, WORLD_SIZE)
     root = 0
     summary = observe_hierarchy(run_in(ray, members, hierarchical_phase, group, root), root)
@@ -231,14 +323,42 @@ def post_office_killed(members: list) -> dict:
             "keys_left": [k.decode() for k in _group_keys(ray, group)]}
 
 
+def rank_killed(members: list) -> dict:
+    """SIGKILL rank 3 while every rank loops on a ring allreduce (rank 3 sends to rank 4 on
+    node 2 over a stream): what each survivor raises and how long after the kill.
+
+    Not a node's lowest rank: that one owns its node's post office, which dies with it, and
+    its node's other ranks then raise ``PostOfficeDiedError`` (see test_multinode)."""
+    group = "multinode-rank-killed"
+    victim = 3
+    run_in(ray, members, set_environment, "RAY_COLLECTIVE_ALGORITHM", "allreduce=ring")
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    pid = ray.get(members[victim].pid.remote())
+    refs = {r: m.__ray_call__.remote(lambda _self, r=r: _loop_until_error(r, group))
+            for r, m in enumerate(members)}
+    time.sleep(1.0)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    survivors = [r for r in refs if r != victim]
+    outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
+    return {"victim": victim, "ranks": survivors,
+            "errors": [kind for kind, _, _ in outcomes.values()],
+            "messages": [message for _, message, _ in outcomes.values()],
+            "seconds_after_kill": [at - killed_at for _, _, at in outcomes.values()]}
+
+
 def main() -> dict:
     started = time.monotonic()
     cluster = start_cluster()
     try:
         summary = {"nodes": node_ids(), "cluster_start_s": time.monotonic() - started}
         members = start_members_on_nodes()
-        for name, scenario in (("declared", declared_group), ("imperative", imperative_group),
-                               ("post_office_killed", post_office_killed)):
+        for name, scenario in (("declared", declared_group),
+                               ("declared_object_store",
+                                lambda m: declared_group(m, "object_store")),
+                               ("imperative", imperative_group),
+                               ("post_office_killed", post_office_killed),
+                               ("rank_killed", rank_killed)):
             begun = time.monotonic()
             summary[name] = scenario(members)
             summary[name]["seconds"] = time.monotonic() - begun

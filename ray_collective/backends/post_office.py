@@ -1,15 +1,17 @@
 """The post office: the one helper actor per node of a group that spans nodes.
 
-Ranks on other nodes send it one actor task per round (``deliver``) holding every message of
-that round for ranks on its node: small payloads inline in the task's arguments, large ones as
-numpy arrays that Ray moves through the object store (arguments above Ray's inline limit become
-ObjectRefs, read here without a copy). The post office sends each message to its local
-destination exactly as the sender would on its own node, through the same link and wire
-protocol code (``transport.ray_transport.Deliveries``), so a receiving rank treats local and
-remote peers alike.
+Over the object store (``RAY_COLLECTIVE_CROSS_NODE=object_store``), ranks on other nodes send
+it one actor task per round (``deliver``) holding every message of that round for ranks on its
+node: small payloads inline in the task's arguments, large ones as numpy arrays that Ray moves
+through the object store (arguments above Ray's inline limit become ObjectRefs, read here
+without a copy). The post office sends each message to its local destination exactly as the
+sender would on its own node, through the same link and wire protocol code
+(``transport.ray_transport.Deliveries``), so a receiving rank treats local and remote peers
+alike. Over streams it carries no message (the ranks' own streams do).
 
-It also answers for its node: which ranks are dead (process table), which have started a
-collective and are not stalled in it (the node's state page), and publishes an abort raised on another node.
+Either way it answers for its node: which ranks are dead (process table), which have started a
+collective and are not stalled in it (the node's state page), and publishes an abort raised on
+another node.
 
 One post office per node per group, created by the node's lowest rank and owned by it; it
 handles one task at a time, which keeps each sender's messages in order.

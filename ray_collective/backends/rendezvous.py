@@ -6,9 +6,13 @@ may use the same group name. One incarnation of a group is identified by a rando
 - ``<prefix>token`` holds the current token. Whoever opens an incarnation (rank 0 of an
   imperative group, or the driver of a declared one) first clears the prefix, so keys left by a
   crashed earlier incarnation cannot pose as members.
-- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>`` announces one member (``cores``:
-  the CPUs its process may run on). Everything a peer needs
-  is in the key itself, so one ``list`` call reads the whole membership.
+- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>/<cross node>`` announces one member
+  (``cores``: the CPUs its process may run on; ``cross node``: the transport it asks for
+  between nodes, ``streams`` or ``object_store``). Everything a peer needs is in the key
+  itself, so one ``list`` call reads the whole membership.
+- ``<prefix><token>/stream/<rank>/<host>/<port>`` is where a member of a group that spans
+  nodes listens for streams from other nodes, published right after the membership is
+  complete and read by a peer when it first connects.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
@@ -33,7 +37,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 from urllib.parse import quote
 
 from ..errors import CollectiveTimeoutError
@@ -77,6 +81,7 @@ class Member:
     node: str
     pid: int
     cores: int = 1
+    cross_node: str = "streams"
 
 
 def group_prefix(job_id: str, group_name: str) -> str:
@@ -213,14 +218,29 @@ def mark_broken(kv: KeyValue, prefix: str, token: str) -> None:
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
-    return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}"
+    return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}"
 
 
 def _members(kv: KeyValue, prefix: str, token: str) -> List[Member]:
     found = []
     for key in kv.keys(f"{prefix}{token}/member/"):
-        rank, node, pid, cores = key.rsplit("/", 4)[1:]
-        found.append(Member(int(rank), node, int(pid), int(cores)))
+        rank, node, pid, cores, cross_node = key.rsplit("/", 5)[1:]
+        found.append(Member(int(rank), node, int(pid), int(cores), cross_node))
+    return found
+
+
+def publish_stream_endpoint(kv: KeyValue, prefix: str, token: str, rank: int, host: str,
+                            port: int) -> None:
+    """Record where ``rank`` listens for streams from other nodes."""
+    kv.put(f"{prefix}{token}/stream/{rank}/{host}/{port}")
+
+
+def stream_endpoints(kv: KeyValue, prefix: str, token: str) -> Dict[int, Tuple[str, int]]:
+    """``{rank: (host, port)}`` of the members that have published their stream endpoint."""
+    found = {}
+    for key in kv.keys(f"{prefix}{token}/stream/"):
+        rank, host, port = key.rsplit("/", 3)[1:]
+        found[int(rank)] = (host, int(port))
     return found
 
 

@@ -15,16 +15,19 @@ only where its node has a core for every rank of the group there (the rendezvous
 none at all on an oversubscribed node, where spinning would take the core a peer needs. Then it
 blocks in ``poll``, waking at least every 0.1 s to look for failures.
 
-Across nodes, sends go to a :class:`Relay` (the node's post office actor, see
-``backends.post_office``), batched: one actor task per destination node per round, however
+Across nodes, messages travel on authenticated TCP streams between the two ranks
+(``transport.tcp``, chosen by default; see :class:`Streams`), opened on a rank's first send to
+or receive from a peer there, and read in the same poll loop as the Unix sockets. Or, where
+the group chose the object store, sends go to a :class:`Relay` (the node's post office actor,
+see ``backends.post_office``), batched: one actor task per destination node per round, however
 many ranks of that node the round addresses. The post office delivers them on its node as if
 it were the sender.
 
-Failures: a peer's socket closing, or its process gone from the process table (checked every
-0.1 s for the peers a rank waits for on its node, every second through the relay for the
-others), means it died; an abort by any rank is published in the node's shared state page
-(``transport.node_state``) and, through the relay, on every other node, and every waiting rank
-raises it within one poll interval.
+Failures: a peer's socket or streams closing, or its process gone from the process table
+(checked every 0.1 s for the peers a rank waits for on its node, every second through the relay
+for the others that have no stream), means it died; an abort by any rank is published in the
+node's shared state page (``transport.node_state``) and, through the relay, on every other
+node, and every waiting rank raises it within one poll interval.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 
 from ..errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError, PeerDiedError,
                       PostOfficeDiedError, error_from_record, error_record)
-from . import uds, wire
+from . import tcp, uds, wire
 from .base import COLLECTIVE_CHANNEL, Request, SendRequest, Transport
 from .node_state import NodeState
 from .shm import PeerSegments, SendArena
@@ -73,6 +76,20 @@ class Peer:
     node: str
     pid: int
     socket_path: str
+
+
+class Streams:
+    """A rank's way to the ranks of other nodes over TCP (made by the backend).
+
+    Args:
+        listener: this rank's listening socket on its node's address.
+        address: where rank ``peer`` listens: ``(host, port)``; it may wait for the peer to
+            publish it, and raises ``OSError`` when it never does.
+    """
+
+    def __init__(self, listener, address: Callable[[int], Tuple[str, int]]):
+        self.listener = listener
+        self.address = address
 
 
 class Relay:
@@ -188,14 +205,16 @@ class RayTransport(Transport):
         peers: where every rank lives, indexed by rank.
         listener: this rank's listening socket (bound before the rendezvous).
         state: this node's shared state page of the group.
-        relay: reaches other nodes; None when the group has one node.
+        relay: reaches other nodes' post offices; None when the group has one node.
+        streams: carries messages to other nodes when given (else the relay does).
         connect_timeout: seconds to wait for a local peer's socket to accept.
         spin_s: seconds to poll without sleeping before blocking (0 on oversubscribed nodes).
     """
 
     def __init__(self, rank: int, group_name: str, group_key: bytes, peers: Sequence[Peer],
                  listener, state: NodeState, relay: Optional[Relay] = None,
-                 connect_timeout: float = 30.0, spin_s: float = 0.0):
+                 connect_timeout: float = 30.0, spin_s: float = 0.0,
+                 streams: Optional[Streams] = None):
         self.rank = rank
         self.world_size = len(peers)
         self.group_name = group_name
@@ -221,8 +240,16 @@ class RayTransport(Transport):
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._remote_batches: Dict[str, list] = {}
+        self._streams = streams
+        self._stream_listener_fd = -1
+        if streams is not None:
+            self._stream_listener_fd = streams.listener.fileno()
+            self._poll.register(self._stream_listener_fd, select.POLLIN)
+        self._streams_by_fd: Dict[int, tcp.StreamLink] = {}
+        self._stream_to: Dict[int, tcp.StreamLink] = {}
         self._dead: Dict[int, str] = {}
         self._lost_post_offices: set = set()
+        self._next_post_office_check = 0.0
         self._current: Optional[wire.CallStamp] = None
         self._protocol_error: Optional[CollectiveError] = None
         self.refused_connections = 0
@@ -234,6 +261,8 @@ class RayTransport(Transport):
         self._current = stamp
         tag = channel_tag(channel)
         if self.peers[peer].node != self.node:
+            if self._streams is not None:
+                return self._send_stream(peer, tag, stamp.packed, step, data)
             return self._send_remote(peer, tag, stamp.packed, step, data)
         request = SendRequest(peer)
         link = self._link_to(peer)
@@ -252,6 +281,45 @@ class RayTransport(Transport):
         batch = self._remote_batches.setdefault(self.peers[peer].node, [])
         batch.append((self.rank, peer, tag, step, len(data), packed, payload))
         return SendRequest(peer, done=True)
+
+    def _send_stream(self, peer: int, tag: int, packed: bytes, step: int,
+                     data: np.ndarray) -> Request:
+        request = SendRequest(peer)
+        link = self._stream_link(peer, "send")
+        frames = tcp.frame_pieces(step, tag, len(data), packed, data)
+        for frame in frames[:-1]:
+            link.send(frame)
+        link.send(frames[-1], request)
+        self._watch_stream(link)
+        return request
+
+    def _stream_link(self, peer: int, what: str) -> tcp.StreamLink:
+        """The stream this rank sends to ``peer`` on: the first one opened between the two, by
+        either end (messages to a peer must all take one stream to keep their order)."""
+        link = self._stream_to.get(peer)
+        if link is None:
+            if peer in self._dead:
+                raise self._peer_died([peer], what)
+            try:
+                host, port = self._streams.address(peer)
+                link = tcp.connect(host, port, self.rank, peer, self.group_key,
+                                   self.connect_timeout)
+            except OSError as err:
+                self._dead[peer] = (f"its stream on node {self.peers[peer].node[:8]} refused a "
+                                    f"connection: {err}")
+                raise self._peer_died([peer], what) from err
+            self._stream_to[peer] = link
+            self._streams_by_fd[link.fd] = link
+            self._poll.register(link.fd, select.POLLIN)
+        return link
+
+    def _watch_stream(self, link: tcp.StreamLink) -> None:
+        if link.closed or link.unwritable:
+            self._read_stream(link)
+            self._drop_stream(link)
+        elif self._streams_by_fd.get(link.fd) is link:
+            self._poll.modify(link.fd, select.POLLIN | (select.POLLOUT if link.backlogged
+                                                          else 0))
 
     def _flush_remote(self) -> None:
         if self._remote_batches:
@@ -283,6 +351,15 @@ class RayTransport(Transport):
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
         self._current = stamp
         receive = wire.Receive(peer, stamp, step, out, combine)
+        if (self._streams is not None and self.peers[peer].node != self.node
+                and peer not in self._stream_to and peer not in self._dead):
+            # A stream to the sender, whoever opened it, is how its death is seen at once.
+            # Failing to open one raises nothing here: what the sender sent before it went
+            # may be in the inbox already, and the wait raises if the receive misses it.
+            try:
+                self._stream_link(peer, "recv")
+            except PeerDiedError:
+                pass
         self._inbox.post((peer, channel_tag(channel)), receive)
         return receive
 
@@ -355,6 +432,120 @@ class RayTransport(Transport):
             self._links_by_fd[link.fd] = link
             self._poll.register(link.fd, select.POLLIN)
 
+    def _accept_streams(self) -> None:
+        while True:
+            try:
+                sock, _ = self._streams.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # the connection went before it was accepted
+            link = tcp.accepted(sock, self.rank, self.group_key)
+            self._streams_by_fd[link.fd] = link
+            self._poll.register(link.fd, select.POLLIN)
+
+    def _read_stream(self, link: tcp.StreamLink) -> None:
+        """Handle what ``link`` has received: its handshake, then its frames."""
+        try:
+            while True:
+                was_open = link.open
+                frame = link.receive()
+                if link.open and not was_open:
+                    self._on_stream_open(link)
+                if frame is None:
+                    return
+                self._on_stream_frame(link, frame)
+        except tcp.HandshakeError:
+            self.refused_connections += 1
+            if link.peer >= 0 and self._stream_to.get(link.peer) is link:
+                self._dead.setdefault(link.peer, "its stream did not prove the group's key")
+            self._drop_stream(link)
+        except ValueError as err:
+            self._stream_protocol_error(link, err)
+
+    def _on_stream_open(self, link: tcp.StreamLink) -> None:
+        if not 0 <= link.peer < self.world_size or self.peers[link.peer].node == self.node:
+            self.refused_connections += 1
+            link.peer = -1
+            self._drop_stream(link)
+            return
+        # The first stream between two ranks carries both ways; a second one (both connected
+        # at once) only brings the other's messages.
+        self._stream_to.setdefault(link.peer, link)
+        if link.backlogged:
+            self._poll.modify(link.fd, select.POLLIN | select.POLLOUT)
+
+    def _on_stream_frame(self, link: tcp.StreamLink, frame: memoryview) -> None:
+        if link.peer < 0:
+            return  # refused on opening: nothing it sent is read
+        try:
+            if frame[0] == wire.ABORT:
+                self._on_stream_abort(link, wire.parse_abort(frame))
+                return
+            if frame[0] != wire.DATA:
+                raise ValueError(f"frame kind {frame[0]} on a stream")
+            tag, part = wire.parse_data(frame, link)
+            if part.segment != wire.INLINE:
+                raise ValueError("a shared-memory part on a stream")
+            self._inbox.arrive((link.peer, tag), part)
+        except (ValueError, struct.error) as err:
+            self._stream_protocol_error(link, err)
+
+    def _on_stream_abort(self, link: tcp.StreamLink, record: dict) -> None:
+        """Publish another node's failure on this node, as its post office would; the record
+        must describe an error of this group (else the frame is malformed)."""
+        try:
+            error_from_record(record, self.rank)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"an ABORT frame with a malformed record: {err!r}") from err
+        if record["group"] != self.group_name or not isinstance(record["rank"], int):
+            raise ValueError(f"an ABORT frame of group {record['group']!r}, rank "
+                             f"{record['rank']!r}")
+        self.state.abort(record)
+        self._knock_local_peers()
+
+    def _stream_protocol_error(self, link: tcp.StreamLink, err: Exception) -> None:
+        self._protocol_error = CollectiveError(
+            f"rank {self.rank} of group '{self.group_name}': rank {link.peer} sent a malformed "
+            f"frame on its stream ({type(err).__name__}: {err}); the stream was closed and the "
+            f"group is broken. Destroy the group and create it again.")
+        self._drop_stream(link, ended=False)
+
+    def _drop_stream(self, link: tcp.StreamLink, ended: bool = True) -> None:
+        """Forget a stream that closed. Once every stream with a peer has ended, the peer is
+        dead (a rank closes its streams only when it dies or leaves the group): two ranks that
+        connected to each other at once have two, and each delivers what was sent on it before
+        its end, so a message is never lost to the other one's end arriving first."""
+        if self._streams_by_fd.get(link.fd) is not link:
+            return
+        del self._streams_by_fd[link.fd]
+        self._poll.unregister(link.fd)
+        peer = link.peer
+        ours = peer >= 0 and self._stream_to.get(peer) is link
+        if ours:
+            del self._stream_to[peer]
+        if ended and peer >= 0 and (link.open or ours) and not any(
+                other.peer == peer for other in self._streams_by_fd.values()):
+            self._dead.setdefault(peer, f"its stream from node {self.peers[peer].node[:8]} "
+                                        f"ended (its process exited or left the group)")
+        link.close()
+
+    def _expire_handshakes(self, now: float) -> None:
+        """Close the accepted streams whose other end has not proved the key in time (a
+        stranger that connected and said nothing holds no socket for long). Streams this
+        rank opened wait: their peer answers when it next waits, however busy it is now."""
+        for link in list(self._streams_by_fd.values()):
+            if link.peer < 0 and now - link.opened_at > tcp.HANDSHAKE_TIMEOUT_S:
+                self.refused_connections += 1
+                self._drop_stream(link, ended=False)
+
+    def _on_stream_event(self, link: tcp.StreamLink, events: int) -> None:
+        if events & select.POLLOUT:
+            link.flush()
+        if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            self._read_stream(link)
+        self._watch_stream(link)
+
     def _read_link(self, link: uds.Link) -> None:
         buffer = self._buffer
         while not link.closed:
@@ -373,6 +564,11 @@ class RayTransport(Transport):
                 continue
             link = self._links_by_fd.get(fd)
             if link is None:
+                stream = self._streams_by_fd.get(fd)
+                if stream is not None:
+                    self._on_stream_event(stream, events)
+                elif fd == self._stream_listener_fd:
+                    self._accept_streams()
                 continue
             if events & select.POLLOUT:
                 link.flush()
@@ -406,6 +602,8 @@ class RayTransport(Transport):
 
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
         self._flush_remote()
+        if self._local_post_office_lost():
+            raise self._post_office_died(self.node)
         deliveries = self._deliveries
         if self.spin_s:
             # Spin while messages keep coming: each arrival buys another spin_s, so a rank
@@ -436,6 +634,7 @@ class RayTransport(Transport):
                 return pending
             if now >= next_local:
                 self.state.beat(self.rank)
+                self._expire_handshakes(now)
                 remote = self._check_liveness({r.peer for r in pending}, now >= next_remote)
                 next_local = now + _LOCAL_LIVENESS_INTERVAL_S
                 if remote:
@@ -488,12 +687,16 @@ class RayTransport(Transport):
         for peer in peers:
             where = self.peers[peer]
             if where.node != self.node:
-                remote[where.node].append(peer)
+                # A peer with a stream is seen to die when the stream ends: asking its post
+                # office (an actor call that can take seconds on a loaded cluster) would only
+                # hold this rank away from reading that end.
+                if peer not in self._stream_to:
+                    remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
-        if self.relay is not None and self.node not in self._lost_post_offices \
-                and not self.relay.local_post_office_alive():
-            self._lost_post_offices.add(self.node)
+        if self.relay is None:
+            return False
+        self._local_post_office_lost()
         if not (remote and remote_too):
             return False
         for node, ranks in remote.items():
@@ -504,6 +707,22 @@ class RayTransport(Transport):
             for peer in dead:
                 self._dead.setdefault(peer, f"its process on node {node[:8]} exited")
         return True
+
+    def _local_post_office_lost(self) -> bool:
+        """Whether this node's post office is known to be dead; looked at again at most once
+        per liveness interval.
+
+        Asked at every wait, not only in waits long enough for the liveness checks: over
+        streams a group's calls can all finish within that interval, and a rank must still
+        learn of the loss (its abort then tells the other nodes)."""
+        if self.relay is None:
+            return False
+        now = time.monotonic()
+        if self.node not in self._lost_post_offices and now >= self._next_post_office_check:
+            self._next_post_office_check = now + _LOCAL_LIVENESS_INTERVAL_S
+            if not self.relay.local_post_office_alive():
+                self._lost_post_offices.add(self.node)
+        return self.node in self._lost_post_offices
 
     def _post_office_died(self, node: str) -> PostOfficeDiedError:
         return PostOfficeDiedError(self.group_name, self.rank, *self._call(), node,
@@ -526,6 +745,8 @@ class RayTransport(Transport):
         for node, ranks in by_node.items():
             if node == self.node:
                 responsive += self.state.responsive(ranks, seq)
+            elif self.relay is None:
+                return None  # nothing reaches that node's state page
             else:
                 responsive += self.relay.responsive(node, ranks, seq)
         absent = sorted(set(range(self.world_size)) - set(responsive))
@@ -534,18 +755,35 @@ class RayTransport(Transport):
     def abort(self, error: BaseException) -> None:
         record = error_record(self.group_name, self.rank, error)
         self.state.abort(record)
-        # Ranks of this node blocked in poll learn of it now, not at their next wake-up.
+        self._knock_local_peers()
+        # The peers this rank has streams with learn of it at once, and publish it on their
+        # node (and, breaking in turn, on the nodes they have streams with); the post offices
+        # reach every other node.
+        frame = wire.abort_frame(record)
+        for link in list(self._streams_by_fd.values()):
+            if link.open and not (link.closed or link.unwritable):
+                link.send(tcp.control_frame(frame))
+        if self.relay is not None:
+            self.relay.abort(record)
+
+    def _knock_local_peers(self) -> None:
+        """Wake the ranks of this node blocked in poll, so that they look at the state page now
+        rather than at their next wake-up."""
         for rank, peer in enumerate(self.peers):
             if rank != self.rank and peer.node == self.node:
                 uds.knock(peer.socket_path)
-        if self.relay is not None:
-            self.relay.abort(record)
 
     def close(self) -> None:
         for link in list(self._links_by_fd.values()):
             link.close()
         self._links_by_fd.clear()
         self._out_links.clear()
+        for stream in list(self._streams_by_fd.values()):
+            stream.close()
+        self._streams_by_fd.clear()
+        self._stream_to.clear()
+        if self._streams is not None:
+            self._streams.listener.close()
         self._listener.close()
         self._segments.close()
         self._arena.close()

@@ -15,6 +15,8 @@ Frames, one per packet:
   the sender's packed call header. Small messages are one inline part; large ones are cut into
   parts so that the receiver reduces one part while the sender writes the next.
 - ``RELEASE``: receiver to sender: the shared-memory part at (segment, offset) has been read.
+- ``ABORT``: (on streams between nodes) the sender's group broke: its error record as JSON, for
+  the receiver to publish on its node as a post office would.
 
 Matching follows MPI: messages between two ranks on one channel are received in the order they
 were sent, and receives are matched in the order they were posted. A part that arrives before
@@ -26,6 +28,7 @@ a difference is a :class:`~ray_collective.errors.CollectiveMismatchError` naming
 
 from __future__ import annotations
 
+import json
 import struct
 from collections import defaultdict, deque
 from dataclasses import dataclass, fields, replace
@@ -36,6 +39,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError
 
 HELLO, DATA, RELEASE = 1, 2, 3
+ABORT = 4
 INLINE = -1
 """The segment number of a part whose bytes follow its header in the packet."""
 
@@ -209,6 +213,25 @@ def data_frame(step: int, tag: int, count: int, nbytes: int, part_offset: int,
 def release_frame(segment: int, offset: int) -> bytes:
     """The frame telling a sender that its shared-memory part at (segment, offset) was read."""
     return RELEASE_FRAME.pack(RELEASE, segment, offset)
+
+
+def abort_frame(record: dict) -> bytes:
+    """The frame telling a peer that the group broke, with the error record (JSON, no pickle)."""
+    return bytes([ABORT]) + json.dumps(record).encode()
+
+
+def parse_abort(packet) -> dict:
+    """The error record of an ABORT packet.
+
+    Raises:
+        ValueError: the packet is not an ABORT holding a JSON object.
+    """
+    if not len(packet) or packet[0] != ABORT:
+        raise ValueError("not an ABORT frame")
+    record = json.loads(bytes(packet[1:]).decode())
+    if not isinstance(record, dict):
+        raise ValueError("an ABORT frame whose record is not an object")
+    return record
 
 
 def parse_hello(packet) -> Tuple[int, bytes]:

@@ -1,0 +1,407 @@
+"""TCP streams between ranks on different nodes: a handshake, then wire frames with a length
+prefix.
+
+A rank whose group spans nodes listens on its node's address (never on all interfaces), on a
+port the OS picks. A stream carries the frames of the wire protocol (``transport.wire``), each
+preceded by its length, since a byte stream keeps no packet boundaries. Only ``DATA`` frames
+with an inline payload (and ``ABORT`` when a group breaks) travel on it: a large message is cut
+into parts of :data:`STREAM_PART_BYTES`, each sent straight from the caller's tensor (gathered
+by the kernel with the frame and call header, no copy) and reduced or copied by the receiver
+while the next part is on its way.
+
+Before any frame is read, both ends prove that they know the group's incarnation key, without
+sending it (a challenge-response with HMAC-SHA256):
+
+1. the accepting end sends ``CHALLENGE`` (a magic and its 16-byte random nonce);
+2. the connecting end answers ``RESPONSE``: its rank, its own nonce and
+   ``HMAC(key, "connect" | both nonces | both ranks)``;
+3. the accepting end checks it (``hmac.compare_digest``) and sends ``PROOF``:
+   ``HMAC(key, "accept" | both nonces | both ranks)``; the connecting end checks it before it
+   sends anything of the group's.
+
+An accepting end reads exactly the ``RESPONSE``'s bytes before it decides, so nothing a
+connection that fails sent afterwards is ever read; it is closed and counted by the caller.
+Nothing from a peer is unpickled: frames are fixed binary structs and raw payload bytes.
+
+A :class:`StreamLink` is sans-policy: it reads and writes without blocking and reports what it
+saw (frames, the end of the stream, a failed handshake); the transport decides what a closed
+stream means (a dead peer).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from collections import deque
+from typing import Deque, List, Optional, Tuple
+
+import numpy as np
+
+from . import wire
+
+STREAM_PART_BYTES = 256 << 10
+"""A large payload travels in parts of this many bytes: the receiver reduces one part while
+the next arrives."""
+
+MAX_HEADER_BYTES = 4096
+MAX_FRAME_BYTES = wire.DATA_FRAME.size + MAX_HEADER_BYTES + STREAM_PART_BYTES
+"""The largest frame a stream accepts; a longer length prefix is a protocol error."""
+
+LENGTH = struct.Struct("<I")
+SMALL_BUFFER_BYTES = LENGTH.size + wire.DATA_FRAME.size + MAX_HEADER_BYTES + (64 << 10)
+"""A stream's receive buffer until a larger frame comes: a rank with streams to many peers
+(an alltoall across many nodes) keeps a quarter of a part's size per stream that carries only
+small messages."""
+NONCE_BYTES = 16
+MAC_BYTES = hashlib.sha256().digest_size
+MAGIC = b"RCS1"
+CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
+RESPONSE = struct.Struct(f"<i{NONCE_BYTES}s{MAC_BYTES}s")
+PROOF = struct.Struct(f"<{MAC_BYTES}s")
+_RANKS = struct.Struct("<ii")
+
+SOCKET_BUFFER = 4 << 20
+
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A connection whose handshake has not completed this long after it opened is closed."""
+
+
+class HandshakeError(ConnectionError):
+    """The other end of a stream did not prove knowledge of the group's key."""
+
+
+def handshake_mac(key: bytes, role: bytes, accept_nonce: bytes, connect_nonce: bytes,
+                  connecting_rank: int, accepting_rank: int) -> bytes:
+    """The HMAC one end of a handshake presents.
+
+    Args:
+        key: the group's incarnation key.
+        role: ``b"connect"`` or ``b"accept"`` (so that one end's answer never serves the other).
+        accept_nonce: the accepting end's nonce.
+        connect_nonce: the connecting end's nonce.
+        connecting_rank: the rank that connected.
+        accepting_rank: the rank that accepted.
+
+    Returns:
+        32 bytes of HMAC-SHA256.
+    """
+    message = (b"ray_collective stream " + role + accept_nonce + connect_nonce
+               + _RANKS.pack(connecting_rank, accepting_rank))
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def listen(host: str, backlog: int) -> socket.socket:
+    """A nonblocking listening TCP socket on ``host`` (an address, never all interfaces), on a
+    port the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        server.bind((host, 0))
+        server.listen(backlog)
+    except BaseException:
+        server.close()
+        raise
+    server.setblocking(False)
+    return server
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError:
+            pass  # the system maximum applies; smaller buffers only mean more polling
+
+
+def connect(host: str, port: int, rank: int, peer: int, key: bytes,
+            timeout: float) -> "StreamLink":
+    """Open a stream to rank ``peer`` listening at (``host``, ``port``), as rank ``rank``.
+
+    The TCP connection is made now (the peer's kernel accepts it without the peer's help); the
+    handshake goes on as the link is read (:meth:`StreamLink.receive`), and what is sent waits
+    for it.
+
+    Raises:
+        OSError: the connection was refused or timed out.
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        _tune(sock)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return StreamLink(sock, rank, key, peer=peer)
+
+
+def accepted(sock: socket.socket, rank: int, key: bytes) -> "StreamLink":
+    """Wrap a socket returned by ``accept``: its challenge leaves now; the peer is known once
+    its response proves the key."""
+    _tune(sock)
+    sock.setblocking(False)
+    return StreamLink(sock, rank, key)
+
+
+def control_frame(body: bytes) -> list:
+    """The pieces of a frame that is not a message (an ABORT)."""
+    return [LENGTH.pack(len(body)) + body]
+
+
+def frame_pieces(step: int, tag: int, count: int, header: bytes, payload: np.ndarray,
+                 part_bytes: int = STREAM_PART_BYTES) -> List[list]:
+    """The frames of one message as lists of pieces to gather (length prefix and DATA frame,
+    call header, a view of the payload's part), one list per part."""
+    raw = payload.view(np.uint8) if payload.dtype != np.uint8 else payload
+    nbytes = raw.nbytes
+    view = memoryview(raw).cast("B") if nbytes else memoryview(b"")
+    frames = []
+    start = 0
+    while True:
+        stop = min(nbytes, start + part_bytes)
+        frame = wire.data_frame(step, tag, count, nbytes, start, stop - start, wire.INLINE, 0,
+                                len(header))
+        length = len(frame) + len(header) + stop - start
+        frames.append([LENGTH.pack(length) + frame, header, view[start:stop]])
+        start = stop
+        if start >= nbytes:
+            return frames
+
+
+class StreamLink:
+    """One end of an authenticated stream: frames out (queued while the kernel is full) and in.
+
+    Args:
+        sock: a connected nonblocking stream socket.
+        rank: this end's rank.
+        key: the group's incarnation key.
+        peer: the rank this end connected to; None for an accepted connection (its rank is
+            known once its response proves the key).
+
+    Attributes:
+        peer: the rank at the other end (-1 until an accepted connection proves the key).
+        open: the handshake has completed; frames flow.
+        closed: nothing more will arrive (the stream ended or failed, or this end closed it).
+        unwritable: sending failed because the other end is gone.
+        refused: the other end failed the handshake (the link is closed).
+        opened_at: when the connection was made (``time.monotonic()``).
+    """
+
+    def __init__(self, sock: socket.socket, rank: int, key: bytes, peer: Optional[int] = None):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.rank = rank
+        self.peer = -1 if peer is None else peer
+        self.open = False
+        self.closed = False
+        self.unwritable = False
+        self.refused = False
+        self.opened_at = time.monotonic()
+        self._key = key
+        self._connecting = peer is not None
+        self._accept_nonce = b""
+        self._connect_nonce = b""
+        self._buffer = bytearray(SMALL_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+        self._outbox: Deque[Tuple[list, object]] = deque()
+        if not self._connecting:
+            self._accept_nonce = os.urandom(NONCE_BYTES)
+            self._write_handshake(CHALLENGE.pack(MAGIC, self._accept_nonce))
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether frames wait for room in the kernel (none can leave before the handshake)."""
+        return self.open and bool(self._outbox)
+
+    # ------------------------------------------------------------------ sending
+
+    def send(self, pieces: list, request=None) -> None:
+        """Send one frame made of ``pieces`` (gathered by the kernel); ``request.done`` turns
+        true once it is out. The pieces must stay unchanged until then."""
+        self._outbox.append((pieces, request))
+        if self.open and len(self._outbox) == 1:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand queued frames to the kernel until it is full."""
+        outbox = self._outbox
+        while outbox and self.open and not (self.closed or self.unwritable):
+            pieces, request = outbox[0]
+            try:
+                sent = self.sock.sendmsg(pieces)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                if err.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN,
+                                 errno.ETIMEDOUT):
+                    self.unwritable = True
+                    outbox.clear()
+                    return
+                raise
+            while sent:
+                first = pieces[0]
+                if len(first) <= sent:
+                    sent -= len(first)
+                    del pieces[0]
+                else:
+                    pieces[0] = memoryview(first)[sent:]
+                    sent = 0
+            while pieces and not len(pieces[0]):
+                del pieces[0]
+            if pieces:
+                continue
+            outbox.popleft()
+            if request is not None:
+                request.done = True
+
+    # ---------------------------------------------------------------- receiving
+
+    def receive(self) -> Optional[memoryview]:
+        """The next whole frame (a view valid until the next call), or None when none is ready
+        (``closed`` is set when the stream ended). Drives the handshake first.
+
+        Raises:
+            HandshakeError: the other end failed the handshake (the link is now closed).
+            ValueError: the other end sent a frame longer than any frame of the protocol.
+        """
+        while not self.open:
+            if self.closed or not self._handshake_step():
+                return None
+        while True:
+            frame = self._next_frame()
+            if frame is not None or self.closed:
+                return frame
+            if not self._fill():
+                return None
+
+    def _next_frame(self) -> Optional[memoryview]:
+        available = self._end - self._start
+        if available < LENGTH.size:
+            return None
+        (length,) = LENGTH.unpack_from(self._buffer, self._start)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"stream frame of {length} bytes (at most {MAX_FRAME_BYTES})")
+        if available < LENGTH.size + length:
+            return None
+        begin = self._start + LENGTH.size
+        self._start = begin + length
+        return self._view[begin:self._start]
+
+    def _fill(self, limit: Optional[int] = None) -> bool:
+        """Read what the kernel has, up to ``limit`` bytes held (the buffer's size when None);
+        whether anything came."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        needed = self._partial_frame_bytes() if self.open else 0
+        if needed > len(self._buffer):
+            # The first frame larger than the buffer: make room for the largest there is.
+            kept = self._end - self._start
+            larger = bytearray(MAX_FRAME_BYTES + LENGTH.size)
+            larger[:kept] = self._buffer[self._start:self._end]
+            self._buffer, self._view = larger, memoryview(larger)
+            self._start, self._end = 0, kept
+        elif self._start + needed > len(self._buffer):
+            # The frame begun at the end of the buffer would not fit: move it to the front.
+            kept = self._end - self._start
+            self._buffer[:kept] = self._buffer[self._start:self._end]
+            self._start, self._end = 0, kept
+        room = (len(self._buffer) if limit is None else limit) - self._end
+        if room <= 0:
+            return False
+        try:
+            got = self.sock.recv_into(self._view[self._end:self._end + room])
+        except BlockingIOError:
+            return False
+        except OSError:
+            self.closed = True
+            return False
+        if not got:
+            self.closed = True
+            return False
+        self._end += got
+        return True
+
+    def _partial_frame_bytes(self) -> int:
+        """The size, length prefix included, of the frame that starts at ``_start``."""
+        if self._end - self._start < LENGTH.size:
+            return LENGTH.size
+        return LENGTH.size + LENGTH.unpack_from(self._buffer, self._start)[0]
+
+    def _read_exact(self, nbytes: int) -> Optional[bytes]:
+        """Exactly ``nbytes`` of the handshake (never a byte more), or None until they came."""
+        while self._end < nbytes:
+            if not self._fill(nbytes):
+                return None
+        data = bytes(self._buffer[:nbytes])
+        self._start = self._end = 0
+        return data
+
+    def _handshake_step(self) -> bool:
+        """Advance the handshake by one message; whether it moved."""
+        if not self._connecting:
+            response = self._read_exact(RESPONSE.size)
+            if response is None:
+                return False
+            peer, self._connect_nonce, mac = RESPONSE.unpack(response)
+            expected = handshake_mac(self._key, b"connect", self._accept_nonce,
+                                     self._connect_nonce, peer, self.rank)
+            if not hmac.compare_digest(mac, expected) or peer < 0:
+                self._refuse()
+            self.peer = peer
+            self._write_handshake(PROOF.pack(handshake_mac(
+                self._key, b"accept", self._accept_nonce, self._connect_nonce, peer, self.rank)))
+            self.open = not self.closed
+            return True
+        if not self._accept_nonce:
+            challenge = self._read_exact(CHALLENGE.size)
+            if challenge is None:
+                return False
+            magic, self._accept_nonce = CHALLENGE.unpack(challenge)
+            if magic != MAGIC:
+                self._refuse()
+            self._connect_nonce = os.urandom(NONCE_BYTES)
+            self._write_handshake(RESPONSE.pack(self.rank, self._connect_nonce, handshake_mac(
+                self._key, b"connect", self._accept_nonce, self._connect_nonce, self.rank,
+                self.peer)))
+            return True
+        proof = self._read_exact(PROOF.size)
+        if proof is None:
+            return False
+        expected = handshake_mac(self._key, b"accept", self._accept_nonce, self._connect_nonce,
+                                 self.rank, self.peer)
+        if not hmac.compare_digest(PROOF.unpack(proof)[0], expected):
+            self._refuse()
+        self.open = True
+        self.flush()
+        return True
+
+    def _refuse(self) -> None:
+        self.refused = True
+        self.close()
+        raise HandshakeError(f"rank {self.rank}: a stream's other end did not prove the "
+                             f"group's key; it was closed")
+
+    def _write_handshake(self, message: bytes) -> None:
+        # A handshake message is the first thing on a fresh stream: it fits the kernel's
+        # buffer whole, or the stream is broken.
+        try:
+            sent = self.sock.send(message)
+        except OSError:
+            sent = 0
+        if sent != len(message):
+            self.closed = True
+
+    def close(self) -> None:
+        """Close the socket; queued frames are dropped."""
+        self.closed = True
+        self.open = False
+        self._outbox.clear()
+        self.sock.close()

@@ -1,0 +1,390 @@
+"""The streams between nodes (``transport.tcp``) without Ray: the handshake, the framing, and
+the ``ray`` transport over real TCP on the loopback address, every rank a thread of this
+process and the ranks split between two pretend nodes (so that every message between them
+takes a stream): every collective against numpy, a key that is wrong, a stream that ends.
+"""
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ray_collective as col
+from conftest import numpy_reduce, rank_data
+from test_ray_backend import check_every_collective, every_collective
+from ray_collective.backends.base import BackendFactory
+from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.errors import CollectiveError, PeerDiedError
+from ray_collective.testing import run_ranks
+from ray_collective.transport import tcp, uds, wire
+from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
+from ray_collective.transport.node_state import NodeState
+from ray_collective.transport.ray_transport import Peer, RayTransport, Streams
+from ray_collective.transport.wire import CallHeader, HeaderTemplate
+
+KEY = b"0123456789abcdef"
+WRONG_KEY = b"fedcba9876543210"
+HOST = "127.0.0.1"
+PART = tcp.STREAM_PART_BYTES
+
+
+def _stamp(collective="send/recv", count=1, seq=0):
+    return HeaderTemplate(CallHeader("g", 0, 0, collective, "direct", "float64", count,
+                                     (count,))).stamp(seq)
+
+
+def _pair(connect_key=KEY, accept_key=KEY):
+    """A connected (connecting link of rank 1, accepting link of rank 0) over loopback TCP."""
+    server = tcp.listen(HOST, 4)
+    try:
+        connector = tcp.connect(HOST, server.getsockname()[1], 1, 0, connect_key, 5)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                sock, _ = server.accept()
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+    finally:
+        server.close()
+    return connector, tcp.accepted(sock, 0, accept_key)
+
+
+def _pump(links, seconds):
+    """Flush and read every link for ``seconds`` (handshake errors propagate)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _read_once(links)
+        time.sleep(0.0005)
+
+
+def _read_once(links):
+    """Flush and read every link once; the frames each received, as bytes."""
+    frames = [[] for _ in links]
+    for i, link in enumerate(links):
+        link.flush()
+        while not link.closed:
+            frame = link.receive()
+            if frame is None:
+                break
+            frames[i].append(bytes(frame))
+    return frames
+
+
+def test_both_ends_prove_the_key_then_frames_flow_whole_and_in_order():
+    connector, acceptor = _pair()
+    payload = np.arange(3 * PART // 8 + 5, dtype=np.float64)   # 4 parts, the last one short
+    stamp = _stamp(count=len(payload))
+
+    class Done:
+        done = False
+
+    request = Done()
+    frames = tcp.frame_pieces(3, 7, len(payload), stamp.packed, payload)
+    for frame in frames[:-1]:
+        connector.send(frame)
+    connector.send(frames[-1], request)
+    assert not request.done  # nothing leaves before the accepting end's proof
+    received = []
+    deadline = time.monotonic() + 5
+    while not (request.done and len(received) == len(frames)):
+        assert time.monotonic() < deadline, "the frames did not arrive"
+        received += _read_once([connector, acceptor])[1]
+    assert connector.open and acceptor.open and acceptor.peer == 1
+    rebuilt = np.zeros_like(payload)
+    offsets = []
+    for frame in received:
+        tag, part = wire.parse_data(memoryview(frame), None)
+        assert (tag, part.step, part.count, bytes(part.header)) == (7, 3, len(payload),
+                                                                   stamp.packed)
+        offsets.append(part.part_offset)
+        rebuilt.view(np.uint8)[part.part_offset:part.part_offset + part.part_bytes] = \
+            np.frombuffer(part.payload, np.uint8)
+    assert offsets == [i * PART for i in range(len(frames))]
+    assert len(acceptor._buffer) > PART    # grown for the first large part
+    np.testing.assert_array_equal(rebuilt, payload)
+    connector.close()
+    acceptor.close()
+
+
+def test_a_connector_without_the_key_is_refused_and_nothing_it_sent_after_is_read():
+    connector, acceptor = _pair(connect_key=WRONG_KEY)
+    connector.send(tcp.frame_pieces(0, 0, 1, _stamp().packed, np.ones(1))[0])
+    with pytest.raises(tcp.HandshakeError):
+        _pump([connector, acceptor], 2)
+    assert acceptor.refused and acceptor.closed and acceptor.peer == -1
+    connector.close()
+
+
+def test_a_listener_that_cannot_prove_the_key_gets_nothing():
+    """An impostor on a peer's port: it challenges, reads the response, and answers with a
+    proof it cannot make; the connecting end closes without sending what it had queued."""
+    server = socket.create_server((HOST, 0))
+    connector = tcp.connect(HOST, server.getsockname()[1], 1, 0, KEY, 5)
+    impostor, _ = server.accept()
+    server.close()
+    impostor.sendall(tcp.CHALLENGE.pack(tcp.MAGIC, os.urandom(tcp.NONCE_BYTES)))
+
+    class Done:
+        done = False
+
+    request = Done()
+    connector.send(tcp.frame_pieces(0, 0, 1, _stamp().packed, np.ones(1))[0], request)
+    assert connector.receive() is None   # reads the challenge and answers it
+    impostor.settimeout(5)
+    response = b""
+    while len(response) < tcp.RESPONSE.size:
+        response += impostor.recv(tcp.RESPONSE.size - len(response))
+    assert KEY not in response
+    impostor.sendall(os.urandom(tcp.PROOF.size))
+    with pytest.raises(tcp.HandshakeError):
+        _pump([connector], 2)
+    assert connector.refused and connector.closed and not request.done
+    impostor.settimeout(2)
+    assert impostor.recv(1 << 16) == b""   # the stream ended with nothing after the response
+    impostor.close()
+
+
+def test_the_handshake_is_not_the_key_and_differs_per_connection():
+    macs = {tcp.handshake_mac(KEY, b"connect", os.urandom(16), os.urandom(16), 1, 0)
+            for _ in range(3)}
+    assert len(macs) == 3 and all(KEY not in mac for mac in macs)
+    assert tcp.handshake_mac(KEY, b"connect", b"a" * 16, b"b" * 16, 1, 0) != \
+        tcp.handshake_mac(KEY, b"accept", b"a" * 16, b"b" * 16, 1, 0)
+
+
+def test_a_frame_longer_than_the_protocol_allows_is_an_error():
+    connector, acceptor = _pair()
+    deadline = time.monotonic() + 5
+    while not (connector.open and acceptor.open):
+        assert time.monotonic() < deadline
+        _read_once([connector, acceptor])
+    connector.send([tcp.LENGTH.pack(tcp.MAX_FRAME_BYTES + 1)])
+    with pytest.raises(ValueError, match="stream frame"):
+        _pump([acceptor], 2)
+    connector.close()
+    acceptor.close()
+
+
+def test_frames_cut_anywhere_by_the_stream_are_put_back_together():
+    """A byte stream keeps no boundaries: frames fed one byte at a time come out whole."""
+    writer, reader = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    link = tcp.StreamLink(reader, 0, KEY, peer=1)
+    link.open = True  # the handshake is tested above; this is about the framing
+    reader.setblocking(False)
+    stamp = _stamp(count=3)
+    message = b"".join(bytes(piece) for frame in tcp.frame_pieces(
+        0, 5, 3, stamp.packed, np.array([1.0, 2.0, 3.0])) for piece in frame) * 2
+    frames = []
+    for byte in message:
+        writer.send(bytes([byte]))
+        frame = link.receive()
+        if frame is not None:
+            frames.append(bytes(frame))
+    assert len(frames) == 2 and frames[0] == frames[1]
+    assert len(link._buffer) == tcp.SMALL_BUFFER_BYTES   # small messages, small buffer
+    tag, part = wire.parse_data(memoryview(frames[0]), None)
+    assert tag == 5 and np.frombuffer(part.payload).tolist() == [1.0, 2.0, 3.0]
+    writer.close()
+    link.close()
+
+
+# ---------------------------------------------------------- the transport over streams
+
+def _transports(tmp_path, world_size, key_of=lambda rank: KEY):
+    """Ranks on two pretend nodes (the first half on "a"), streams between them on loopback."""
+    nodes = ["a" if rank < (world_size + 1) // 2 else "b" for rank in range(world_size)]
+    paths, states = [], {}
+    for rank, node in enumerate(nodes):
+        directory = str(tmp_path / node)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        paths.append(os.path.join(directory, f"{rank}.sock"))
+    peers = [Peer(nodes[r], os.getpid(), paths[r]) for r in range(world_size)]
+    listeners = [tcp.listen(HOST, 16) for _ in range(world_size)]
+    addresses = {r: (HOST, listener.getsockname()[1]) for r, listener in enumerate(listeners)}
+    transports = []
+    for rank in range(world_size):
+        state = NodeState(os.path.dirname(paths[rank]), "g", world_size)
+        states.setdefault(nodes[rank], state)
+        transports.append(RayTransport(rank, "g", key_of(rank), peers,
+                                       uds.listen(paths[rank], 16), state, connect_timeout=5,
+                                       streams=Streams(listeners[rank], addresses.__getitem__)))
+    return transports
+
+
+class StreamFactory(BackendFactory):
+    name = "stream-test"
+
+    def __init__(self, transports, forced=None):
+        self.transports = transports
+        self.forced = forced or {}
+
+    def available(self):
+        return True
+
+    def create(self, group_name, world_size, rank, timeout):
+        return TransportBackend(group_name, self.transports[rank], forced=self.forced,
+                                node_of=[t.node for t in self.transports])
+
+
+@pytest.mark.parametrize("dtype,op_name,count", [
+    ("float64", "SUM", 0), ("int64", "SUM", 1), ("float32", "MAX", 1000),
+    ("float64", "SUM", 2 * PART // 8 + 3), ("int32", "PRODUCT", 7)])
+def test_every_collective_across_two_nodes_over_streams_matches_numpy(tmp_path, dtype,
+                                                                      op_name, count):
+    p = 4
+    factory = StreamFactory(_transports(tmp_path, p))
+    results = run_ranks(p, lambda rank: every_collective(rank, "default", p, dtype, op_name,
+                                                         count, "numpy"),
+                        factory_of=lambda rank: factory, timeout=60)
+    check_every_collective(results, p, dtype, op_name, count)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
+def test_a_large_allreduce_in_many_stream_parts_is_exact(tmp_path, algorithm):
+    count, p = 5 * PART // 4 + 5, 4       # several stream parts per message, float32
+
+    def body(rank):
+        y = rank_data(rank, count, np.float32)
+        col.allreduce(y)
+        return y
+
+    factory = StreamFactory(_transports(tmp_path, p), {"allreduce": algorithm})
+    expected = numpy_reduce([rank_data(r, count, np.float32) for r in range(p)],
+                            col.ReduceOp.SUM)
+    for y in run_ranks(p, body, factory_of=lambda rank: factory, timeout=60):
+        np.testing.assert_array_equal(y, expected)
+
+
+def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp_path):
+    transports = _transports(tmp_path, 2)
+    host, port = transports[0]._streams.address(0)
+    stranger = tcp.connect(host, port, 1, 0, WRONG_KEY, 5)
+    stamp = _stamp()
+    stranger.send(tcp.frame_pieces(0, 0, 1, stamp.packed, np.float64([42.0]))[0])
+    out = np.zeros(1)
+    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, out)
+    deadline = time.monotonic() + 5
+    while transports[0].refused_connections == 0 and time.monotonic() < deadline:
+        transports[0]._progress(0.05)
+        try:
+            stranger.receive()
+        except tcp.HandshakeError:
+            pass
+    assert transports[0].refused_connections == 1
+    assert not receive.done and out[0] == 0
+    stranger.close()
+    for transport in transports:
+        transport.close()
+
+
+def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
+    transports = _transports(tmp_path, 2)
+    stamp = _stamp("allreduce", seq=4)
+    receive = transports[0].irecv(1, COLLECTIVE_CHANNEL, stamp, 0, np.zeros(1))
+    # Rank 1 takes the stream rank 0 opened, then leaves without sending.
+    deadline = time.monotonic() + 5
+    while not transports[1]._stream_to and time.monotonic() < deadline:
+        transports[1]._progress(0.01)
+        transports[0]._progress(0.01)
+    assert transports[1]._stream_to
+    killer = threading.Timer(0.2, transports[1].close)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(PeerDiedError) as caught:
+        transports[0].wait([receive], time.monotonic() + 30)
+    assert caught.value.dead_ranks == (1,) and caught.value.seq == 4
+    assert "stream" in str(caught.value)
+    assert time.monotonic() - started < 0.2 + 1.0
+    transports[0].close()
+
+
+def test_close_leaves_no_listener_and_no_stream(tmp_path):
+    transports = _transports(tmp_path, 2)
+    address = transports[0]._streams.address(0)
+    stamp = _stamp()
+    send = transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))
+    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))
+    deadline = time.monotonic() + 5
+    while not (send.done and receive.done):
+        assert time.monotonic() < deadline
+        transports[1].wait([send], time.monotonic() + 0.01)
+        transports[0].wait([receive], time.monotonic() + 0.01)
+    streams = list(transports[0]._streams_by_fd.values()) + list(
+        transports[1]._streams_by_fd.values())
+    assert streams
+    for transport in transports:
+        transport.close()
+    assert all(s.closed and s.sock.fileno() == -1 for s in streams)
+    assert all(t._streams.listener.fileno() == -1 for t in transports)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(address, timeout=2).close()
+
+
+def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.2)
+    transports = _transports(tmp_path, 2)
+    silent = socket.create_connection(transports[0]._streams.address(0), timeout=5)
+    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    assert transports[0].wait([receive], time.monotonic() + 1.0) == [receive]
+    assert transports[0].refused_connections == 1
+    challenge = silent.recv(tcp.CHALLENGE.size)
+    assert challenge.startswith(tcp.MAGIC) and silent.recv(1) == b""   # closed
+    silent.close()
+    for transport in transports:
+        transport.close()
+
+
+def _exchange_once(transports, sender, receiver):
+    stamp = _stamp()
+    send = transports[sender].isend(receiver, p2p_channel(0), stamp, 0, np.ones(1))
+    receive = transports[receiver].irecv(sender, p2p_channel(0), stamp, 0, np.zeros(1))
+    deadline = time.monotonic() + 5
+    while not (send.done and receive.done):
+        assert time.monotonic() < deadline
+        transports[sender].wait([send], time.monotonic() + 0.01)
+        transports[receiver].wait([receive], time.monotonic() + 0.01)
+
+
+def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
+    transports = _transports(tmp_path, 2)
+    _exchange_once(transports, 0, 1)
+    receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
+                                  np.zeros(1))
+    aborter = threading.Timer(0.2, transports[0].abort, [
+        PeerDiedError("g", 0, "allreduce", 3, [5], "its process exited")])
+    aborter.start()
+    started = time.monotonic()
+    with pytest.raises(PeerDiedError) as caught:
+        transports[1].wait([receive], time.monotonic() + 30)
+    aborter.join()
+    assert caught.value.dead_ranks == (5,) and "reported by rank 0" in str(caught.value)
+    assert time.monotonic() - started < 0.2 + 0.5   # no post office here: the stream did it
+    for transport in transports:
+        transport.close()
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x02garbage", bytes([wire.ABORT]) + b"not json", bytes([wire.ABORT]) + b"[1, 2]",
+    bytes([wire.ABORT]) + b'{"group": "g"}',
+    bytes([wire.ABORT]) + b'{"group": "other", "rank": 0, "kind": "X", "message": ""}'])
+def test_a_malformed_frame_on_a_stream_breaks_the_call_and_publishes_nothing(tmp_path, frame):
+    transports = _transports(tmp_path, 2)
+    host, port = transports[0]._streams.address(0)
+    rogue = tcp.connect(host, port, 1, 0, KEY, 5)
+    rogue.send(tcp.control_frame(frame))
+    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    deadline = time.monotonic() + 5
+    with pytest.raises(CollectiveError, match="malformed frame"):
+        while time.monotonic() < deadline:
+            rogue.receive()
+            rogue.flush()
+            transports[0].wait([receive], time.monotonic() + 0.05)
+    assert transports[0].state.aborted() is None
+    rogue.close()
+    for transport in transports:
+        transport.close()
