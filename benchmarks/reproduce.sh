@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`).
+# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`);
+# `benchmarks/reproduce.sh across-nodes` (`make bench-nodes`) reruns only its across-nodes part.
 # Heavy runs take a machine-wide lock so that two people's benchmarks never overlap on a shared
 # machine. The three sweeps of the page time five backends in both timing modes (back to back,
 # the headline, and with a barrier before every call); the whole script takes about an hour on
@@ -12,6 +13,30 @@ RESULTS=benchmarks/results
 PLOTS="$RESULTS/plots"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 heavy() { flock "$LOCK" "$PYTHON" "$@"; }
+
+# 7. across nodes (`benchmarks/reproduce.sh across-nodes`, `make bench-nodes`, alone): a
+#    ray.cluster_utils.Cluster of 2, then 4 nodes on this machine, ranks pinned to nodes
+#    evenly (2x2, 4x2, 4x4 nodes x ranks), `ray` with the library's default transport between
+#    nodes and `ray-object-store` with RAY_COLLECTIVE_CROSS_NODE=object_store, in the same
+#    actors as torch.distributed's Gloo, ray.util.collective's Gloo and ray-plain; then the
+#    page's across-nodes part from the two JSON files alone.
+NODES_BACKENDS=ray,ray-object-store,torch,gloo,ray-plain
+NODES_COLLECTIVES=allreduce,broadcast,allgather,reducescatter
+NODES_SIZES=8,1K,64K,1M,16M,64M
+across_nodes() {
+    heavy -m benchmarks --nodes 2 --ranks-per-node 2 --collective "$NODES_COLLECTIVES" \
+        --backends "$NODES_BACKENDS" --baseline torch --bytes "$NODES_SIZES" \
+        --json "$RESULTS/nodes-2.json"
+    heavy -m benchmarks --nodes 4 --ranks-per-node 2,4 --collective "$NODES_COLLECTIVES" \
+        --backends "$NODES_BACKENDS" --baseline torch --bytes "$NODES_SIZES" \
+        --json "$RESULTS/nodes-4.json"
+    "$PYTHON" -m benchmarks.report_page --part across-nodes \
+        "$RESULTS/nodes-2.json+$RESULTS/nodes-4.json" --write benchmarks/README.md
+}
+if [ "${1:-}" = "across-nodes" ]; then
+    across_nodes
+    exit 0
+fi
 
 BACKENDS=ray,torch,gloo,ray-plain,mpi4py
 # 1. allreduce, every CPU backend, 2-8 ranks, 8 B to 64 MiB, iteration counts from the size.
@@ -66,3 +91,5 @@ heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"
 # 6. the library's own cost per call, apart from data: a world-size-1 allreduce, and finding a
 #    prepared plan at 8, 512 and 4096 ranks (no Ray; seconds).
 heavy -m benchmarks.call_overhead --json "$RESULTS/call_overhead.json"
+# 7. across nodes (defined above).
+across_nodes
