@@ -4,7 +4,9 @@ For each world size the harness starts that many rank actors (``num_cpus=0``) an
 group per backend inside them, so every in-actor backend runs in the same processes; the
 ``mpi4py`` peer runs in an ``mpiexec`` job of its own (``mpi_job``), driven through the same
 ``call`` interface, ``ray-plain`` gets its central actor from the harness and ``torch`` the
-address of its rendezvous store. For each (collective, size) it splits the timed iterations
+address of its rendezvous store. With ``SweepOptions.nodes`` the rank actors are pinned to
+the nodes of a local multi-node cluster, or of the ``--ray-address`` cluster, evenly
+(``nodes``). For each (collective, size) it splits the timed iterations
 into blocks and alternates the backends block by block — each (backend, timing mode) pair is
 one unit when several timing modes are asked for — reversing the order every other block
 (A B, B A, A B, ...), so that drift of a shared machine — other load, frequency, memory
@@ -28,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .collectives import COLLECTIVES, message_layout
-from .nodes import node_ids, pinned, rank_nodes, start_local_cluster
+from .nodes import pick_nodes, pinned, rank_nodes, start_local_cluster
 from .peers import PEERS, store_address
 from .stats import (IterationCounts, algorithm_bandwidth, bus_bandwidth,
                     default_iteration_counts, iteration_latencies, percentiles, speedup)
@@ -747,7 +749,7 @@ def run_sweep(options: SweepOptions, command: str,
     notes: List[str] = []
     backend_info: Dict[str, dict] = {}
     try:
-        placement = None if options.nodes is None else node_ids(options.nodes)
+        placement = None if options.nodes is None else pick_nodes(options.nodes)
         metadata = {**machine_metadata(), "command": command, "options": asdict(options),
                     "node_ids": placement, "local_cluster": cluster is not None}
         for world_size in options.world_sizes:

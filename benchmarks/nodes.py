@@ -6,7 +6,7 @@ ranks on different nodes talk through the library's cross-node transport exactly
 machines, only over loopback) or uses the running cluster of ``--ray-address``. Ranks are
 pinned to nodes evenly and in blocks, rank r on node ``r // ranks_per_node``
 (``rank_nodes``), each by a hard node-affinity scheduling strategy on the node's id
-(``node_ids``), so that rank 0 — which serves the ``torch`` peer's rendezvous store — runs on
+(``pick_nodes``, ``pinned``), so that rank 0 — which serves the ``torch`` peer's rendezvous store — runs on
 the driver's node.
 """
 
@@ -102,7 +102,7 @@ def order_nodes(alive: Sequence[dict], driver_node_id: str, nodes: int) -> List[
     return [driver_node_id] + [node["NodeID"] for node in rest][:nodes - 1]
 
 
-def node_ids(nodes: int) -> List[str]:
+def pick_nodes(nodes: int) -> List[str]:
     """The ids of the nodes ranks run on, node 0 the driver's (see ``order_nodes``).
 
     Args:

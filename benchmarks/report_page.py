@@ -30,6 +30,7 @@ import pathlib
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .peers import CROSS_NODE_VARIABLE
 from .report import (TIMING_MEANINGS, format_mib, format_ranks, format_seconds, format_size,
                      row_timing)
 from .worker import BACK_TO_BACK, BARRIER, TIMINGS
@@ -197,8 +198,10 @@ def _where(metadata: dict) -> str:
 
 
 def _run_line(metadata: dict) -> List[str]:
+    # A peer's facts are library versions, and for this library's peers the transport between
+    # nodes each asked for, which differs between them and is told by the backend's name.
     versions = {name: version for info in metadata.get("backend_versions", {}).values()
-                for name, version in info.items()}
+                for name, version in info.items() if name != CROSS_NODE_VARIABLE}
     return [f"Run {metadata['date']} on {metadata['cpu_count']} cores / "
             f"{metadata['memory_gib']} GiB{_where(metadata)}, Ray {metadata['ray']}, "
             f"numpy {metadata['numpy']}, "

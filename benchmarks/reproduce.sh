@@ -16,22 +16,27 @@ heavy() { flock "$LOCK" "$PYTHON" "$@"; }
 
 # 7. across nodes (`benchmarks/reproduce.sh across-nodes`, `make bench-nodes`, alone): a
 #    ray.cluster_utils.Cluster of 2, then 4 nodes on this machine, ranks pinned to nodes
-#    evenly (2x2, 4x2, 4x4 nodes x ranks), `ray` with the library's default transport between
-#    nodes and `ray-object-store` with RAY_COLLECTIVE_CROSS_NODE=object_store, in the same
-#    actors as torch.distributed's Gloo, ray.util.collective's Gloo and ray-plain; then the
-#    page's across-nodes part from the two JSON files alone.
+#    evenly (nodes x ranks per node = sizes; one sweep and one cluster each), `ray` with the
+#    library's default transport between nodes and `ray-object-store` with
+#    RAY_COLLECTIVE_CROSS_NODE=object_store, in the same actors as torch.distributed's Gloo,
+#    ray.util.collective's Gloo and ray-plain; then the page's across-nodes part from the JSON
+#    files alone. 4x4 stops at 1 MiB: at 4x2 a rank's peak RSS was 0.87 GiB at 16 MiB and
+#    1.4 GiB at 64 MiB (five backends' buffers, shared pages included), so 16 ranks could
+#    need 14 and 22 GiB of the reference machine's 23.5 GiB, which other work shares.
 NODES_BACKENDS=ray,ray-object-store,torch,gloo,ray-plain
 NODES_COLLECTIVES=allreduce,broadcast,allgather,reducescatter
-NODES_SIZES=8,1K,64K,1M,16M,64M
+NODES_SWEEPS="${NODES_SWEEPS:-2x2=8,1M,16M,64M 4x2=8,1M,16M,64M 4x4=8,1M}"
 across_nodes() {
-    heavy -m benchmarks --nodes 2 --ranks-per-node 2 --collective "$NODES_COLLECTIVES" \
-        --backends "$NODES_BACKENDS" --baseline torch --bytes "$NODES_SIZES" \
-        --json "$RESULTS/nodes-2.json"
-    heavy -m benchmarks --nodes 4 --ranks-per-node 2,4 --collective "$NODES_COLLECTIVES" \
-        --backends "$NODES_BACKENDS" --baseline torch --bytes "$NODES_SIZES" \
-        --json "$RESULTS/nodes-4.json"
-    "$PYTHON" -m benchmarks.report_page --part across-nodes \
-        "$RESULTS/nodes-2.json+$RESULTS/nodes-4.json" --write benchmarks/README.md
+    local sweep layout sources=()
+    for sweep in $NODES_SWEEPS; do
+        layout="${sweep%%=*}"
+        heavy -m benchmarks --nodes "${layout%x*}" --ranks-per-node "${layout#*x}" \
+            --collective "$NODES_COLLECTIVES" --backends "$NODES_BACKENDS" --baseline torch \
+            --bytes "${sweep#*=}" --json "$RESULTS/nodes-$layout.json"
+        sources+=("$RESULTS/nodes-$layout.json")
+    done
+    "$PYTHON" -m benchmarks.report_page --part across-nodes "$(IFS=+; echo "${sources[*]}")" \
+        --write benchmarks/README.md
 }
 if [ "${1:-}" = "across-nodes" ]; then
     across_nodes

@@ -784,7 +784,10 @@ def _nodes_document(nodes, ranks_per_node, date):
                          "command": f"python -m benchmarks --nodes {nodes}",
                          "options": {"backends": list(p50s), "nodes": nodes,
                                      "ray_address": None},
-                         "backend_versions": {"ray": {"ray_collective": "0.1.0"}}},
+                         "backend_versions": {
+                             "ray": {"ray_collective": "0.1.0", CROSS_NODE_VARIABLE: "default"},
+                             "ray-object-store": {"ray_collective": "0.1.0",
+                                                  CROSS_NODE_VARIABLE: "object_store"}}},
             "rows": rows, "notes": []}
 
 
@@ -797,7 +800,8 @@ def test_the_across_nodes_part_of_the_page_names_nodes_and_ranks(tmp_path):
     generated = render([(sources, None)], tmp_path, part="across-nodes")
     begin, end = markers("across-nodes")
     assert generated.startswith(begin) and generated.endswith(end)
-    assert "2 nodes of a ray.cluster_utils.Cluster on this machine" in generated
+    assert ("2026-11-23 on 2 cores / 23.5 GiB, 2 nodes of a ray.cluster_utils.Cluster on this "
+            "machine, Ray 2.60.0, numpy 2, ray_collective 0.1.0:") in generated
     headings = [line.split("**")[1] for line in generated.splitlines() if line.startswith("**")]
     assert headings == ["allreduce, 2 nodes × 2 ranks, back to back",
                         "allreduce, 4 nodes × 2 ranks, back to back"]
