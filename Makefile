@@ -1,5 +1,6 @@
 # The commands of the README: `make demo`, `make test` and `make bench` (reruns every table and
-# plot of benchmarks/README.md's results page, both timing modes, about an hour); `make
+# plot of benchmarks/README.md's results page, both timing modes, about an hour; `make
+# bench-nodes` only its part across nodes); `make
 # ps-example` (the parameter-server example, one short run of each variant) and `make ps-bench`
 # (its whole table: 1000 updates x 3 trials x 1-16 workers x 9 variants, hours on 2 cores).
 # Each builds the virtual environment in .venv first, so a fresh machine needs nothing but
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench ps-example ps-bench venv clean
+.PHONY: demo test bench bench-nodes ps-example ps-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,9 @@ test: $(STAMP_TEST)
 
 bench: $(STAMP_TEST)
 	PYTHON=$(BIN)/python benchmarks/reproduce.sh
+
+bench-nodes: $(STAMP_TEST)
+	PYTHON=$(BIN)/python benchmarks/reproduce.sh across-nodes
 
 ps-example: $(STAMP_TEST)
 	$(BIN)/python -m examples.parameter_server --workers 4 --steps 100

@@ -20,6 +20,16 @@ from .worker import BACK_TO_BACK, BARRIER, TIMINGS
 DEFAULT_BACKENDS = ("ray", "torch", "gloo", "ray-plain", "mpi4py")
 """Every CPU backend, this library first."""
 
+DEFAULT_NODES_BACKENDS = ("ray", "ray-object-store", "torch", "gloo", "ray-plain")
+"""The backends across nodes (``--nodes``): every one that runs in Ray actors, this library
+with each of its transports between nodes first."""
+
+DEFAULT_WORLD_SIZES = (2, 4, 8)
+"""``--world-size`` without ``--nodes``."""
+
+DEFAULT_RANKS_PER_NODE = (2,)
+"""``--ranks-per-node`` with ``--nodes``."""
+
 TIMING_CHOICES = {BACK_TO_BACK: (BACK_TO_BACK,), BARRIER: (BARRIER,), "both": TIMINGS}
 """``--timing``'s values and the timing modes each one runs."""
 
@@ -68,6 +78,16 @@ def choice(choices: Sequence[str]) -> Callable[[str], str]:
     return check
 
 
+def one_value(item: Callable) -> Callable:
+    """An argparse type for one value ``item`` parses, its ``ValueError`` the message shown."""
+    def parse(text: str):
+        try:
+            return item(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return parse
+
+
 def comma_list(item: Callable) -> Callable[[str], Tuple]:
     """An argparse type for a comma-separated list whose items ``item`` parses, no duplicates."""
     def parse(text: str) -> Tuple:
@@ -104,14 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
                         type=comma_list(choice(tuple(COLLECTIVES))), default=("allreduce",),
                         help=f"collectives, of: {','.join(COLLECTIVES)} (default: allreduce)")
     parser.add_argument("--backends", type=comma_list(choice(tuple(PEERS))),
-                        default=DEFAULT_BACKENDS,
-                        help="in table order, of: ray (this library), torch "
+                        default=None,
+                        help="in table order, of: ray (this library), ray-object-store (this "
+                             "library with RAY_COLLECTIVE_CROSS_NODE=object_store), torch "
                              "(torch.distributed's own Gloo process group), gloo "
                              "(ray.util.collective with torch.distributed Gloo), ray-plain "
                              "(ray.put/ray.get and one central actor), mpi4py (MPICH under "
-                             f"mpiexec) (default: {','.join(DEFAULT_BACKENDS)})")
+                             f"mpiexec, one node only) (default: {','.join(DEFAULT_BACKENDS)}; "
+                             f"with --nodes: {','.join(DEFAULT_NODES_BACKENDS)})")
     parser.add_argument("--world-size", dest="world_sizes", type=comma_list(positive_int),
-                        default=(2, 4, 8), help="ranks, one actor each (default: 2,4,8)")
+                        default=None,
+                        help="ranks, one actor each (default: "
+                             f"{','.join(map(str, DEFAULT_WORLD_SIZES))}; not with --nodes)")
+    parser.add_argument("--nodes", type=one_value(positive_int), default=None,
+                        help="spread the ranks over this many Ray nodes: a "
+                             "ray.cluster_utils.Cluster of that many nodes started on this "
+                             "machine, or the nodes of --ray-address's cluster (default: one "
+                             "local node)")
+    parser.add_argument("--ranks-per-node", type=comma_list(positive_int), default=None,
+                        help="with --nodes: ranks on each node, rank r on node r // R; each "
+                             "value is one world size of nodes x R ranks (default: "
+                             f"{','.join(map(str, DEFAULT_RANKS_PER_NODE))})")
     parser.add_argument("--bytes", dest="sizes", type=comma_list(parse_size),
                         default=(8, 2**20, 64 * 2**20),
                         help="message sizes as nccl-tests counts them: allreduce/broadcast/"
@@ -163,21 +196,54 @@ def options_from_arguments(arguments: argparse.Namespace,
     Returns:
         The options.
     """
+    world_sizes, backends = sweep_shape(arguments, parser)
     if arguments.baseline is None:
-        baseline = arguments.backends[0]
+        baseline = backends[0]
     else:
         baseline = None if arguments.baseline.lower() == "none" else arguments.baseline
-    if baseline is not None and baseline not in arguments.backends:
+    if baseline is not None and baseline not in backends:
         parser.error(f"--baseline {baseline} is not among --backends "
-                     f"{','.join(arguments.backends)} (or give --baseline none)")
+                     f"{','.join(backends)} (or give --baseline none)")
     if arguments.timeout_s <= 0:
         parser.error(f"--timeout must be positive, not {arguments.timeout_s}")
-    return SweepOptions(collectives=arguments.collectives, backends=arguments.backends,
-                        world_sizes=arguments.world_sizes, sizes=arguments.sizes,
+    return SweepOptions(collectives=arguments.collectives, backends=backends,
+                        world_sizes=world_sizes, sizes=arguments.sizes,
                         dtype=arguments.dtype, iterations=arguments.iterations,
                         warmup=arguments.warmup, blocks=arguments.blocks, baseline=baseline,
                         timeout_s=arguments.timeout_s, ray_address=arguments.ray_address,
-                        timings=TIMING_CHOICES[arguments.timing])
+                        timings=TIMING_CHOICES[arguments.timing], nodes=arguments.nodes)
+
+
+def sweep_shape(arguments: argparse.Namespace,
+                parser: argparse.ArgumentParser) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The world sizes and backends the command line asks for, its defaults filled in.
+
+    On one node the world sizes are ``--world-size``'s; across nodes (``--nodes K``) they are
+    K times each of ``--ranks-per-node``, and the backends those that run in Ray actors.
+
+    Args:
+        arguments: from ``build_parser().parse_args``.
+        parser: for reporting a bad combination (exits with status 2).
+
+    Returns:
+        (world sizes, backends).
+    """
+    if arguments.nodes is None:
+        if arguments.ranks_per_node is not None:
+            parser.error("--ranks-per-node needs --nodes (on one node give --world-size)")
+        return (arguments.world_sizes or DEFAULT_WORLD_SIZES,
+                arguments.backends or DEFAULT_BACKENDS)
+    if arguments.world_sizes is not None:
+        parser.error(f"with --nodes give --ranks-per-node, not --world-size: the world sizes "
+                     f"are --nodes x each of --ranks-per-node (e.g. --nodes "
+                     f"{arguments.nodes} --ranks-per-node 2,4)")
+    backends = arguments.backends or DEFAULT_NODES_BACKENDS
+    one_node_only = [backend for backend in backends if PEERS[backend].runs_in_mpiexec]
+    if one_node_only:
+        parser.error(f"--nodes cannot run {','.join(one_node_only)}: its mpiexec job runs "
+                     f"on one machine, outside Ray; leave it out of --backends")
+    ranks_per_node = arguments.ranks_per_node or DEFAULT_RANKS_PER_NODE
+    return tuple(arguments.nodes * ranks for ranks in ranks_per_node), backends
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -4,7 +4,9 @@ For each world size the harness starts that many rank actors (``num_cpus=0``) an
 group per backend inside them, so every in-actor backend runs in the same processes; the
 ``mpi4py`` peer runs in an ``mpiexec`` job of its own (``mpi_job``), driven through the same
 ``call`` interface, ``ray-plain`` gets its central actor from the harness and ``torch`` the
-address of its rendezvous store. For each (collective, size) it splits the timed iterations
+address of its rendezvous store. With ``SweepOptions.nodes`` the rank actors are pinned to
+the nodes of a local multi-node cluster, or of the ``--ray-address`` cluster, evenly
+(``nodes``). For each (collective, size) it splits the timed iterations
 into blocks and alternates the backends block by block — each (backend, timing mode) pair is
 one unit when several timing modes are asked for — reversing the order every other block
 (A B, B A, A B, ...), so that drift of a shared machine — other load, frequency, memory
@@ -28,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 
 from .collectives import COLLECTIVES, message_layout
+from .nodes import pick_nodes, pinned, rank_nodes, start_local_cluster
 from .peers import PEERS, store_address
 from .stats import (IterationCounts, algorithm_bandwidth, bus_bandwidth,
                     default_iteration_counts, iteration_latencies, percentiles, speedup)
@@ -75,6 +78,9 @@ class SweepOptions:
             libraries' own per-call deadline.
         ray_address: a running Ray cluster to use; None starts a local one.
         timings: the timing modes, of ``worker.TIMINGS``, in the order the rows show them.
+        nodes: spread each world's ranks evenly over this many nodes (``nodes.rank_nodes``),
+            of a ``ray.cluster_utils.Cluster`` started on this machine or of the
+            ``ray_address`` cluster; None: wherever Ray places them (one node, locally).
     """
 
     collectives: Tuple[str, ...]
@@ -89,6 +95,7 @@ class SweepOptions:
     timeout_s: float = 300.0
     ray_address: Optional[str] = None
     timings: Tuple[str, ...] = (BACK_TO_BACK,)
+    nodes: Optional[int] = None
 
     def counts(self, nbytes: int) -> IterationCounts:
         """The warm-up and timed iterations for a point of ``nbytes``.
@@ -134,6 +141,7 @@ class Row:
             group (torch's import, for ``gloo``).
         processes: processes the backend started beyond the rank actors (a helper actor,
             ``mpiexec``'s job), counted after its group was formed.
+        nodes: the nodes the ranks were spread over, or None (wherever Ray put them).
     """
 
     collective: str
@@ -157,6 +165,7 @@ class Row:
     peak_rss_bytes: Optional[int] = None
     setup_rss_bytes: Optional[int] = None
     processes: Optional[int] = None
+    nodes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -316,7 +325,7 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
         footprint = footprints.get(backend, Footprint())
         common = dict(collective=collective, world_size=world_size, nbytes=nbytes,
                       dtype=options.dtype, backend=backend, timing=timing,
-                      processes=footprint.processes,
+                      processes=footprint.processes, nodes=options.nodes,
                       setup_rss_bytes=footprint.setup_rss_bytes,
                       peak_rss_bytes=footprint.peak_rss_bytes)
         if backend in notes:
@@ -345,16 +354,31 @@ class RankPool:
     Args:
         world_size: number of actors to start.
         timeout_s: how long they may take to come up.
+        node_ids: the nodes to spread the ranks over (``nodes.rank_nodes``: rank r on
+            ``node_ids[r // (world_size // len(node_ids))]``), or None: wherever Ray likes.
 
     Raises:
-        ActorStartError: the actors were not all up in time (they are killed first).
+        ActorStartError: the actors were not all up in time, or not on their nodes (they are
+            killed first).
+        ValueError: ``world_size`` is not a multiple of the node count.
     """
 
-    def __init__(self, world_size: int, timeout_s: float) -> None:
+    def __init__(self, world_size: int, timeout_s: float,
+                 node_ids: Optional[Sequence[str]] = None) -> None:
         import ray
-        actor_class = ray.remote(RankWorker).options(num_cpus=0)
-        self._actors = [actor_class.remote(world_size, rank) for rank in range(world_size)]
+        placement = ([node_ids[node] for node in rank_nodes(world_size, len(node_ids))]
+                     if node_ids else [None] * world_size)
+        actor_class = ray.remote(RankWorker)
+        self._actors = [actor_class.options(num_cpus=0, **pinned(node)).remote(world_size, rank)
+                        for rank, node in enumerate(placement)]
         outcome = self.call("ready", timeout_s=timeout_s)
+        if not outcome.error and node_ids:
+            misplaced = [rank for rank, (node, answer) in enumerate(zip(placement,
+                                                                        outcome.results))
+                         if answer["node_id"] != node]
+            if misplaced:
+                outcome = replace(outcome, error=f"{_ranks_phrase(misplaced)} did not start "
+                                                 f"on the node they were pinned to")
         if outcome.error:
             self.kill()
             raise ActorStartError(f"{world_size} rank actors did not start: {outcome.error}")
@@ -413,10 +437,12 @@ def unsupported_reason(backend: str, collective: str, world_size: int) -> Option
 
 
 def alive_actor_count() -> int:
-    """How many actors of this job are alive, from the GCS's actor table.
+    """How many actors of this job are alive or on their way, from the GCS's actor table.
 
     Ray's public state API needs the dashboard, which the harness does not start; the actor
-    table is what it reads. Each actor is one process.
+    table is what it reads. Each actor is one process. Actors still being created count: a
+    group may start helpers (the ``ray`` backend's post office on each node) without waiting
+    for them, and they would otherwise be counted for the next backend set up.
 
     Returns:
         The count.
@@ -424,7 +450,8 @@ def alive_actor_count() -> int:
     import ray
     from ray._private import state
     job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    return len(state.actors(job_id=job_id, actor_state_name="ALIVE"))
+    return sum(1 for actor in state.actors(job_id=job_id).values()
+               if actor["State"] != "DEAD")
 
 
 class WorldSession:
@@ -434,10 +461,13 @@ class WorldSession:
         options: the sweep.
         world_size: number of ranks.
         notes: where to record problems that belong to no row.
+        node_ids: the nodes to spread the ranks over (``RankPool``), or None.
     """
 
-    def __init__(self, options: SweepOptions, world_size: int, notes: List[str]) -> None:
+    def __init__(self, options: SweepOptions, world_size: int, notes: List[str],
+                 node_ids: Optional[Sequence[str]] = None) -> None:
         self._options = options
+        self._node_ids = node_ids
         self._world_size = world_size
         self._notes = notes
         self._failed: Dict[str, str] = {}
@@ -455,7 +485,7 @@ class WorldSession:
             ActorStartError: the actors did not start.
         """
         self._generation += 1
-        self._pool = RankPool(self._world_size, self._options.timeout_s)
+        self._pool = RankPool(self._world_size, self._options.timeout_s, self._node_ids)
         for backend in self._options.backends:
             if backend not in self._failed:
                 self._setup(backend)
@@ -559,7 +589,8 @@ class WorldSession:
                 self._mpi_job = MpiJob(self._world_size, self._options.timeout_s)
             if peer_class.needs_hub:
                 import ray
-                shared = ray.remote(PlainRayHub).options(num_cpus=0).remote(
+                head = self._node_ids[0] if self._node_ids else None
+                shared = ray.remote(PlainRayHub).options(num_cpus=0, **pinned(head)).remote(
                     self._world_size, self._options.timeout_s)
                 self._hubs[backend] = shared
             if peer_class.needs_store_address:
@@ -690,7 +721,8 @@ def count_points(options: SweepOptions) -> int:
 
 def run_sweep(options: SweepOptions, command: str,
               on_rows: Callable[[List[Row]], None] = lambda rows: None) -> SweepResult:
-    """Run the whole sweep; starts (and at the end shuts down) Ray unless it is running.
+    """Run the whole sweep; starts (and at the end shuts down) Ray unless it is running, and
+    with ``options.nodes`` and no ``options.ray_address`` a local cluster of that many nodes.
 
     Args:
         options: what to measure.
@@ -699,19 +731,29 @@ def run_sweep(options: SweepOptions, command: str,
 
     Returns:
         The rows, metadata and notes.
+
+    Raises:
+        RuntimeError: the cluster has fewer live nodes than ``options.nodes``.
     """
     import ray
     started_ray = not ray.is_initialized()
+    cluster = None
     if started_ray:
-        ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=False,
+        address = options.ray_address or "local"
+        if options.nodes is not None and options.ray_address is None:
+            cluster = start_local_cluster(options.nodes)
+            address = cluster.address
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
     rows: List[Row] = []
     notes: List[str] = []
     backend_info: Dict[str, dict] = {}
     try:
-        metadata = {**machine_metadata(), "command": command, "options": asdict(options)}
+        placement = None if options.nodes is None else pick_nodes(options.nodes)
+        metadata = {**machine_metadata(), "command": command, "options": asdict(options),
+                    "node_ids": placement, "local_cluster": cluster is not None}
         for world_size in options.world_sizes:
-            session = WorldSession(options, world_size, notes)
+            session = WorldSession(options, world_size, notes, placement)
             try:
                 session.start()
                 for collective in options.collectives:
@@ -728,5 +770,7 @@ def run_sweep(options: SweepOptions, command: str,
     finally:
         if started_ray:
             ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     metadata["backend_versions"] = backend_info
     return SweepResult(rows=tuple(rows), metadata=metadata, notes=tuple(notes))

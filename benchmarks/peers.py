@@ -5,9 +5,11 @@ collective to buffers made by ``make_buffers``, ``barrier`` aligns the ranks bef
 call, and ``teardown`` leaves the group. Adding a library means one more subclass and one more
 entry in ``PEERS``.
 
-- ``ray``: this library. ``gloo``: ``ray.util.collective`` with Gloo. Both get the same numpy
-  arrays: Ray 2.60's ``TorchGLOOGroup`` wraps them with ``torch.from_numpy`` (a zero-copy view,
-  about half a microsecond per call), so Gloo is timed on the tensors a user would pass.
+- ``ray``: this library (across nodes, its default transport there). ``ray-object-store``:
+  the same with its object-store transport between nodes (``RAY_COLLECTIVE_CROSS_NODE``).
+  ``gloo``: ``ray.util.collective`` with Gloo. All three get the same numpy arrays: Ray
+  2.60's ``TorchGLOOGroup`` wraps them with ``torch.from_numpy`` (a zero-copy view, about half
+  a microsecond per call), so Gloo is timed on the tensors a user would pass.
 - ``torch``: ``torch.distributed``'s own Gloo process group in the same rank actors (what Ray
   Train sets up on CPU), on ``torch.from_numpy`` views of the same numpy buffers.
 - ``ray-plain``: what a user writes without a collective library (``plain_ray``).
@@ -21,16 +23,22 @@ note instead of running them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
+import os
 import socket
 import types
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, FrozenSet, List, Mapping, Optional
+from typing import Any, Callable, ClassVar, FrozenSet, Iterator, List, Mapping, Optional
 
 import numpy as np
 
 from .collectives import message_layout
+
+CROSS_NODE_VARIABLE = "RAY_COLLECTIVE_CROSS_NODE"
+"""The environment variable that picks the ``ray`` backend's transport between nodes
+(``streams``, the default, or ``object_store``), read in a member when its group is created."""
 
 BROADCAST_ROOT = 0
 """The root rank of broadcast and reduce."""
@@ -160,6 +168,31 @@ class Peer(abc.ABC):
         return [self.make_tensor(count, dtype) for _ in range(parts)]
 
 
+@contextlib.contextmanager
+def cross_node_transport(value: Optional[str]) -> Iterator[None]:
+    """``RAY_COLLECTIVE_CROSS_NODE`` set to ``value`` (None: unset) in this process for the
+    ``with`` block, and as it was again after it.
+
+    Args:
+        value: the transport to ask for, or None for the library's default.
+
+    Yields:
+        Nothing.
+    """
+    before = os.environ.get(CROSS_NODE_VARIABLE)
+    try:
+        if value is None:
+            os.environ.pop(CROSS_NODE_VARIABLE, None)
+        else:
+            os.environ[CROSS_NODE_VARIABLE] = value
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CROSS_NODE_VARIABLE, None)
+        else:
+            os.environ[CROSS_NODE_VARIABLE] = before
+
+
 class CollectiveApiPeer(Peer):
     """A library with ``ray.util.collective``'s function names and argument order.
 
@@ -229,9 +262,14 @@ class CollectiveApiPeer(Peer):
 
 
 class RayCollectivePeer(CollectiveApiPeer):
-    """This library, ``ray_collective``, with its native ``ray`` backend."""
+    """This library, ``ray_collective``, with its native ``ray`` backend and its default
+    transport between nodes."""
 
     name = "ray"
+
+    cross_node: ClassVar[Optional[str]] = None
+    """``RAY_COLLECTIVE_CROSS_NODE`` while the group is created (the library reads it then,
+    once per group); None: the variable unset, so the group takes the library's default."""
 
     def module(self) -> Any:
         """``ray_collective``.
@@ -254,7 +292,8 @@ class RayCollectivePeer(CollectiveApiPeer):
             shared: unused.
 
         Returns:
-            ``{"ray_collective": version}``.
+            ``{"ray_collective": version, "RAY_COLLECTIVE_CROSS_NODE": the transport asked
+            for, or "default"}``.
 
         Raises:
             ray_collective.BackendNotAvailableError: the backend cannot run here.
@@ -262,9 +301,20 @@ class RayCollectivePeer(CollectiveApiPeer):
         """
         api = self.module()
         self._group_name, self._rank = group_name, rank
-        api.init_collective_group(world_size, rank, backend="ray",
-                                  group_name=self._group_name, timeout=timeout_s)
-        return {"ray_collective": api.__version__}
+        with cross_node_transport(self.cross_node):
+            api.init_collective_group(world_size, rank, backend="ray",
+                                      group_name=self._group_name, timeout=timeout_s)
+        return {"ray_collective": api.__version__,
+                CROSS_NODE_VARIABLE: self.cross_node or "default"}
+
+
+class RayObjectStorePeer(RayCollectivePeer):
+    """This library with its object-store transport between nodes (post-office actors and
+    Ray's object store), in the same rank actors as ``ray``: its group is created with
+    ``RAY_COLLECTIVE_CROSS_NODE=object_store``. On one node it is ``ray`` under another name."""
+
+    name = "ray-object-store"
+    cross_node = "object_store"
 
 
 class GlooPeer(CollectiveApiPeer):
@@ -740,7 +790,8 @@ class PlainRayPeer(Peer):
 
 PEERS: Mapping[str, type] = types.MappingProxyType(
     {peer.name: peer
-     for peer in (RayCollectivePeer, TorchPeer, GlooPeer, PlainRayPeer, Mpi4pyPeer)})
+     for peer in (RayCollectivePeer, RayObjectStorePeer, TorchPeer, GlooPeer, PlainRayPeer,
+                  Mpi4pyPeer)})
 """Every backend the CLI can measure, by name (read-only), in the default table order."""
 
 

@@ -86,8 +86,27 @@ def format_mib(nbytes: Optional[int]) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.0f} MiB"
 
 
+def format_ranks(world_size: int, nodes: Optional[int] = None, short: bool = False) -> str:
+    """How many ranks, and over how many nodes if they were spread over nodes.
+
+    Args:
+        world_size: number of ranks.
+        nodes: the nodes they were spread over evenly, or None.
+        short: the table's cell (``4``, ``2×2``) instead of the text (``4 ranks``,
+            ``2 nodes × 2 ranks``).
+
+    Returns:
+        The text.
+    """
+    if nodes is None:
+        return str(world_size) if short else f"{world_size} ranks"
+    per_node = world_size // nodes
+    return f"{nodes}×{per_node}" if short else f"{nodes} nodes × {per_node} ranks"
+
+
 def _cells(row: Row) -> List[str]:
-    return [row.collective, str(row.world_size), format_size(row.nbytes), row.timing,
+    return [row.collective, format_ranks(row.world_size, row.nodes, short=True),
+            format_size(row.nbytes), row.timing,
             row.backend,
             format_seconds(row.p50_s), format_seconds(row.p75_s), format_seconds(row.p90_s),
             format_seconds(row.p95_s), _format_number(row.algbw_gbps),
@@ -164,7 +183,8 @@ def format_progress(rows: Sequence[Row]) -> str:
         text = ", ".join(*by_timing.values())
     else:
         text = "; ".join(f"{timing}: {', '.join(parts)}" for timing, parts in by_timing.items())
-    return f"{first.collective} {first.world_size} ranks {format_size(first.nbytes)}: {text}"
+    return (f"{first.collective} {format_ranks(first.world_size, first.nodes)} "
+            f"{format_size(first.nbytes)}: {text}")
 
 
 def to_json(result: SweepResult) -> str:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`).
+# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`);
+# `benchmarks/reproduce.sh across-nodes` (`make bench-nodes`) reruns only its across-nodes part.
 # Heavy runs take a machine-wide lock so that two people's benchmarks never overlap on a shared
 # machine. The three sweeps of the page time five backends in both timing modes (back to back,
 # the headline, and with a barrier before every call); the whole script takes about an hour on
-# the 2-core reference machine (an estimate: 25 minutes with four backends and one mode).
+# the 2-core reference machine (an estimate: 25 minutes with four backends and one mode), and
+# step 7 across nodes most of an hour more (2x2: 10 minutes, 4x2 allreduce alone: 10, on
+# 2026-11-23 with other work loading the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -12,6 +15,35 @@ RESULTS=benchmarks/results
 PLOTS="$RESULTS/plots"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 heavy() { flock "$LOCK" "$PYTHON" "$@"; }
+
+# 7. across nodes (`benchmarks/reproduce.sh across-nodes`, `make bench-nodes`, alone): a
+#    ray.cluster_utils.Cluster of 2, then 4 nodes on this machine, ranks pinned to nodes
+#    evenly (nodes x ranks per node = sizes; one sweep and one cluster each), `ray` with the
+#    library's default transport between nodes and `ray-object-store` with
+#    RAY_COLLECTIVE_CROSS_NODE=object_store, in the same actors as torch.distributed's Gloo,
+#    ray.util.collective's Gloo and ray-plain; then the page's across-nodes part from the JSON
+#    files alone. 4x4 stops at 1 MiB: at 4x2 a rank's peak RSS was 0.87 GiB at 16 MiB and
+#    1.4 GiB at 64 MiB (five backends' buffers, shared pages included), so 16 ranks could
+#    need 14 and 22 GiB of the reference machine's 23.5 GiB, which other work shares.
+NODES_BACKENDS=ray,ray-object-store,torch,gloo,ray-plain
+NODES_COLLECTIVES=allreduce,broadcast,allgather,reducescatter
+NODES_SWEEPS="${NODES_SWEEPS:-2x2=8,1M,16M,64M 4x2=8,1M,16M,64M 4x4=8,1M}"
+across_nodes() {
+    local sweep layout sources=()
+    for sweep in $NODES_SWEEPS; do
+        layout="${sweep%%=*}"
+        heavy -m benchmarks --nodes "${layout%x*}" --ranks-per-node "${layout#*x}" \
+            --collective "$NODES_COLLECTIVES" --backends "$NODES_BACKENDS" --baseline torch \
+            --bytes "${sweep#*=}" --json "$RESULTS/nodes-$layout.json"
+        sources+=("$RESULTS/nodes-$layout.json")
+    done
+    "$PYTHON" -m benchmarks.report_page --part across-nodes "$(IFS=+; echo "${sources[*]}")" \
+        --write benchmarks/README.md
+}
+if [ "${1:-}" = "across-nodes" ]; then
+    across_nodes
+    exit 0
+fi
 
 BACKENDS=ray,torch,gloo,ray-plain,mpi4py
 # 1. allreduce, every CPU backend, 2-8 ranks, 8 B to 64 MiB, iteration counts from the size.
@@ -66,3 +98,5 @@ heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"
 # 6. the library's own cost per call, apart from data: a world-size-1 allreduce, and finding a
 #    prepared plan at 8, 512 and 4096 ranks (no Ray; seconds).
 heavy -m benchmarks.call_overhead --json "$RESULTS/call_overhead.json"
+# 7. across nodes (defined above).
+across_nodes

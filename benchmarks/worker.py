@@ -162,13 +162,14 @@ class RankWorker:
         self._peers: Dict[str, Peer] = {}
         self._bound: Dict[str, _BoundPoint] = {}
 
-    def ready(self) -> int:
+    def ready(self) -> dict:
         """Answer once the actor is up.
 
         Returns:
-            This rank.
+            ``{"rank": this rank, "node_id": the Ray node it runs on (hex)}``.
         """
-        return self._rank
+        import ray
+        return {"rank": self._rank, "node_id": ray.get_runtime_context().get_node_id()}
 
     def setup(self, backend: str, group_name: str, timeout_s: float,
               shared: Any = None) -> dict:

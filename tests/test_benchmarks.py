@@ -23,12 +23,13 @@ from benchmarks.harness import (Footprint, Row, SweepOptions, block_order, count
                                 split_iterations, summarize_point, unmeasured_rows,
                                 unsupported_reason)
 from benchmarks.mpi_job import decode_arguments, descendant_count, encode_arguments
-from benchmarks.peers import PEERS, Mpi4pyPeer, make_buffers
+from benchmarks.nodes import order_nodes, pinned, rank_nodes
+from benchmarks.peers import CROSS_NODE_VARIABLE, PEERS, Mpi4pyPeer, make_buffers
 from benchmarks.plain_ray import combine
 from benchmarks.plots import write_plots
-from benchmarks.report import (ProgressBar, format_progress, format_size, format_table,
-                               row_timing, to_json)
-from benchmarks.report_page import (BEGIN, END, point_table, ratio, render,
+from benchmarks.report import (ProgressBar, format_progress, format_ranks, format_size,
+                               format_table, row_timing, to_json)
+from benchmarks.report_page import (BEGIN, END, markers, point_table, ratio, render,
                                     replace_between_markers)
 from benchmarks.harness import SweepResult
 from benchmarks import worker
@@ -258,7 +259,7 @@ def test_unsupported_collectives_become_notes_not_errors():
 
 
 def test_every_peer_has_a_unique_name_and_mpi_parts_are_one_array():
-    assert list(PEERS) == ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
+    assert list(PEERS) == ["ray", "ray-object-store", "torch", "gloo", "ray-plain", "mpi4py"]
     buffers = make_buffers(Mpi4pyPeer(), "alltoall", 64, 4, np.dtype("float32"))
     assert len(buffers.tensor_list) == len(buffers.output_list) == 4
     assert buffers.tensor_list[0].base.shape == (4, 4)
@@ -539,6 +540,17 @@ def test_torch_peer_needs_the_store_address_on_rank_0s_node(ray_session):
         PEERS["torch"]().setup(2, 0, "unused", 1.0, elsewhere)
 
 
+def _run_cli(*arguments):
+    """``python -m benchmarks *arguments`` in a subprocess; returns it once it exited with 0."""
+    # The sweep starts a Ray of its own: it must not join a cluster the suite may point to.
+    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", *arguments], cwd=REPO,
+                               env=environment, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
 def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_plots(tmp_path):
     reason = _ray_backend_unavailable_reason()
     if reason:
@@ -549,16 +561,10 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install '.[bench]')")
     out, plots = tmp_path / "tiny.json", tmp_path / "plots"
     backends = ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
-    command = [sys.executable, "-m", "benchmarks", "--collective", "allreduce,gather",
-               "--backends", ",".join(backends), "--world-size", "2", "--timing", "both",
-               "--bytes", "8,4K", "--iters", "3", "--warmup", "1", "--timeout", "60",
-               "--json", str(out), "--plots", str(plots)]
-    # The sweep starts a Ray of its own: it must not join a cluster the suite may point to.
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    completed = subprocess.run(command, cwd=REPO, env=environment, capture_output=True,
-                               text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = _run_cli("--collective", "allreduce,gather", "--backends", ",".join(backends),
+                         "--world-size", "2", "--timing", "both", "--bytes", "8,4K",
+                         "--iters", "3", "--warmup", "1", "--timeout", "60",
+                         "--json", str(out), "--plots", str(plots))
     document = json.loads(out.read_text())
     rows = document["rows"]
     assert [(row["collective"], row["nbytes"], row["timing"], row["backend"]) for row in rows] == [
@@ -646,3 +652,200 @@ def test_fault_detection_kills_a_rank_and_every_survivor_names_it(ray_session):
     assert 0 < row["p50_s"] <= row["p95_s"] <= row["max_s"] < 10.0
     assert "| 8 B | 3 | 2 | 2 |" in format_rows([row])
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == pytest.approx(4.8)
+
+
+# ---------------------------------------------------------------- across nodes (--nodes K)
+
+def test_nodes_flags_make_world_sizes_of_nodes_times_ranks_per_node():
+    parser = build_parser()
+    options = options_from_arguments(parser.parse_args(
+        ["--nodes", "4", "--ranks-per-node", "2,4", "--baseline", "torch"]), parser)
+    assert options.nodes == 4 and options.world_sizes == (8, 16)
+    assert options.backends == ("ray", "ray-object-store", "torch", "gloo", "ray-plain")
+    assert options.baseline == "torch"
+    defaults = options_from_arguments(parser.parse_args(["--nodes", "2"]), parser)
+    assert (defaults.world_sizes, defaults.baseline) == ((4,), "ray")
+    chosen = options_from_arguments(parser.parse_args(
+        ["--nodes", "3", "--ranks-per-node", "1", "--backends", "ray"]), parser)
+    assert (chosen.world_sizes, chosen.backends) == ((3,), ("ray",))
+    one_node = options_from_arguments(parser.parse_args([]), parser)
+    assert one_node.nodes is None and one_node.world_sizes == (2, 4, 8)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--nodes", "0"], "must be >= 1"),
+    (["--nodes", "2", "--ranks-per-node", "0"], "must be >= 1"),
+    (["--nodes", "2", "--world-size", "4"], "give --ranks-per-node, not --world-size"),
+    (["--ranks-per-node", "2"], "--ranks-per-node needs --nodes"),
+    (["--nodes", "2", "--backends", "ray,mpi4py"], "--nodes cannot run mpi4py"),
+    (["--nodes", "2", "--backends", "ray", "--baseline", "torch"], "not among --backends"),
+])
+def test_nodes_flags_refuse_what_cannot_run_across_nodes(bad, message, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exited:
+        options_from_arguments(parser.parse_args(bad), parser)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ranks_are_pinned_to_nodes_evenly_in_blocks():
+    assert rank_nodes(4, 2) == (0, 0, 1, 1)
+    assert rank_nodes(8, 4) == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert rank_nodes(16, 4) == tuple(rank // 4 for rank in range(16))
+    assert rank_nodes(3, 1) == (0, 0, 0)
+    for world_size, nodes in ((6, 4), (2, 4), (4, 0)):
+        with pytest.raises(ValueError, match="cannot be spread evenly"):
+            rank_nodes(world_size, nodes)
+
+
+def _node(node_id, address="10.0.0.1", *resources):
+    return {"NodeID": node_id, "NodeManagerAddress": address,
+            "Resources": {"CPU": 1.0, **{name: 1.0 for name in resources}}}
+
+
+def test_nodes_are_ordered_driver_first_and_a_local_cluster_by_its_node_resources():
+    local = [_node("c", "127.0.0.1", "node2"), _node("a", "127.0.0.1", "node0"),
+             _node("b", "127.0.0.1", "node1")]
+    assert order_nodes(local, "a", 3) == ["a", "b", "c"]
+    assert order_nodes(local, "a", 2) == ["a", "b"]
+    other = [_node("z", "10.0.0.3"), _node("y", "10.0.0.2"), _node("x", "10.0.0.9")]
+    assert order_nodes(other, "x", 3) == ["x", "y", "z"]   # driver's node, then by address
+    assert order_nodes(local, "c", 2) == ["c", "a"]        # rank 0 stays on the driver's node
+    with pytest.raises(RuntimeError, match="needs 4 nodes but the Ray cluster has 3 alive"):
+        order_nodes(other, "x", 4)
+
+
+def test_a_pinned_actor_may_run_on_its_node_only():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    assert pinned(None) == {}
+    strategy = pinned("ab" * 28)["scheduling_strategy"]
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy)
+    assert (strategy.node_id, strategy.soft) == ("ab" * 28, False)
+
+
+class _RecordingApi:
+    """A stand-in for ``ray_collective`` that records the transport variable at group creation."""
+
+    __version__ = "0.test"
+
+    def __init__(self):
+        self.seen = []
+
+    def init_collective_group(self, world_size, rank, backend, group_name, timeout):
+        self.seen.append((group_name, os.environ.get(CROSS_NODE_VARIABLE)))
+
+
+@pytest.mark.parametrize("before", [None, "streams", "object_store"])
+def test_object_store_peer_creates_its_group_with_the_object_store_transport(before,
+                                                                             monkeypatch):
+    if before is None:
+        monkeypatch.delenv(CROSS_NODE_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(CROSS_NODE_VARIABLE, before)
+    api = _RecordingApi()
+    infos = []
+    for name in ("ray-object-store", "ray"):
+        peer = PEERS[name]()
+        monkeypatch.setattr(peer, "module", lambda: api)
+        infos.append(peer.setup(4, 1, f"bench-{name}", 5.0))
+        assert os.environ.get(CROSS_NODE_VARIABLE) == before    # as it was, after the join
+    # ray-object-store asks for the object store; ray for the library's default, whatever
+    # the process's environment said.
+    assert api.seen == [("bench-ray-object-store", "object_store"), ("bench-ray", None)]
+    assert [info[CROSS_NODE_VARIABLE] for info in infos] == ["object_store", "default"]
+
+
+def test_a_failed_join_still_restores_the_transport_variable(monkeypatch):
+    monkeypatch.setenv(CROSS_NODE_VARIABLE, "streams")
+
+    class _FailingApi(_RecordingApi):
+        def init_collective_group(self, *args, **kwargs):
+            raise RuntimeError("rendezvous failed")
+
+    peer = PEERS["ray-object-store"]()
+    monkeypatch.setattr(peer, "module", _FailingApi)
+    with pytest.raises(RuntimeError, match="rendezvous failed"):
+        peer.setup(2, 0, "bench-failing", 1.0)
+    assert os.environ[CROSS_NODE_VARIABLE] == "streams"
+
+
+def _nodes_document(nodes, ranks_per_node, date):
+    """A fake ``--nodes`` result: ray 4x faster than torch at 8 B, half as fast at 1 MiB."""
+    world_size = nodes * ranks_per_node
+    p50s = {"ray": (1e-4, 2e-2), "ray-object-store": (2e-4, 3e-2), "torch": (4e-4, 1e-2)}
+    rows = [dict(collective="allreduce", world_size=world_size, nodes=nodes, nbytes=nbytes,
+                 backend=backend, timing="back-to-back", p50_s=p50s[backend][index],
+                 busbw_gbps=nbytes / p50s[backend][index] / 1e9, error=None, note=None,
+                 processes=nodes if backend.startswith("ray") else 0,
+                 setup_rss_bytes=MIB, peak_rss_bytes=80 * MIB)
+            for index, nbytes in enumerate((8, MIB)) for backend in p50s]
+    return {"metadata": {"date": date, "cpu_count": 2, "memory_gib": 23.5, "ray": "2.60.0",
+                         "numpy": "2", "local_cluster": True,
+                         "command": f"python -m benchmarks --nodes {nodes}",
+                         "options": {"backends": list(p50s), "nodes": nodes,
+                                     "ray_address": None},
+                         "backend_versions": {
+                             "ray": {"ray_collective": "0.1.0", CROSS_NODE_VARIABLE: "default"},
+                             "ray-object-store": {"ray_collective": "0.1.0",
+                                                  CROSS_NODE_VARIABLE: "object_store"}}},
+            "rows": rows, "notes": []}
+
+
+def test_the_across_nodes_part_of_the_page_names_nodes_and_ranks(tmp_path):
+    sources = []
+    for nodes, ranks_per_node in ((2, 2), (4, 2)):
+        path = tmp_path / f"nodes-{nodes}.json"
+        path.write_text(json.dumps(_nodes_document(nodes, ranks_per_node, "2026-11-23")))
+        sources.append(path)
+    generated = render([(sources, None)], tmp_path, part="across-nodes")
+    begin, end = markers("across-nodes")
+    assert generated.startswith(begin) and generated.endswith(end)
+    assert ("2026-11-23 on 2 cores / 23.5 GiB, 2 nodes of a ray.cluster_utils.Cluster on this "
+            "machine, Ray 2.60.0, numpy 2, ray_collective 0.1.0:") in generated
+    headings = [line.split("**")[1] for line in generated.splitlines() if line.startswith("**")]
+    assert headings == ["allreduce, 2 nodes × 2 ranks, back to back",
+                        "allreduce, 4 nodes × 2 ranks, back to back"]
+    table = generated.split("**allreduce, 2 nodes × 2 ranks, back to back**")[1].splitlines()
+    assert table[2] == ("| size | ray p50 · busbw | ray-object-store p50 · busbw | "
+                        "torch p50 · busbw | ray vs ray-object-store | ray vs torch |")
+    assert table[4].startswith("| 8 B | 100.0 µs · ") and table[4].endswith("| 2.00× | 4.00× |")
+    assert table[5].endswith("| 1.50× | 0.50× |")
+    assert "| 2×2 | ray | +2 |" in generated and "| 4×2 | torch | +0 |" in generated
+    page = f"# Results\n{BEGIN}\none node\n{END}\n## Across nodes\n{begin}\nold\n{end}\ntail\n"
+    written = replace_between_markers(page, generated, part="across-nodes")
+    assert written == f"# Results\n{BEGIN}\none node\n{END}\n## Across nodes\n{generated}\ntail\n"
+    with pytest.raises(ValueError, match="across-nodes:begin"):
+        replace_between_markers(f"{BEGIN}\n{END}\n", generated, part="across-nodes")
+
+
+def test_table_and_progress_name_nodes_and_ranks():
+    rows = [Row("allreduce", 8, 8, "float32", "ray", iterations=2, latencies_s=(1e-3, 1e-3),
+                p50_s=1e-3, nodes=4)]
+    assert format_ranks(8, 4) == "4 nodes × 2 ranks" and format_ranks(8) == "8 ranks"
+    assert "  4×2  " in format_table(rows).splitlines()[2]
+    assert format_progress(rows).startswith("allreduce 4 nodes × 2 ranks 8 B: ray 1.00 ms")
+    options = SweepOptions(("allreduce",), ("ray",), (4,), (8,), nodes=2)
+    assert summarize_point(options, "allreduce", 4, 8, {"ray": [[1e-3]] * 4}, {})[0].nodes == 2
+
+
+def test_a_tiny_sweep_across_two_nodes_of_a_local_cluster(tmp_path):
+    reason = _ray_backend_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "nodes.json"
+    completed = _run_cli("--nodes", "2", "--ranks-per-node", "1", "--backends", "ray",
+                         "--bytes", "8", "--iters", "2", "--warmup", "1", "--timeout", "60",
+                         "--quiet", "--json", str(out))
+    document = json.loads(out.read_text())
+    [row] = document["rows"]
+    # The harness refuses to time ranks that did not start on the node they were pinned to,
+    # so a row without error is a rank on each of the cluster's two nodes.
+    assert row["error"] is None, row["error"]
+    assert (row["nodes"], row["world_size"], row["iterations"]) == (2, 2, 2)
+    assert row["p50_s"] > 0 and len(row["latencies_s"]) == 2
+    metadata = document["metadata"]
+    assert metadata["local_cluster"] and len(set(metadata["node_ids"])) == 2
+    assert metadata["options"]["nodes"] == 2
+    assert metadata["backend_versions"]["ray"][CROSS_NODE_VARIABLE] == "default"
+    assert [line.split()[:5] for line in completed.stdout.splitlines()
+            if line.startswith("allreduce")] == [["allreduce", "2×1", "8", "B", "back-to-back"]]
