@@ -1,48 +1,11 @@
-"""Shared test helpers: reference reductions computed by numpy alone."""
+"""The session's fixtures: one local Ray instance and a pool of member actors."""
 
-import numpy as np
+import os
 
-import ray_collective as col
+import pytest
 
-UFUNCS = {col.ReduceOp.SUM: np.add, col.ReduceOp.PRODUCT: np.multiply,
-          col.ReduceOp.MIN: np.minimum, col.ReduceOp.MAX: np.maximum}
+from helpers import REPO_DIR, TESTS_DIR, start_members
 
-
-def numpy_reduce(arrays, op):
-    """What an allreduce of ``arrays`` with ``op`` must give, computed by numpy on the stack."""
-    stacked = np.stack(arrays)
-    if op is col.ReduceOp.AVG:
-        summed = np.add.reduce(stacked, axis=0, dtype=stacked.dtype)
-        if np.issubdtype(stacked.dtype, np.integer):
-            return (np.sign(summed) * (np.abs(summed.astype(object)) // len(arrays))).astype(
-                stacked.dtype)
-        return (summed / stacked.dtype.type(len(arrays))).astype(stacked.dtype)
-    return UFUNCS[op].reduce(stacked, axis=0, dtype=stacked.dtype)
-
-
-def rank_data(rank, shape, dtype, op=col.ReduceOp.SUM, seed=0):
-    """Rank ``rank``'s deterministic input: small values, so products and sums stay exact."""
-    rng = np.random.default_rng(seed * 1000 + rank)
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.integers(0, 2, shape).astype(bool)
-    low, high = (1, 3) if op is col.ReduceOp.PRODUCT else (-20, 20)
-    if dtype.kind == "u":
-        low = max(low, 0)
-    values = rng.integers(low, high, shape)
-    if dtype.kind == "c":
-        return (values + 1j * rng.integers(low, high, shape)).astype(dtype)
-    return values.astype(dtype)
-
-
-# ------------------------------------------------------------------ real Ray actors
-
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 POOL_SIZE = 5
 
 
@@ -57,21 +20,6 @@ def ray_session():
     ray.shutdown()
 
 
-class Member:
-    """A user's actor class with nothing collective about it: groups are formed around it."""
-
-    def pid(self):
-        return os.getpid()
-
-
-def start_members(ray, count):
-    """``count`` fresh member actors that need no CPU (so many fit on two cores)."""
-    actor = ray.remote(num_cpus=0)(Member)
-    members = [actor.remote() for _ in range(count)]
-    ray.get([m.pid.remote() for m in members])
-    return members
-
-
 @pytest.fixture(scope="session")
 def members(ray_session):
     """A pool of member actors shared by the tests that leave them healthy."""
@@ -79,25 +27,3 @@ def members(ray_session):
     yield pool
     for actor in pool:
         ray_session.kill(actor)
-
-
-def run_in(ray, actors, function, *args, timeout=120):
-    """Run ``function(rank, *args)`` inside each actor (rank = position); returns the results."""
-    refs = [a.__ray_call__.remote(lambda _self, r=rank: function(r, *args))
-            for rank, a in enumerate(actors)]
-    return ray.get(refs, timeout=timeout)
-
-
-def process_resources(rank):
-    """Inside a member: open descriptors (memfds among them) and resident memory of its
-    process."""
-    fds = os.listdir("/proc/self/fd")
-    memfds = 0
-    for fd in fds:
-        try:
-            memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return len(fds), memfds, rss

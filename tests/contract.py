@@ -14,7 +14,7 @@ tests/test_nccl_gpu.py (real NCCL, on a GPU machine).
 import numpy as np
 
 import ray_collective as col
-from conftest import numpy_reduce, rank_data
+from helpers import numpy_reduce, rank_data
 
 OPS = {"SUM": col.ReduceOp.SUM, "MAX": col.ReduceOp.MAX, "PRODUCT": col.ReduceOp.PRODUCT,
        "AVG": col.ReduceOp.AVG, "MIN": col.ReduceOp.MIN}

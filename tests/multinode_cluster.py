@@ -40,7 +40,7 @@ import ray_collective as col
 from ray_collective.algorithms.selector import select
 from ray_collective.backends.ray_backend import CROSS_NODE_VARIABLE, POST_OFFICE_LOOKUP_S
 from ray_collective.transport import tcp
-from conftest import Member, numpy_reduce, rank_data, run_in
+from helpers import Member, numpy_reduce, rank_data, run_in
 from contract import check_every_collective, every_collective
 from test_ray_backend import _group_keys, join, leave
 

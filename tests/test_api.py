@@ -10,7 +10,7 @@ import pytest
 
 import ray_collective as col
 from ray_collective.testing import RanksFailed, run_ranks
-from conftest import numpy_reduce, rank_data
+from helpers import numpy_reduce, rank_data
 
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
        col.ReduceOp.AVG]

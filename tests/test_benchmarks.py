@@ -34,7 +34,7 @@ from benchmarks.report_page import (BEGIN, END, markers, point_table, ratio, ren
 from benchmarks.harness import SweepResult
 from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
-from conftest import run_in, start_members
+from helpers import run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
                               iteration_latencies, percentiles, speedup)
 

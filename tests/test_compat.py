@@ -21,7 +21,7 @@ import pytest
 
 import ray_collective as col
 from compat_members import CollectiveUser
-from conftest import REPO_DIR, TESTS_DIR
+from helpers import REPO_DIR, TESTS_DIR
 
 torch = pytest.importorskip("torch", reason="the Gloo side of these tests needs torch")
 ray_util_collective = pytest.importorskip("ray.util.collective",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import numpy_reduce, rank_data
+from helpers import numpy_reduce, rank_data
 from nccl_ranks import run_nccl_ranks, values_of
 from nccl_standin import NCCL_CONSTANTS, StandInGpus
 

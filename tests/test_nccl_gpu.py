@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import rank_data
+from helpers import rank_data
 from nccl_ranks import run_nccl_ranks, values_of
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import run_in
+from helpers import run_in
 from oracle_cases import LIST_OUTPUT, SEED, Case, cases, rank_input
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

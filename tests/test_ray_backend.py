@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import numpy_reduce, process_resources, rank_data, run_in, start_members
+from helpers import numpy_reduce, process_resources, rank_data, run_in, start_members
 from contract import CASES, check_every_collective, every_collective
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import process_resources, run_in
+from helpers import process_resources, run_in
 from ray_collective.transport import wire
 
 NOBODY = 65534
@@ -126,9 +126,10 @@ def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700, path
     for entry in os.listdir(directory):
         mode = os.stat(os.path.join(directory, entry)).st_mode
-        assert not mode & (stat.S_IWOTH | stat.S_IWGRP), (entry, oct(mode))
-        if not stat.S_ISSOCK(mode):  # connecting needs a socket's write bit, never its read
-            assert not mode & (stat.S_IROTH | stat.S_IRGRP), (entry, oct(mode))
+        if stat.S_ISSOCK(mode):
+            assert stat.S_IMODE(mode) == 0o600, (entry, oct(mode))
+        else:
+            assert not mode & (stat.S_IRWXO | stat.S_IRWXG), (entry, oct(mode))
 
     attempts = [("list directory", lambda: os.listdir(directory)),
                 ("open state file", lambda: _open_readable(os.path.join(directory, "state")))]

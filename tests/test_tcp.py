@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from conftest import numpy_reduce, rank_data
+from helpers import numpy_reduce, rank_data
 from test_ray_backend import check_every_collective, every_collective
 from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_backend import TransportBackend

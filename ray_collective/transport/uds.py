@@ -47,6 +47,9 @@ def listen(path: str, backlog: int) -> socket.socket:
     """A nonblocking listening socket at ``path``."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
+    # Connecting takes write permission on the socket file: the owner's alone, whatever the
+    # umask (the group's directory already keeps other users out; this holds if it did not).
+    os.chmod(path, 0o600)
     server.listen(backlog)
     server.setblocking(False)
     return server
