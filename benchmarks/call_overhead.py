@@ -30,7 +30,7 @@ import numpy as np
 
 import ray_collective
 from ray_collective.backends.base import GroupCall
-from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.tensors import as_view
 from ray_collective.testing import run_ranks
 from ray_collective.transport.base import Request, Transport
@@ -112,7 +112,7 @@ def plan_choice(world_size: int, calls: int) -> Dict[str, float]:
     """Per-call costs at rank 0 of ``world_size`` ranks on ``world_size / 8`` nodes (8 B)."""
     node_of = [rank // RANKS_PER_NODE for rank in range(world_size)]
     transport = InstantTransport(0, world_size)
-    backend = TransportBackend("plan-choice", transport, node_of=node_of, forced={})
+    backend = TransportMembership("plan-choice", transport, node_of=node_of, forced={})
     tensor = as_view(np.zeros(2, np.float32), writable=True)
     options = CallOptions(Collective.ALLREDUCE, timeout=60.0)
     sequence = iter(range(1 << 62))

@@ -55,7 +55,7 @@ def _group(group_name: str) -> Group:
 
 def _view(group: Group, tensor: Any, writable: bool, what: str) -> TensorView:
     view = as_view(tensor, writable=writable, what=what)
-    if view.device != "cpu" and not group.backend.accepts_gpu_tensors:
+    if view.device != "cpu" and not group.membership.accepts_gpu_tensors:
         raise ArgumentTypeError(
             f"{what} is a GPU tensor ({view.kind} on {view.device}), but group "
             f"'{group.name}' runs on a CPU backend; create the group with "
@@ -620,12 +620,12 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
     """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
     group = _group(group_name)
-    if not group.backend.multi_gpu:
+    if not group.membership.multi_gpu:
         raise UnsupportedOperationError(
             f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this "
             f"process; group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
             f"{name.replace('_multigpu', '')} with one tensor instead.")
-    return group, GpuArguments(group.backend.devices, group.name, group.world_size)
+    return group, GpuArguments(group.membership.devices, group.name, group.world_size)
 
 
 def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,

@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
-from .backends.base import BackendFactory, CollectiveBackend, GroupCall
+from .backends.base import BackendFactory, GroupCall, Membership
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
 from .types import CallOptions, Collective, ReduceOp
@@ -77,16 +77,16 @@ class Group:
         name: the group name.
         world_size: ranks in the group.
         rank: this process's rank.
-        backend: the backend membership that runs the calls.
+        membership: this rank's membership of the group on its backend, which runs the calls.
         timeout: the default deadline of a call, in seconds.
     """
 
-    def __init__(self, name: str, world_size: int, rank: int, backend: CollectiveBackend,
+    def __init__(self, name: str, world_size: int, rank: int, membership: Membership,
                  timeout: float):
         self.name = name
         self.world_size = world_size
         self.rank = rank
-        self.backend = backend
+        self.membership = membership
         self.timeout = timeout
         self._seq = 0
         self._p2p_seq: Dict[Tuple[str, int, int], int] = {}
@@ -121,11 +121,11 @@ class Group:
         key = (collective, timeout, op, root, peer, tag)
         options = self._options.get(key)
         if options is None:
-            if collective not in self.backend.collectives:
+            if collective not in self.membership.collectives:
                 raise UnsupportedOperationError(
                     f"group '{self.name}' (rank {self.rank}) runs on a backend "
-                    f"({type(self.backend).__name__}) that has no {collective.value}; it runs "
-                    f"{', '.join(sorted(c.value for c in self.backend.collectives))}")
+                    f"({type(self.membership).__name__}) that has no {collective.value}; it runs "
+                    f"{', '.join(sorted(c.value for c in self.membership.collectives))}")
             if len(self._options) >= OPTIONS_CACHE_SIZE:
                 self._options.clear()
             options = CallOptions(collective, self.timeout if timeout is None else timeout,
@@ -174,7 +174,7 @@ class Group:
                 raise GroupBrokenError(self.name, self.rank, self._broken)
             call = make_call(self._next_seq_locked(*seq_key))
             # In the caller's thread, before the call may be queued (see on_submit).
-            self.backend.on_submit(call)
+            self.membership.on_submit(call)
             inline = not (async_op or self._queued)
             if not inline:
                 self._queued += 1
@@ -207,7 +207,7 @@ class Group:
     def _run(self, call: GroupCall) -> None:
         self._raise_if_broken()
         try:
-            self.backend.run(call)
+            self.membership.run(call)
         except GroupBrokenError as err:
             self._broken = err.cause
             raise _from_my_side(err.cause, self.rank) or err from None
@@ -215,7 +215,7 @@ class Group:
             raise
         except BaseException as err:
             self._broken = err
-            self.backend.abort(err)
+            self.membership.abort(err)
             raise
 
     def fail(self, error: BaseException) -> None:
@@ -229,7 +229,7 @@ class Group:
             if self._broken is not None:
                 return
             self._broken = error
-        self.backend.abort(error)
+        self.membership.abort(error)
 
     def destroy(self) -> None:
         """Finish queued calls, then release the backend membership."""
@@ -237,7 +237,7 @@ class Group:
             worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=True)
-        self.backend.close()
+        self.membership.close()
 
 
 class DeclaredGroup(ABC):
@@ -274,12 +274,12 @@ class GroupRegistry:
                 raise GroupAlreadyInitializedError(name)
             self._groups[name] = None
         try:
-            backend = factory.create(name, world_size, rank, timeout)
+            membership = factory.create(name, world_size, rank, timeout)
         except BaseException:
             with self._lock:
                 del self._groups[name]
             raise
-        group = Group(name, world_size, rank, backend, timeout)
+        group = Group(name, world_size, rank, membership, timeout)
         with self._lock:
             self._groups[name] = group
         return group

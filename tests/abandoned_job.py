@@ -15,7 +15,7 @@ import ray_collective as col
 class Holder:
     def directory(self):
         from ray_collective.group import current_registry
-        return current_registry().get("abandoned").backend.directory
+        return current_registry().get("abandoned").membership.directory
 
 
 if __name__ == "__main__":

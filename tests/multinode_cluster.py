@@ -10,7 +10,7 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
   selector picks for that map;
 - which ranks sent anything to another node, after a phase of only the collectives that have a
   hierarchical variant: streams open lazily, on a rank's first send to or receive from a rank
-  there, and (over the object store) the relay reaches a node's post office lazily, on a
+  there, and (over the object store) a rank reaches a node's post office lazily, on a
   rank's first send there, so a rank that never talked across nodes holds neither;
 - every collective (and send/recv, barrier) on small and large (> 64 KiB) tensors, checked
   against numpy; failures are recorded as text;
@@ -106,9 +106,9 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
         tensor = rank_data(rank, length, "float64")
         col.reduce(tensor, root, group)
         outputs[f"reduce-{length}"] = tensor
-    backend = current_registry().get(group).backend
+    backend = current_registry().get(group).membership
     transport = backend.transport
-    relay = transport.relay
+    post_offices = transport.post_offices
     streams = transport._streams
     stream_nodes = {transport.peers[peer].node for peer in transport._stream_to}
     return {"outputs": outputs, "membership": type(backend).__name__,
@@ -119,7 +119,8 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
                 [_inode(streams.listener.fileno())]
                 + [_inode(fd) for fd in transport._streams_by_fd]),
             "sent_to_nodes": sorted(stream_nodes if streams is not None
-                                    else set(relay._handles) if relay is not None else ())}
+                                    else set(post_offices._handles) if post_offices is not None
+                                    else ())}
 
 
 def _inode(fd: int) -> int:
@@ -241,7 +242,7 @@ def _allreduce_once(rank: int, group: str) -> bool:
 
 def _refused_connections(_rank: int, group: str) -> int:
     from ray_collective.group import current_registry
-    return current_registry().get(group).backend.transport.refused_connections
+    return current_registry().get(group).membership.transport.refused_connections
 
 
 def stranger_with_a_wrong_key(members: list, group: str) -> dict:
@@ -308,7 +309,7 @@ def post_office_killed(members: list) -> dict:
     refs = [m.__ray_call__.remote(lambda _self, r=r: _loop_until_error(r, group))
             for r, m in enumerate(members)]
     # Past the moments after joining when a post office's name may not be registered yet
-    # (RayRelay: POST_OFFICE_LOOKUP_S), so that a missing name means a dead post office.
+    # (RayPostOffices: POST_OFFICE_LOOKUP_S), so that a missing name means a dead post office.
     time.sleep(max(1.0, POST_OFFICE_LOOKUP_S - (time.monotonic() - formed)))
     node = node_ids()[1]
     victim = next(name for name in post_office_names() if name.endswith(node[:16]))

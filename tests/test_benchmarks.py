@@ -629,12 +629,13 @@ def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp
 def test_a_cached_plan_is_found_by_one_lookup_whatever_the_world_size():
     from benchmarks.call_overhead import InstantTransport
     from ray_collective.backends.base import GroupCall
-    from ray_collective.backends.transport_backend import TransportBackend
+    from ray_collective.backends.transport_membership import TransportMembership
     from ray_collective.tensors import as_view
     from ray_collective.types import CallOptions, Collective
     for world_size in (8, 4096):
         transport = InstantTransport(0, world_size)
-        backend = TransportBackend("g", transport, node_of=[r // 8 for r in range(world_size)],
+        backend = TransportMembership("g", transport,
+                                      node_of=[r // 8 for r in range(world_size)],
                                    forced={})
         tensor = as_view(np.zeros(2, np.float32), writable=True)
         options = CallOptions(Collective.ALLREDUCE, timeout=60.0)

@@ -15,7 +15,7 @@ from contract import CASES, TensorKind, check_every_collective, every_collective
 from nccl_ranks import run_nccl_ranks, values_of
 from nccl_standin import StandInGpus
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 from ray_collective.types import Collective
@@ -46,7 +46,7 @@ class ThreadFabrics(BackendFactory):
             fabric = fabric or LocalFabric(world_size, group_name)
             if joined + 1 < world_size:
                 self._joining[group_name] = (fabric, joined + 1)
-        backend = TransportBackend(group_name, fabric.transport(rank))
+        backend = TransportMembership(group_name, fabric.transport(rank))
         backend.collectives = self.collectives
         return backend
 

@@ -20,7 +20,7 @@ import pytest
 import ray_collective as col
 from helpers import numpy_reduce, rank_data
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
@@ -59,7 +59,7 @@ class NodeFactory(BackendFactory):
         return True
 
     def create(self, group_name, world_size, rank, timeout):
-        return TransportBackend(group_name, self.transports[rank], forced=self.forced)
+        return TransportMembership(group_name, self.transports[rank], forced=self.forced)
 
 
 def _run(tmp_path, world_size, body, spin_s=0.0, timeout=60.0, forced=None):
@@ -166,7 +166,7 @@ def test_shared_memory_is_released_back_to_the_sender(tmp_path):
         for _ in range(3):
             col.allreduce(x)
         col.barrier()
-        transport = current_registry().get("default").backend.transport
+        transport = current_registry().get("default").membership.transport
         transport._collect_releases()
         return x, transport._arena.live_payloads()
 

@@ -156,7 +156,7 @@ def test_an_algorithm_naming_foreign_memory_is_refused():
 def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
     import threading
 
-    import ray_collective.backends.transport_backend as transport_backend
+    import ray_collective.backends.transport_membership as transport_membership
     counted = {"select": 0, "record": 0}
     lock = threading.Lock()
 
@@ -167,15 +167,16 @@ def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
             return function(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(transport_backend, "select", counting("select", transport_backend.select))
-    monkeypatch.setattr(transport_backend, "record", counting("record", transport_backend.record))
+    for name in ("select", "record"):
+        monkeypatch.setattr(transport_membership, name,
+                            counting(name, getattr(transport_membership, name)))
 
     def body(rank):
         x = np.full(10, rank, np.float32)
         for _ in range(6):
             col.allreduce(x)                   # one shape: recorded once
         col.allreduce(np.zeros((2, 5), np.float32))   # another shape: a second plan
-        return x, current_registry().get("default").backend.prepared_calls()
+        return x, current_registry().get("default").membership.prepared_calls()
 
     for x, prepared in run_ranks(3, body):
         np.testing.assert_array_equal(x, np.full(10, 3 * 3 ** 5, np.float32))
@@ -184,15 +185,15 @@ def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
 
 
 def test_the_cache_of_prepared_calls_is_bounded(monkeypatch):
-    import ray_collective.backends.transport_backend as transport_backend
-    monkeypatch.setattr(transport_backend, "PLAN_CACHE_SIZE", 4)
+    import ray_collective.backends.transport_membership as transport_membership
+    monkeypatch.setattr(transport_membership, "PLAN_CACHE_SIZE", 4)
 
     def body(rank):
         for n in range(1, 10):
             x = np.full(n, 1.0)
             col.allreduce(x)
             assert (x == 2.0).all()
-        return current_registry().get("default").backend.prepared_calls()
+        return current_registry().get("default").membership.prepared_calls()
 
     assert run_ranks(2, body) == [4, 4]
 

@@ -43,7 +43,7 @@ def _layout(rank, group):
 
 def _where(rank, group):
     """Inside a member: its process, its group's directory and socket, its memfds."""
-    backend = _group_of(group).backend
+    backend = _group_of(group).membership
     return {"pid": os.getpid(), "directory": backend.directory,
             "socket": backend.transport.peers[rank].socket_path,
             "memfds": [fd for fd in os.listdir("/proc/self/fd")
@@ -209,11 +209,11 @@ def _allreduce_checked(rank, group, calls):
 
 
 def _refused(rank, group):
-    return _group_of(group).backend.transport.refused_connections
+    return _group_of(group).membership.transport.refused_connections
 
 
 def _group_key(rank, group):
-    return _group_of(group).backend.transport.group_key
+    return _group_of(group).membership.transport.group_key
 
 
 class _Marker:

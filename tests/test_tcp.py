@@ -16,7 +16,7 @@ import ray_collective as col
 from helpers import numpy_reduce, rank_data
 from test_ray_backend import check_every_collective, every_collective
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_backend import TransportBackend
+from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError
 from ray_collective.testing import run_ranks
 from ray_collective.transport import tcp, uds, wire
@@ -227,7 +227,7 @@ class StreamFactory(BackendFactory):
         return True
 
     def create(self, group_name, world_size, rank, timeout):
-        return TransportBackend(group_name, self.transports[rank], forced=self.forced,
+        return TransportMembership(group_name, self.transports[rank], forced=self.forced,
                                 node_of=[t.node for t in self.transports])
 
 

@@ -6,7 +6,7 @@
 into a factory. A program adds its own backend with ``ray_collective.register_backend(name,
 factory)``; the built-in ones are registered the same way below. What a backend can do (GPU
 tensors, the multi-GPU calls, which collectives) is declared by its memberships
-(:class:`~ray_collective.backends.base.CollectiveBackend`), not known here.
+(:class:`~ray_collective.backends.base.Membership`), not known here.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class GroupCall:
         return f"GroupCall({self.options.collective.value} #{self.seq})"
 
 
-class CollectiveBackend(ABC):
+class Membership(ABC):
     """One rank's membership of one group on one backend.
 
     Attributes:
@@ -96,7 +96,7 @@ class BackendFactory(ABC):
 
     @abstractmethod
     def create(self, group_name: str, world_size: int, rank: int,
-               timeout: float) -> CollectiveBackend:
+               timeout: float) -> Membership:
         """Join ``rank`` to the group; returns once the membership is usable.
 
         Raises:

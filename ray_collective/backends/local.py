@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..transport.local import LocalFabric
-from .base import BackendFactory, CollectiveBackend
-from .transport_backend import TransportBackend
+from .base import BackendFactory, Membership
+from .transport_membership import TransportMembership
 
 
 class LocalBackendFactory(BackendFactory):
@@ -34,8 +34,8 @@ class LocalBackendFactory(BackendFactory):
         return True
 
     def create(self, group_name: str, world_size: int, rank: int,
-               timeout: float) -> CollectiveBackend:
+               timeout: float) -> Membership:
         if world_size != self.fabric.world_size:
             raise ValueError(f"world_size {world_size} does not match the local fabric's "
                              f"{self.fabric.world_size} ranks")
-        return TransportBackend(group_name, self.fabric.transport(rank), node_of=self.node_of)
+        return TransportMembership(group_name, self.fabric.transport(rank), node_of=self.node_of)

@@ -34,12 +34,12 @@ from ..algorithms.selector import forced_algorithms
 from ..errors import ArgumentValueError, BackendNotAvailableError
 from ..transport import tcp, uds
 from ..transport.node_state import NodeState, write_atomically
-from ..transport.ray_transport import (SPIN_S, Peer, RayTransport, Relay, Streams,
+from ..transport.ray_transport import (SPIN_S, Peer, PostOffices, RayTransport, Streams,
                                        process_alive)
 from . import rendezvous
-from .base import BackendFactory, CollectiveBackend, Declaration
+from .base import BackendFactory, Declaration, Membership
 from .post_office import POST_OFFICE_PID_FILE, PostOffice
-from .transport_backend import TransportBackend
+from .transport_membership import TransportMembership
 
 _NAMESPACE = rendezvous.NAMESPACE
 _SOCKET_PATH_MAX = 100
@@ -172,7 +172,7 @@ POST_OFFICE_LOOKUP_S = 10.0
 """How long a rank looks for another node's post office by name before it counts it as gone."""
 
 
-class RayRelay(Relay):
+class RayPostOffices(PostOffices):
     """Reaches the other nodes of a group through their post office actors."""
 
     def __init__(self, group_key: bytes, node: str, other_nodes: Sequence[str],
@@ -297,7 +297,7 @@ def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
     return any(_ranks_over_cores(members).values())
 
 
-class RayMembership(TransportBackend):
+class RayMembership(TransportMembership):
     """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
 
     def __init__(self, group_name: str, transport: RayTransport, token: str, prefix: str,
@@ -374,7 +374,7 @@ class RayBackendFactory(BackendFactory):
         return hasattr(os, "memfd_create")
 
     def create(self, group_name: str, world_size: int, rank: int,
-               timeout: float) -> CollectiveBackend:
+               timeout: float) -> Membership:
         if not self.available():
             raise BackendNotAvailableError(
                 f"group '{group_name}', rank {rank}: the 'ray' backend needs Linux (memfd and "
@@ -417,13 +417,14 @@ class RayBackendFactory(BackendFactory):
                  for m in members]
         state = NodeState(directory, group_name, world_size)
         nodes = {m.node for m in members}
-        relay, post_office, streams = None, None, None
+        post_offices, post_office, streams = None, None, None
         if len(nodes) > 1:
             # Every member must agree, and each asked for what it can do: one asking for the
             # object store (by choice, or for TLS) takes the whole group there.
             if all(m.cross_node == STREAMS for m in members):
                 streams = _listen_for_streams(kv, prefix, token, rank, world_size, timeout)
-            relay = RayRelay(group_key, node, sorted(nodes - {node}), timeout, directory)
+            post_offices = RayPostOffices(group_key, node, sorted(nodes - {node}), timeout,
+                                          directory)
             local = {m.rank: m.pid for m in members if m.node == node}
             if rank == min(local):
                 post_office = _start_post_office(directory, group_name, group_key, world_size,
@@ -432,7 +433,7 @@ class RayBackendFactory(BackendFactory):
         # its own may do it: on a crowded node it would take the core a peer needs.
         spin_s = 0.0 if _ranks_over_cores(members)[node] else SPIN_S
         transport = RayTransport(rank, group_name, group_key, peers, endpoint["listener"], state,
-                                 relay, connect_timeout=timeout, spin_s=spin_s,
+                                 post_offices, connect_timeout=timeout, spin_s=spin_s,
                                  streams=streams)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced)

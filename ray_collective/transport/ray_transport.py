@@ -18,16 +18,16 @@ blocks in ``poll``, waking at least every 0.1 s to look for failures.
 Across nodes, messages travel on authenticated TCP streams between the two ranks
 (``transport.tcp``, chosen by default; see :class:`Streams`), opened on a rank's first send to
 or receive from a peer there, and read in the same poll loop as the Unix sockets. Or, where
-the group chose the object store, sends go to a :class:`Relay` (the node's post office actor,
-see ``backends.post_office``), batched: one actor task per destination node per round, however
-many ranks of that node the round addresses. The post office delivers them on its node as if
-it were the sender.
+the group chose the object store, sends go to the destination node's post office (an actor,
+``backends.post_office``, reached through :class:`PostOffices`), batched: one actor task per
+destination node per round, however many ranks of that node the round addresses. The post
+office delivers them on its node as if it were the sender.
 
 Failures: a peer's socket or streams closing, or its process gone from the process table
-(checked every 0.1 s for the peers a rank waits for on its node, every second through the relay
-for the others that have no stream), means it died; an abort by any rank is published in the
-node's shared state page (``transport.node_state``) and, through the relay, on every other
-node, and every waiting rank raises it within one poll interval.
+(checked every 0.1 s for the peers a rank waits for on its node, every second through the post
+offices for the others that have no stream), means it died; an abort by any rank is published
+in the node's shared state page (``transport.node_state``) and, through the post offices, on
+every other node, and every waiting rank raises it within one poll interval.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ class Streams:
         self.address = address
 
 
-class Relay:
-    """Reaches the ranks on other nodes (implemented over Ray by the backend)."""
+class PostOffices:
+    """The group's post offices as one rank reaches them: its own node's, and through the
+    others', the ranks on other nodes (implemented over Ray by the backend)."""
 
     def deliver(self, node: str, messages: List[RemoteMessage]) -> None:
         """Hand ``messages`` to ``node`` in one batch (asynchronously, order kept per node)."""
@@ -205,14 +206,14 @@ class RayTransport(Transport):
         peers: where every rank lives, indexed by rank.
         listener: this rank's listening socket (bound before the rendezvous).
         state: this node's shared state page of the group.
-        relay: reaches other nodes' post offices; None when the group has one node.
-        streams: carries messages to other nodes when given (else the relay does).
+        post_offices: reaches other nodes' post offices; None when the group has one node.
+        streams: carries messages to other nodes when given (else the post offices do).
         connect_timeout: seconds to wait for a local peer's socket to accept.
         spin_s: seconds to poll without sleeping before blocking (0 on oversubscribed nodes).
     """
 
     def __init__(self, rank: int, group_name: str, group_key: bytes, peers: Sequence[Peer],
-                 listener, state: NodeState, relay: Optional[Relay] = None,
+                 listener, state: NodeState, post_offices: Optional[PostOffices] = None,
                  connect_timeout: float = 30.0, spin_s: float = 0.0,
                  streams: Optional[Streams] = None):
         self.rank = rank
@@ -222,7 +223,7 @@ class RayTransport(Transport):
         self.peers = tuple(peers)
         self.node = peers[rank].node
         self.state = state
-        self.relay = relay
+        self.post_offices = post_offices
         self.connect_timeout = connect_timeout
         self.spin_s = spin_s
         self._listener = listener
@@ -325,7 +326,7 @@ class RayTransport(Transport):
         if self._remote_batches:
             batches, self._remote_batches = self._remote_batches, {}
             for node, messages in batches.items():
-                self.relay.deliver(node, messages)
+                self.post_offices.deliver(node, messages)
 
     def _link_to(self, peer: int) -> uds.Link:
         link = self._out_links.get(peer)
@@ -694,13 +695,13 @@ class RayTransport(Transport):
                     remote[where.node].append(peer)
             elif not process_alive(where.pid):
                 self._dead.setdefault(peer, "its process exited")
-        if self.relay is None:
+        if self.post_offices is None:
             return False
         self._local_post_office_lost()
         if not (remote and remote_too):
             return False
         for node, ranks in remote.items():
-            dead = self.relay.dead_ranks(node, ranks)
+            dead = self.post_offices.dead_ranks(node, ranks)
             if dead is None:
                 self._lost_post_offices.add(node)
                 continue
@@ -715,12 +716,12 @@ class RayTransport(Transport):
         Asked at every wait, not only in waits long enough for the liveness checks: over
         streams a group's calls can all finish within that interval, and a rank must still
         learn of the loss (its abort then tells the other nodes)."""
-        if self.relay is None:
+        if self.post_offices is None:
             return False
         now = time.monotonic()
         if self.node not in self._lost_post_offices and now >= self._next_post_office_check:
             self._next_post_office_check = now + _LOCAL_LIVENESS_INTERVAL_S
-            if not self.relay.local_post_office_alive():
+            if not self.post_offices.local_post_office_alive():
                 self._lost_post_offices.add(self.node)
         return self.node in self._lost_post_offices
 
@@ -745,10 +746,10 @@ class RayTransport(Transport):
         for node, ranks in by_node.items():
             if node == self.node:
                 responsive += self.state.responsive(ranks, seq)
-            elif self.relay is None:
+            elif self.post_offices is None:
                 return None  # nothing reaches that node's state page
             else:
-                responsive += self.relay.responsive(node, ranks, seq)
+                responsive += self.post_offices.responsive(node, ranks, seq)
         absent = sorted(set(range(self.world_size)) - set(responsive))
         return absent or None
 
@@ -763,8 +764,8 @@ class RayTransport(Transport):
         for link in list(self._streams_by_fd.values()):
             if link.open and not (link.closed or link.unwritable):
                 link.send(tcp.control_frame(frame))
-        if self.relay is not None:
-            self.relay.abort(record)
+        if self.post_offices is not None:
+            self.post_offices.abort(record)
 
     def _knock_local_peers(self) -> None:
         """Wake the ranks of this node blocked in poll, so that they look at the state page now

@@ -13,12 +13,12 @@ Nothing here imports CuPy, torch or Ray until a group is created or availability
 """
 
 from .arguments import MultiGpuCall
-from .backend import NcclBackend, NcclBackendFactory, synchronize_device
+from .backend import NcclBackendFactory, NcclMembership, synchronize_device
 from .completion import NcclOptions
 from .library import NcclLibrary, load_library
 from .rendezvous import InProcessRendezvous, RayRendezvous, Rendezvous
 
 __all__ = [
-    "InProcessRendezvous", "MultiGpuCall", "NcclBackend", "NcclBackendFactory", "NcclLibrary",
+    "InProcessRendezvous", "MultiGpuCall", "NcclMembership", "NcclBackendFactory", "NcclLibrary",
     "NcclOptions", "RayRendezvous", "Rendezvous", "load_library", "synchronize_device",
 ]

@@ -39,7 +39,7 @@ from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTime
                        PeerDiedError)
 from ...tensors import TensorView
 from ...types import Collective, ReduceOp
-from ..base import BackendFactory, CollectiveBackend, GroupCall
+from ..base import BackendFactory, GroupCall, Membership
 from .arguments import MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
@@ -89,7 +89,7 @@ class _Plan:
 CallerOrder = Dict[int, Tuple[int, int]]
 
 
-class NcclBackend(CollectiveBackend):
+class NcclMembership(Membership):
     """One process's membership of an NCCL group.
 
     Args:
@@ -540,16 +540,16 @@ def _views_of(call: GroupCall) -> Iterator[TensorView]:
 
 
 _SINGLE_PLANNERS = {
-    Collective.ALLREDUCE: NcclBackend._allreduce,
-    Collective.REDUCE: NcclBackend._reduce,
-    Collective.BROADCAST: NcclBackend._broadcast,
-    Collective.ALLGATHER: NcclBackend._allgather,
-    Collective.REDUCESCATTER: NcclBackend._reducescatter,
-    Collective.GATHER: NcclBackend._gather,
-    Collective.SCATTER: NcclBackend._scatter,
-    Collective.ALLTOALL: NcclBackend._alltoall,
-    Collective.SEND: NcclBackend._point_to_point,
-    Collective.RECV: NcclBackend._point_to_point,
+    Collective.ALLREDUCE: NcclMembership._allreduce,
+    Collective.REDUCE: NcclMembership._reduce,
+    Collective.BROADCAST: NcclMembership._broadcast,
+    Collective.ALLGATHER: NcclMembership._allgather,
+    Collective.REDUCESCATTER: NcclMembership._reducescatter,
+    Collective.GATHER: NcclMembership._gather,
+    Collective.SCATTER: NcclMembership._scatter,
+    Collective.ALLTOALL: NcclMembership._alltoall,
+    Collective.SEND: NcclMembership._point_to_point,
+    Collective.RECV: NcclMembership._point_to_point,
 }
 
 
@@ -593,7 +593,7 @@ class NcclBackendFactory(BackendFactory):
         return True
 
     def create(self, group_name: str, world_size: int, rank: int,
-               timeout: float) -> CollectiveBackend:
+               timeout: float) -> Membership:
         """Join the group: check GPU counts, exchange the unique id, create the communicators.
 
         Args:
@@ -618,7 +618,7 @@ class NcclBackendFactory(BackendFactory):
             rendezvous = RayRendezvous() if world_size > 1 else InProcessRendezvous()
         communicators = CliqueJoin(rendezvous, library, group_name, "world", world_size, rank,
                                    devices, "init", 0, timeout).run()
-        return NcclBackend(group_name, world_size, rank, devices, library, rendezvous,
+        return NcclMembership(group_name, world_size, rank, devices, library, rendezvous,
                            self._options, communicators)
 
     def _resolve_devices(self, library: NcclLibrary, group_name: str,

@@ -25,7 +25,7 @@ from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_CHANNEL, Transport, p2p_channel
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
-from .base import CollectiveBackend, GroupCall, node_map_or_none
+from .base import GroupCall, Membership, node_map_or_none
 
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 _GATHERING = (Collective.ALLGATHER, Collective.GATHER)
@@ -99,7 +99,7 @@ def _scatter_blocks(buf: np.ndarray, blocks: Blocks, views: Sequence[TensorView]
         np.copyto(view.array, blocks.view(buf, i))
 
 
-class TransportBackend(CollectiveBackend):
+class TransportMembership(Membership):
     """Runs every collective as a recorded algorithm over ``transport``.
 
     Args:
