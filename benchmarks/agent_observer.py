@@ -532,7 +532,7 @@ def to_json(results: Sequence[PointResult], options: AgentObserverOptions, comma
     Returns:
         A JSON-serializable dict.
     """
-    from benchmarks.harness import machine_metadata
+    from benchmarks.rows import machine_metadata
     import torch
     metadata = {**machine_metadata(), "torch": torch.__version__, "command": command,
                 "options": asdict(options),

@@ -262,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark on a local Ray it starts; print the tables; write JSON if asked."""
     import ray
 
-    from .harness import machine_metadata
+    from .rows import machine_metadata
     parser = build_parser()
     arguments = parser.parse_args(argv)
     tables = tuple(t for t in arguments.tables.split(",") if t)

@@ -12,7 +12,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .collectives import COLLECTIVES
-from .harness import SweepOptions, count_points, run_sweep
+from .harness import run_sweep
+from .sweep import SweepOptions, count_points
 from .peers import PEERS
 from .report import ProgressBar, format_progress, format_table, to_json
 from .worker import BACK_TO_BACK, BARRIER, TIMINGS

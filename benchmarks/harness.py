@@ -16,25 +16,23 @@ Nothing waits forever: every call to the actors has a deadline. A backend that f
 the error in its rows and the sweep goes on; if a failure leaves ranks stuck inside a call, the
 world's actors are replaced, the failed backend is skipped for the rest of that world size and
 the others carry on. Actors are killed at the end, whatever happened.
+
+What a sweep measures and the blocks of a point are planned in ``sweep``; the rows are
+summarized in ``rows``.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
-import platform
-from dataclasses import asdict, dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from dataclasses import asdict, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
-from .collectives import COLLECTIVES, message_layout
 from .nodes import pick_nodes, pinned, rank_nodes, start_local_cluster
 from .peers import PEERS, store_address
-from .stats import (IterationCounts, algorithm_bandwidth, bus_bandwidth,
-                    default_iteration_counts, iteration_latencies, percentiles, speedup)
-from .worker import BACK_TO_BACK, BlockSpec, RankWorker
+from .rows import (CallOutcome, Footprint, Row, SweepResult, describe_exception, machine_metadata,
+                   ranks_phrase, summarize_failures, summarize_point, unmeasured_rows)
+from .sweep import SweepOptions, block_order, split_iterations, sweep_points
+from .worker import BlockSpec, RankWorker
 
 REWARM_ITERATIONS = 1
 """Untimed iterations at the start of every block after the first: the other backend ran in
@@ -47,305 +45,9 @@ timeout error, which says more, arrives before the driver gives up."""
 TEARDOWN_TIMEOUT_S = 30.0
 """The longest leaving a group may take at the end of a world size."""
 
-MAX_FAILURES_SHOWN = 3
-"""Distinct failures named in a row's error; at 64 ranks the rest would drown the table."""
-
-
-Unit = TypeVar("Unit")
-
 
 class ActorStartError(RuntimeError):
     """The rank actors of a world size did not all come up."""
-
-
-@dataclass(frozen=True)
-class SweepOptions:
-    """What to measure; every tuple is one axis of the sweep.
-
-    Attributes:
-        collectives: names of ``collectives.COLLECTIVES``.
-        backends: names of ``peers.PEERS``, in the order the table shows them.
-        world_sizes: rank counts.
-        sizes: message sizes in bytes (nccl-tests "size"; barrier ignores them).
-        dtype: numpy dtype name of the tensors.
-        iterations: timed iterations per point; None: from the size
-            (``stats.default_iteration_counts``).
-        warmup: untimed iterations per point and backend; None: from the size.
-        blocks: how many interleaved blocks the timed iterations are split into.
-        baseline: the backend the speed-up is relative to (None: no speed-up column; the CLI
-            defaults to the first of ``backends``).
-        timeout_s: deadline of each step (actor start, group setup, one block), and the
-            libraries' own per-call deadline.
-        ray_address: a running Ray cluster to use; None starts a local one.
-        timings: the timing modes, of ``worker.TIMINGS``, in the order the rows show them.
-        nodes: spread each world's ranks evenly over this many nodes (``nodes.rank_nodes``),
-            of a ``ray.cluster_utils.Cluster`` started on this machine or of the
-            ``ray_address`` cluster; None: wherever Ray places them (one node, locally).
-    """
-
-    collectives: Tuple[str, ...]
-    backends: Tuple[str, ...]
-    world_sizes: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-    dtype: str = "float32"
-    iterations: Optional[int] = None
-    warmup: Optional[int] = None
-    blocks: int = 4
-    baseline: Optional[str] = None
-    timeout_s: float = 300.0
-    ray_address: Optional[str] = None
-    timings: Tuple[str, ...] = (BACK_TO_BACK,)
-    nodes: Optional[int] = None
-
-    def counts(self, nbytes: int) -> IterationCounts:
-        """The warm-up and timed iterations for a point of ``nbytes``.
-
-        Args:
-            nbytes: the point's size.
-
-        Returns:
-            The overrides where given, else the size's defaults.
-        """
-        defaults = default_iteration_counts(nbytes)
-        return IterationCounts(
-            warmup=defaults.warmup if self.warmup is None else self.warmup,
-            iterations=defaults.iterations if self.iterations is None else self.iterations)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One (collective, world size, size, backend) result.
-
-    Attributes:
-        collective: the collective.
-        world_size: number of ranks.
-        nbytes: the size moved (nccl-tests "size", see ``collectives``).
-        dtype: numpy dtype name.
-        backend: the backend.
-        timing: how its calls were timed, of ``worker.TIMINGS``.
-        iterations: timed iterations that went into the numbers.
-        latencies_s: each timed iteration's latency (slowest rank), in run order.
-        p50_s, p75_s, p90_s, p95_s: latency percentiles in seconds (None on error).
-        algbw_gbps: algorithm bandwidth at p50, GB/s (10^9 B/s).
-        busbw_gbps: bus bandwidth at p50, GB/s.
-        speedup: ``baseline p50 / this p50`` at the same timing mode (> 1: faster than the
-            baseline), None when there is no baseline or either row failed.
-        baseline: the backend ``speedup`` compares with.
-        error: why the row has no numbers, or None.
-        note: why the row was not measured although nothing failed (a collective the
-            backend does not offer), or None.
-        peak_rss_bytes: the largest peak resident memory of a process that ran a rank of
-            this backend, by the end of this point (in-actor backends share the rank actors,
-            so theirs is the actor's peak whatever backend caused it).
-        setup_rss_bytes: the most a rank's resident memory grew while joining this backend's
-            group (torch's import, for ``gloo``).
-        processes: processes the backend started beyond the rank actors (a helper actor,
-            ``mpiexec``'s job), counted after its group was formed.
-        nodes: the nodes the ranks were spread over, or None (wherever Ray put them).
-    """
-
-    collective: str
-    world_size: int
-    nbytes: int
-    dtype: str
-    backend: str
-    timing: str = BACK_TO_BACK
-    iterations: int = 0
-    latencies_s: Tuple[float, ...] = ()
-    p50_s: Optional[float] = None
-    p75_s: Optional[float] = None
-    p90_s: Optional[float] = None
-    p95_s: Optional[float] = None
-    algbw_gbps: Optional[float] = None
-    busbw_gbps: Optional[float] = None
-    speedup: Optional[float] = None
-    baseline: Optional[str] = None
-    error: Optional[str] = None
-    note: Optional[str] = None
-    peak_rss_bytes: Optional[int] = None
-    setup_rss_bytes: Optional[int] = None
-    processes: Optional[int] = None
-    nodes: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """What one backend costs the machine at one world size.
-
-    Attributes:
-        processes: processes it started beyond the rank actors.
-        setup_rss_bytes: the largest growth of a rank's resident memory while joining.
-        peak_rss_bytes: the largest peak resident memory of its rank processes so far.
-    """
-
-    processes: Optional[int] = None
-    setup_rss_bytes: Optional[int] = None
-    peak_rss_bytes: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    """Everything one run measured.
-
-    Attributes:
-        rows: one per (world size, collective, size, backend), in sweep order.
-        metadata: date, versions, machine, command and options (JSON-serializable).
-        notes: things that went wrong outside the rows (a teardown that failed, ...).
-    """
-
-    rows: Tuple[Row, ...]
-    metadata: dict
-    notes: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class CallOutcome:
-    """What every rank answered to one call.
-
-    Attributes:
-        results: each rank's return value, in rank order (complete only without error).
-        error: the first failure, naming the ranks, or None.
-        stuck: True when some ranks did not answer in time and may still be inside the call.
-    """
-
-    results: Tuple = ()
-    error: Optional[str] = None
-    stuck: bool = False
-
-
-def describe_exception(exc: BaseException) -> str:
-    """A one-line description of ``exc``, unwrapping Ray's task error to the rank's own.
-
-    Args:
-        exc: the exception.
-
-    Returns:
-        ``"TypeName: message"`` on one line, at most 300 characters.
-    """
-    cause = getattr(exc, "cause", None) or exc
-    text = " ".join(f"{type(cause).__name__}: {cause}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _ranks_phrase(ranks: Sequence[int]) -> str:
-    """``rank 3``, ``ranks 0,2`` or, for a contiguous run, ``ranks 0-63``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ",".join(map(str, ranks))
-
-
-def summarize_failures(late: Sequence[int], ranks_by_failure: Dict[str, List[int]], method: str,
-                       timeout_s: float) -> str:
-    """One error text for a call some ranks failed or did not finish, at most a few causes.
-
-    Args:
-        late: the ranks that did not answer in time.
-        ranks_by_failure: each distinct failure and the ranks that reported it.
-        method: the call.
-        timeout_s: its deadline.
-
-    Returns:
-        The text.
-    """
-    failures = [f"{_ranks_phrase(late)} did not finish {method} within {timeout_s:g} s"
-                ] if late else []
-    failures.extend(f"{_ranks_phrase(ranks)}: {failure}"
-                    for failure, ranks in ranks_by_failure.items())
-    shown = failures[:MAX_FAILURES_SHOWN]
-    if len(failures) > len(shown):
-        shown.append(f"and {len(failures) - len(shown)} more failures")
-    return "; ".join(shown)
-
-
-def split_iterations(iterations: int, blocks: int) -> List[int]:
-    """Split ``iterations`` into at most ``blocks`` near-equal positive parts.
-
-    Args:
-        iterations: timed iterations, >= 1.
-        blocks: wanted number of blocks, >= 1.
-
-    Returns:
-        The block lengths, larger ones first, summing to ``iterations``.
-
-    Raises:
-        ValueError: an argument below 1.
-    """
-    if iterations < 1 or blocks < 1:
-        raise ValueError(f"need iterations >= 1 and blocks >= 1, not {iterations}, {blocks}")
-    count = min(iterations, blocks)
-    base, extra = divmod(iterations, count)
-    return [base + 1 if index < extra else base for index in range(count)]
-
-
-def block_order(units: Sequence[Unit], block_index: int) -> List[Unit]:
-    """The order the units run in during block ``block_index``: reversed every other block.
-
-    Args:
-        units: what still runs: backends, or (backend, timing mode) pairs.
-        block_index: 0-based block number.
-
-    Returns:
-        The order.
-    """
-    return list(units) if block_index % 2 == 0 else list(reversed(units))
-
-
-def summarize_point(options: SweepOptions, collective: str, world_size: int, requested_bytes: int,
-                    durations: Dict[str, List[List[float]]], errors: Dict[str, str],
-                    notes: Optional[Dict[str, str]] = None,
-                    footprints: Optional[Dict[str, Footprint]] = None,
-                    timing: str = BACK_TO_BACK) -> List[Row]:
-    """The rows of one (collective, world size, size) point in one timing mode, one per backend.
-
-    Args:
-        options: the sweep (backends, dtype, baseline).
-        collective: the collective.
-        world_size: number of ranks.
-        requested_bytes: the size asked for.
-        durations: per backend that ran, for each rank, its seconds per timed iteration
-            (all blocks concatenated, in the same order on every rank).
-        errors: per backend that failed, why.
-        notes: per backend that did not run the point by design, why.
-        footprints: per backend, its processes and memory.
-        timing: the timing mode the durations were taken in.
-
-    Returns:
-        A row per backend of ``options.backends``, in that order, with the speed-up (against
-        the baseline's row of the same mode) filled in.
-    """
-    nbytes = message_layout(collective, requested_bytes, world_size,
-                            np.dtype(options.dtype).itemsize).nbytes
-    factor = COLLECTIVES[collective].bus_factor(world_size)
-    rows = {}
-    notes = notes or {}
-    footprints = footprints or {}
-    for backend in options.backends:
-        footprint = footprints.get(backend, Footprint())
-        common = dict(collective=collective, world_size=world_size, nbytes=nbytes,
-                      dtype=options.dtype, backend=backend, timing=timing,
-                      processes=footprint.processes, nodes=options.nodes,
-                      setup_rss_bytes=footprint.setup_rss_bytes,
-                      peak_rss_bytes=footprint.peak_rss_bytes)
-        if backend in notes:
-            rows[backend] = Row(**common, note=notes[backend])
-            continue
-        if backend in errors or backend not in durations:
-            rows[backend] = Row(**common, error=errors.get(backend, "did not run"))
-            continue
-        latencies = iteration_latencies(durations[backend])
-        quantiles = percentiles(latencies)
-        algbw = algorithm_bandwidth(nbytes, quantiles["p50"])
-        rows[backend] = Row(**common, iterations=len(latencies), latencies_s=tuple(latencies),
-                            p50_s=quantiles["p50"], p75_s=quantiles["p75"],
-                            p90_s=quantiles["p90"], p95_s=quantiles["p95"], algbw_gbps=algbw,
-                            busbw_gbps=bus_bandwidth(algbw, factor))
-    baseline = rows.get(options.baseline) if options.baseline else None
-    if baseline is None:
-        return list(rows.values())
-    return [replace(row, speedup=speedup(baseline.p50_s, row.p50_s), baseline=options.baseline)
-            for row in rows.values()]
 
 
 class RankPool:
@@ -377,7 +79,7 @@ class RankPool:
                                                                         outcome.results))
                          if answer["node_id"] != node]
             if misplaced:
-                outcome = replace(outcome, error=f"{_ranks_phrase(misplaced)} did not start "
+                outcome = replace(outcome, error=f"{ranks_phrase(misplaced)} did not start "
                                                  f"on the node they were pinned to")
         if outcome.error:
             self.kill()
@@ -644,79 +346,6 @@ class WorldSession:
         self._stop_helpers()
         self._pool.kill()
         self.start()
-
-
-def machine_metadata() -> dict:
-    """Facts about this machine and its software for the report.
-
-    Returns:
-        Date (UTC), Python, platform, CPU cores (total and usable), memory and Ray version.
-    """
-    import ray
-    page_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "memory_gib": round(page_bytes / 2**30, 1),
-        "ray": ray.__version__,
-        "numpy": np.__version__,
-    }
-
-
-def sweep_points(options: SweepOptions, collective: str) -> Tuple[int, ...]:
-    """The sizes swept for ``collective``: barrier moves nothing, so it has one point of 0 B.
-
-    Args:
-        options: the sweep.
-        collective: the collective.
-
-    Returns:
-        The requested sizes.
-    """
-    return options.sizes if COLLECTIVES[collective].has_payload else (0,)
-
-
-def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[Row],
-                    reason: str) -> List[Row]:
-    """Error rows for the points of ``world_size`` that ``measured`` lacks.
-
-    Args:
-        options: the sweep.
-        world_size: the world size that could not go on.
-        measured: the rows so far.
-        reason: why, for every row.
-
-    Returns:
-        One error row per timing mode and backend for each missing point, in sweep order.
-    """
-    done = {(row.collective, row.world_size, row.nbytes) for row in measured}
-    itemsize = np.dtype(options.dtype).itemsize
-    missing: List[Row] = []
-    for collective in options.collectives:
-        for requested_bytes in sweep_points(options, collective):
-            nbytes = message_layout(collective, requested_bytes, world_size, itemsize).nbytes
-            if (collective, world_size, nbytes) not in done:
-                for timing in options.timings:
-                    missing.extend(summarize_point(
-                        options, collective, world_size, requested_bytes, {},
-                        dict.fromkeys(options.backends, reason), timing=timing))
-    return missing
-
-
-def count_points(options: SweepOptions) -> int:
-    """How many (world size, collective, size) points the sweep measures.
-
-    Args:
-        options: the sweep.
-
-    Returns:
-        The count.
-    """
-    return len(options.world_sizes) * sum(len(sweep_points(options, collective))
-                                          for collective in options.collectives)
 
 
 def run_sweep(options: SweepOptions, command: str,

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict
 from typing import Any, List, Optional, Sequence
 
+from .rows import CallOutcome, summarize_failures
 from .worker import BlockSpec
 
 QUIT_GRACE_S = 5.0
@@ -199,10 +200,9 @@ class MpiJob:
             timeout_s: the deadline.
 
         Returns:
-            A ``harness.CallOutcome``; ``stuck`` when the job did not answer in time or died
+            A ``rows.CallOutcome``; ``stuck`` when the job did not answer in time or died
             (the caller then kills it).
         """
-        from .harness import CallOutcome, summarize_failures
         try:
             self._channel.write(json.dumps({"method": method,
                                             "args": encode_arguments(args)}) + "\n")

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, List, Optional
 
-from .harness import describe_exception
+from .rows import describe_exception
 from .mpi_job import decode_arguments
 from .worker import RankWorker
 

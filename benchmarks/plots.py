@@ -89,7 +89,7 @@ def write_plots(rows: Sequence[dict], directory: pathlib.Path) -> List[pathlib.P
     """Write every plot the rows support into ``directory`` (created if missing).
 
     Args:
-        rows: the sweep's rows as dicts (``dataclasses.asdict`` of ``harness.Row``, or the
+        rows: the sweep's rows as dicts (``dataclasses.asdict`` of ``rows.Row``, or the
             JSON file's ``rows``).
         directory: where the PNGs go.
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import List, Optional, Sequence, TextIO
 
-from .harness import Row, SweepResult
+from .rows import Row, SweepResult
 from .worker import BACK_TO_BACK, BARRIER
 
 _BINARY_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))

@@ -19,9 +19,7 @@ import numpy as np
 
 from benchmarks.cli import build_parser, options_from_arguments, parse_size
 from benchmarks.collectives import COLLECTIVES, message_layout
-from benchmarks.harness import (Footprint, Row, SweepOptions, block_order, count_points,
-                                split_iterations, summarize_point, unmeasured_rows,
-                                unsupported_reason)
+from benchmarks.harness import unsupported_reason
 from benchmarks.mpi_job import decode_arguments, descendant_count, encode_arguments
 from benchmarks.nodes import order_nodes, pinned, rank_nodes
 from benchmarks.peers import CROSS_NODE_VARIABLE, PEERS, Mpi4pyPeer, make_buffers
@@ -31,7 +29,8 @@ from benchmarks.report import (ProgressBar, format_progress, format_ranks, forma
                                format_table, row_timing, to_json)
 from benchmarks.report_page import (BEGIN, END, markers, point_table, ratio, render,
                                     replace_between_markers)
-from benchmarks.harness import SweepResult
+from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeasured_rows
+from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
 from helpers import run_in, start_members
