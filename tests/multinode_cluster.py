@@ -324,6 +324,16 @@ def post_office_killed(members: list) -> dict:
             "keys_left": [k.decode() for k in _group_keys(ray, group)]}
 
 
+def _wait_for_post_offices(count: int, seconds: float) -> float:
+    """Seconds until ``count`` post offices answer where they run (-1 if they never do)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if len(post_office_names()) >= count and len(post_office_nodes()) >= count:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return -1.0
+
+
 def rank_killed(members: list) -> dict:
     """SIGKILL rank 3 while every rank loops on a ring allreduce (rank 3 sends to rank 4 on
     node 2 over a stream): what each survivor raises and how long after the kill.
@@ -337,12 +347,16 @@ def rank_killed(members: list) -> dict:
     pid = ray.get(members[victim].pid.remote())
     refs = {r: m.__ray_call__.remote(lambda _self, r=r: _loop_until_error(r, group))
             for r, m in enumerate(members)}
-    time.sleep(1.0)
+    # The kill falls in the group's steady state: while the nodes' post offices start (a
+    # Python process each, on this machine's two cores shared by three nodes) the first
+    # calls take up to half a second each, and a death is seen up to a second late.
+    post_offices_up = _wait_for_post_offices(NODES, 30.0)
+    time.sleep(0.5)
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     survivors = [r for r in refs if r != victim]
     outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
-    return {"victim": victim, "ranks": survivors,
+    return {"victim": victim, "ranks": survivors, "post_offices_up_s": post_offices_up,
             "errors": [kind for kind, _, _ in outcomes.values()],
             "messages": [message for _, message, _ in outcomes.values()],
             "seconds_after_kill": [at - killed_at for _, _, at in outcomes.values()]}
