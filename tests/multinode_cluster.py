@@ -23,7 +23,9 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
   for among its open files after the destroy;
 - what every rank raises, and how soon, when node 1's post office is killed mid-allreduce;
 - what every survivor raises, and how soon, when rank 3 is SIGKILLed mid-allreduce, the
-  allreduce a ring so that rank 3 has a stream to rank 4 (last: it costs a member).
+  allreduce a ring so that rank 3 has a stream to rank 4 (it costs a member);
+- what every survivor raises, the ranks it names, and how soon, when node 2 is removed from
+  the cluster mid-allreduce (last: it costs a node).
 """
 
 import json
@@ -50,6 +52,8 @@ NODES = 3
 RANKS_PER_NODE = 2
 WORLD_SIZE = NODES * RANKS_PER_NODE
 SMALL, LARGE = 7, 100_000
+KILLED_RANK = 3
+"""The member rank_killed SIGKILLs (not a node's lowest rank: that one owns a post office)."""
 """Element counts: 7 float64 ride inline; 100_000 float64 (800 KB) go by reference."""
 OBJECT_STORE_BYTES = 200 * 2**20
 NAMESPACE = "ray_collective"
@@ -290,14 +294,16 @@ def imperative_group(members: list) -> dict:
 
 
 def _loop_until_error(rank: int, group: str) -> tuple:
-    """Allreduce back to back until a call fails: (error class, message, wall clock)."""
+    """Allreduce back to back until a call fails: (error class, message, wall clock, the
+    ranks the error names as dead or served by a lost post office)."""
     tensor = np.ones(SMALL, np.float64)
     while True:
         try:
             col.allreduce(tensor, group, timeout=60.0)
             tensor[:] = 1
         except col.CollectiveError as err:
-            return type(err).__name__, str(err), time.time()
+            named = getattr(err, "dead_ranks", None) or getattr(err, "served_ranks", ())
+            return type(err).__name__, str(err), time.time(), list(named)
 
 
 def post_office_killed(members: list) -> dict:
@@ -317,10 +323,11 @@ def post_office_killed(members: list) -> dict:
     ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
     outcomes = ray.get(refs, timeout=120)
     col.destroy_collective_group(group)
-    return {"node": node, "errors": [kind for kind, _, _ in outcomes],
-            "messages": [message for _, message, _ in outcomes],
-            "seconds_after_kill": [at - killed_at for _, _, at in outcomes],
+    return {"node": node, "errors": [kind for kind, *_ in outcomes],
+            "messages": [message for _, message, *_ in outcomes],
+            "seconds_after_kill": [at - killed_at for _, _, at, _ in outcomes],
             "post_offices_gone_after_s": post_offices_gone_within(10.0),
+            "post_offices_left": post_office_names(),
             "keys_left": [k.decode() for k in _group_keys(ray, group)]}
 
 
@@ -341,7 +348,7 @@ def rank_killed(members: list) -> dict:
     Not a node's lowest rank: that one owns its node's post office, which dies with it, and
     its node's other ranks then raise ``PostOfficeDiedError`` (see test_multinode)."""
     group = "multinode-rank-killed"
-    victim = 3
+    victim = KILLED_RANK
     run_in(ray, members, set_environment, "RAY_COLLECTIVE_ALGORITHM", "allreduce=ring")
     col.declare_collective_group(members, backend="ray", group_name=group)
     pid = ray.get(members[victim].pid.remote())
@@ -357,9 +364,38 @@ def rank_killed(members: list) -> dict:
     survivors = [r for r in refs if r != victim]
     outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
     return {"victim": victim, "ranks": survivors, "post_offices_up_s": post_offices_up,
-            "errors": [kind for kind, _, _ in outcomes.values()],
-            "messages": [message for _, message, _ in outcomes.values()],
-            "seconds_after_kill": [at - killed_at for _, _, at in outcomes.values()]}
+            "errors": [kind for kind, *_ in outcomes.values()],
+            "messages": [message for _, message, *_ in outcomes.values()],
+            "seconds_after_kill": [at - killed_at for _, _, at, _ in outcomes.values()]}
+
+
+def node_removed(members: list, cluster: Cluster) -> dict:
+    """Remove node 2 from the cluster (its raylet and every process on it, ranks and post
+    office) while a group of the members still alive loops on allreduce: what each survivor
+    raises, the ranks it names and how long after the removal.
+
+    The group is the five members rank_killed left: ranks 0-1 on node 0, 2 on node 1, 3-4 on
+    node 2 (last: it costs the cluster a node)."""
+    group = "multinode-node-removed"
+    alive = [m for r, m in enumerate(members) if r != KILLED_RANK]
+    lost = [r for r, m in enumerate(alive) if members.index(m) // RANKS_PER_NODE == 2]
+    run_in(ray, alive, set_environment, "RAY_COLLECTIVE_ALGORITHM", "")
+    col.declare_collective_group(alive, backend="ray", group_name=group)
+    refs = {r: m.__ray_call__.remote(lambda _self, r=r: _loop_until_error(r, group))
+            for r, m in enumerate(alive)}
+    post_offices_up = _wait_for_post_offices(NODES, 30.0)
+    time.sleep(0.5)
+    node_id = node_ids()[2]
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    removed_at = time.time()
+    cluster.remove_node(node, allow_graceful=False)
+    survivors = [r for r in refs if r not in lost]
+    outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
+    return {"lost": lost, "ranks": survivors, "post_offices_up_s": post_offices_up,
+            "errors": [kind for kind, *_ in outcomes.values()],
+            "messages": [message for _, message, *_ in outcomes.values()],
+            "named": [named for *_, named in outcomes.values()],
+            "seconds_after_removal": [at - removed_at for _, _, at, _ in outcomes.values()]}
 
 
 def main() -> dict:
@@ -373,7 +409,8 @@ def main() -> dict:
                                 lambda m: declared_group(m, "object_store")),
                                ("imperative", imperative_group),
                                ("post_office_killed", post_office_killed),
-                               ("rank_killed", rank_killed)):
+                               ("rank_killed", rank_killed),
+                               ("node_removed", lambda m: node_removed(m, cluster))):
             begun = time.monotonic()
             summary[name] = scenario(members)
             summary[name]["seconds"] = time.monotonic() - begun

@@ -111,7 +111,8 @@ def test_a_killed_post_office_is_reported_as_such_on_every_rank(summary, record_
                for m in killed["messages"]), killed["messages"]
     # the issue's target is 1 s; the bound here leaves room for a loaded machine
     assert max(killed["seconds_after_kill"]) < 5.0, killed["seconds_after_kill"]
-    assert killed["post_offices_gone_after_s"] >= 0 and killed["keys_left"] == []
+    assert killed["post_offices_gone_after_s"] >= 0 and killed["keys_left"] == [], (
+        killed["post_offices_left"], killed["keys_left"])
 
 
 
@@ -124,3 +125,19 @@ def test_a_rank_killed_on_another_node_is_named_by_every_survivor(summary, recor
     assert all(f"ranks [{victim}] died" in m for m in killed["messages"]), killed["messages"]
     # the issue's target is 1 s; the bound here leaves room for a loaded machine
     assert max(killed["seconds_after_kill"]) <= 2.0, killed["seconds_after_kill"]
+
+
+def test_a_node_removed_mid_allreduce_is_named_by_every_survivor(summary, record_property):
+    """The node's raylet and every process on it go at once: each survivor raises the first
+    death found (a rank of that node can report its node-mate's before it dies in turn)."""
+    removed = summary["node_removed"]
+    record_property("seconds_after_removal", removed["seconds_after_removal"])
+    record_property("messages", removed["messages"])
+    # a lost rank, or the lost node's post office (which names that node's ranks)
+    assert set(removed["errors"]) <= {"PeerDiedError", "PostOfficeDiedError"}, \
+        removed["messages"]
+    assert len(removed["errors"]) == len(removed["ranks"]), removed["messages"]
+    assert all(named and set(named) <= set(removed["lost"]) for named in removed["named"]), \
+        removed["messages"]
+    # the issue's target is 5 s
+    assert max(removed["seconds_after_removal"]) < 5.0, removed["seconds_after_removal"]

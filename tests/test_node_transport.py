@@ -252,3 +252,10 @@ def test_the_state_page_tells_stalled_ranks_from_waiting_and_finished_ones(tmp_p
         assert state.responsive([0, 1], 9) == [0]
     finally:
         state.close()
+
+
+def test_an_abort_after_the_page_is_closed_publishes_nothing(tmp_path):
+    state = NodeState(str(tmp_path), "g", 2)
+    state.close()
+    state.abort({"rank": 1, "group": "g"})
+    assert not os.path.exists(os.path.join(str(tmp_path), "abort.json"))

@@ -252,6 +252,11 @@ def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int) -> 
     """
     kv.put(f"{prefix}{token}/left/{rank}")
     gone = {int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")}
+    if rank not in gone:
+        # Our own key, put before the listing, is gone: the last member out closed the
+        # incarnation in between, so every rank has left (else this rank's node-mates would
+        # each think another is still in, and none would shut the node's post office).
+        return set(range(world_size))
     if len(gone) >= world_size:
         close_incarnation(kv, prefix, token)
     return gone

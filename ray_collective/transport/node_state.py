@@ -96,8 +96,10 @@ class NodeState:
         return responsive
 
     def abort(self, record: dict) -> None:
-        """Publish a failure to every member on this node (the first abort wins)."""
-        if self._words[0]:
+        """Publish a failure to every member on this node (the first abort wins; nothing once
+        the page is closed: an abort from another node can reach a post office after its
+        group left this node)."""
+        if self._words is None or self._words[0]:
             return
         write_atomically(os.path.join(self.directory, "abort.json"), json.dumps(record))
         self._words[0] = int(record["rank"]) + 1
