@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
+from contract import CASES, TensorKind, check_every_collective, every_collective
 from helpers import rank_data
 from nccl_ranks import run_nccl_ranks, values_of
 
@@ -344,3 +345,36 @@ def test_a_rank_that_never_calls_makes_the_other_time_out_and_abort():
 
     missing, elapsed = values_of(run_nccl_ranks(_library(), 2, body))[0]
     assert missing == (1,) and elapsed < 10
+
+
+# ------------------------------------------------------------------ the contract
+
+class CupyKind(TensorKind):
+    """CuPy arrays on rank r's GPU (device r)."""
+
+    def tensor(self, array, rank):
+        with _cupy().cuda.Device(rank):
+            return _cupy().asarray(array)
+
+    def array(self, tensor):
+        return _cupy().asnumpy(tensor)
+
+
+def _check_the_contract(world_size):
+    def body(rank, case):
+        with _cupy().cuda.Device(rank):
+            return every_collective(rank, "contract", world_size, *case, CupyKind())
+
+    for case in CASES:
+        results = values_of(run_nccl_ranks(_library(), world_size, group_name="contract",
+                                           body=lambda rank, case=case: body(rank, case)))
+        check_every_collective(results, world_size, *case)
+
+
+def test_the_contract_at_world_size_one():
+    _check_the_contract(1)
+
+
+@needs_two_gpus
+def test_the_contract_across_ranks():
+    _check_the_contract(min(_gpu_count(), 4))
