@@ -37,7 +37,7 @@ from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationE
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
-from .validation import (check_group_name, check_rank, check_reduce_op, check_timeout,
+from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,
                          check_world_size, group_timeout)
 
 _log = logging.getLogger(__name__)
@@ -78,8 +78,7 @@ def _views(group: Group, tensors: Any, writable: bool, what: str,
 
 def _options(group: Group, collective: Collective, timeout: Optional[float],
              **fields) -> CallOptions:
-    return group.options(collective, None if timeout is None else check_timeout(timeout),
-                         **fields)
+    return group.options(collective, check_call_timeout(timeout), **fields)
 
 
 def _submit(group: Group, options: CallOptions, async_op: bool,

@@ -32,7 +32,7 @@ from .errors import CollectiveError, GroupNotInitializedError, TensorRefError
 from .group import current_registry
 from .tensors import SUPPORTED_DTYPES, as_view
 from .types import ReduceOp
-from .validation import check_group_name, check_rank, check_reduce_op, check_timeout
+from .validation import check_call_timeout, check_group_name, check_rank, check_reduce_op
 
 __all__ = ["allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs",
            "reducescatter_refs", "send_ref"]
@@ -84,10 +84,6 @@ def _check_refs(tensor_refs: Any, members: tuple, what: str) -> List[Any]:
     return list(tensor_refs)
 
 
-def _check_call_timeout(timeout: Any) -> Optional[float]:
-    return None if timeout is None else check_timeout(timeout)
-
-
 def _run_refs(collective: str, tensor_refs: Any, group_name: str, timeout: Any,
               op: Any = None, root: Optional[tuple] = None) -> List[Any]:
     """Check a declarative call, then submit it as one batch over the members in rank order.
@@ -110,7 +106,7 @@ def _run_refs(collective: str, tensor_refs: Any, group_name: str, timeout: Any,
                     op=ReduceOp.SUM if op is None else check_reduce_op(op),
                     root=0 if root is None else check_rank(root[1], len(members),
                                                                    group_name, root[0]),
-                    timeout=_check_call_timeout(timeout))
+                    timeout=check_call_timeout(timeout))
     boxed = PerActor([[ref] for ref in refs])
     return batch_remote(list(members)).__ray_call__.remote(_run_in_member, call, boxed)
 
@@ -263,7 +259,7 @@ def send_ref(tensor_ref: Any, src_rank: int, dst_rank: int, group_name: str = "d
                          f"not send to itself")
     if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
         raise ValueError(f"send_ref: tag must be an int >= 0, not {tag!r}")
-    timeout = _check_call_timeout(timeout)
+    timeout = check_call_timeout(timeout)
     sender = _RefCall("send", group_name, peer=dst_rank, tag=tag, timeout=timeout)
     receiver = _RefCall("recv", group_name, peer=src_rank, tag=tag, timeout=timeout)
     pair = [members[src_rank], members[dst_rank]]

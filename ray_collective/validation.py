@@ -39,6 +39,15 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float:
     return float(timeout)
 
 
+def check_call_timeout(timeout: Any) -> Optional[float]:
+    """A call's own deadline in seconds, or None when the call takes its group's.
+
+    Raises:
+        ArgumentValueError: given, and not a positive number.
+    """
+    return None if timeout is None else check_timeout(timeout)
+
+
 def group_timeout(timeout: Any, gloo_timeout: Any) -> float:
     """A group's default deadline in seconds: ``timeout``, else ``gloo_timeout`` (milliseconds,
     as ``ray.util.collective`` takes it), else 1800 s; each checked when given.
