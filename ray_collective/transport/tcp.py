@@ -42,7 +42,7 @@ from typing import Deque, List, Optional, Tuple
 
 import numpy as np
 
-from . import wire
+from . import uds, wire
 
 STREAM_PART_BYTES = 256 << 10
 """A large payload travels in parts of this many bytes: the receiver reduces one part while
@@ -113,11 +113,7 @@ def listen(host: str, backlog: int) -> socket.socket:
 def _tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-        except OSError:
-            pass  # the system maximum applies; smaller buffers only mean more polling
+    uds.enlarge_buffers(sock, SOCKET_BUFFER)
 
 
 def connect(host: str, port: int, rank: int, peer: int, key: bytes,

@@ -55,10 +55,11 @@ def listen(path: str, backlog: int) -> socket.socket:
     return server
 
 
-def _enlarge_buffers(sock: socket.socket) -> None:
+def enlarge_buffers(sock: socket.socket, nbytes: int = SOCKET_BUFFER) -> None:
+    """Ask for send and receive buffers of ``nbytes`` on ``sock`` (the system caps them)."""
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
         except OSError:
             pass  # the system maximum applies; smaller buffers only mean more polling
 
@@ -66,7 +67,7 @@ def _enlarge_buffers(sock: socket.socket) -> None:
 def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Link":
     """Open a link to the rank listening at ``path``, introducing this end as ``sender``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    _enlarge_buffers(sock)
+    enlarge_buffers(sock)
     sock.settimeout(timeout)
     try:
         sock.connect(path)
@@ -98,7 +99,7 @@ def knock(path: str) -> None:
 
 def accepted(sock: socket.socket) -> "Link":
     """Wrap a socket returned by ``accept`` (its peer is known once its HELLO is read)."""
-    _enlarge_buffers(sock)
+    enlarge_buffers(sock)
     sock.setblocking(False)
     return Link(sock)
 
