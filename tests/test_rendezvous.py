@@ -1,4 +1,7 @@
-"""The rendezvous's bookkeeping of who left, on an in-memory store standing in for Ray's."""
+"""The rendezvous's bookkeeping (who left, where members listen for streams) on an in-memory
+store standing in for Ray's."""
+
+import pytest
 
 from ray_collective.backends import rendezvous
 
@@ -45,3 +48,26 @@ def test_a_rank_whose_listing_comes_after_the_last_one_closed_knows_that_all_lef
     kv.before_listing.append(lambda: rendezvous.leave(kv, "p/", "t", 1, 3))
     assert rendezvous.leave(kv, "p/", "t", 2, 3) == {0, 1, 2}
     assert kv.data == {}
+
+
+def test_a_stream_endpoint_published_late_is_waited_for_and_all_known_ones_come_with_it():
+    kv = MemoryKeyValue()
+    rendezvous.publish_stream_endpoint(kv, "p/", "t", 0, "10.0.0.1", 4000)
+    listings = []
+
+    def publish_on_the_third_look():
+        listings.append(1)
+        if len(listings) == 3:
+            rendezvous.publish_stream_endpoint(kv, "p/", "t", 2, "10.0.0.2", 4002)
+
+    original = kv.keys
+    kv.keys = lambda prefix: (publish_on_the_third_look(), original(prefix))[1]
+    found = rendezvous.wait_for_stream_endpoint(kv, "p/", "t", 2, timeout=5)
+    assert found == {0: ("10.0.0.1", 4000), 2: ("10.0.0.2", 4002)}
+    assert len(listings) == 3
+
+
+def test_a_stream_endpoint_never_published_is_a_connection_error_naming_the_rank():
+    kv = MemoryKeyValue()
+    with pytest.raises(ConnectionError, match="rank 1 published no stream endpoint"):
+        rendezvous.wait_for_stream_endpoint(kv, "p/", "t", 1, timeout=0.05)

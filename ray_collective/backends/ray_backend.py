@@ -465,18 +465,8 @@ def _listen_for_streams(kv: rendezvous.KeyValue, prefix: str, token: str, rank: 
     known: Dict[int, Tuple[str, int]] = {}
 
     def address(peer: int) -> Tuple[str, int]:
-        # Members publish right after the membership completes: a peer may be a moment late.
-        deadline = time.monotonic() + timeout
-        pause = 0.002
-        while peer not in known:
-            known.update(rendezvous.stream_endpoints(kv, prefix, token))
-            if peer in known:
-                break
-            if time.monotonic() >= deadline:
-                raise ConnectionError(f"rank {peer} published no stream endpoint within "
-                                      f"{timeout} s")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.05)
+        if peer not in known:
+            known.update(rendezvous.wait_for_stream_endpoint(kv, prefix, token, peer, timeout))
         return known[peer]
 
     return Streams(listener, address)

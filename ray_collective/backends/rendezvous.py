@@ -37,7 +37,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 from urllib.parse import quote
 
 from ..errors import CollectiveTimeoutError
@@ -142,7 +142,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     deadline = time.monotonic() + timeout
     registered = None
     abandoned: Set[str] = set()
-    pause = 0.002
+    pauses = _pauses()
     members: List[Member] = []
     while True:
         current = token or kv.get(prefix + "token")
@@ -174,8 +174,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size) if r not in present],
                                          timeout)
-        time.sleep(pause)
-        pause = min(pause * 1.5, 0.05)
+        time.sleep(next(pauses))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
@@ -217,6 +216,15 @@ def mark_broken(kv: KeyValue, prefix: str, token: str) -> None:
     kv.put(f"{prefix}{token}/broken")
 
 
+def _pauses() -> Iterator[float]:
+    """The sleeps between two looks at the store while waiting: short at first (the others are
+    usually a moment away), growing to at most 50 ms."""
+    pause = 0.002
+    while True:
+        yield pause
+        pause = min(pause * 1.5, 0.05)
+
+
 def _member_key(prefix: str, token: str, me: Member) -> str:
     return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}"
 
@@ -242,6 +250,25 @@ def stream_endpoints(kv: KeyValue, prefix: str, token: str) -> Dict[int, Tuple[s
         rank, host, port = key.rsplit("/", 3)[1:]
         found[int(rank)] = (host, int(port))
     return found
+
+
+def wait_for_stream_endpoint(kv: KeyValue, prefix: str, token: str, rank: int,
+                             timeout: float) -> Dict[int, Tuple[str, int]]:
+    """Every published stream endpoint, once ``rank``'s is among them (members publish right
+    after the membership completes, so a peer may be a moment late).
+
+    Raises:
+        ConnectionError: ``rank`` published none within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    pauses = _pauses()
+    while True:
+        found = stream_endpoints(kv, prefix, token)
+        if rank in found:
+            return found
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"rank {rank} published no stream endpoint within {timeout} s")
+        time.sleep(next(pauses))
 
 
 def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int) -> Set[int]:
