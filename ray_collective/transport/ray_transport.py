@@ -399,10 +399,7 @@ class RayTransport(Transport):
             else:
                 raise ValueError(f"unknown frame kind {kind}")
         except (ValueError, KeyError, struct.error, OSError) as err:
-            self._protocol_error = CollectiveError(
-                f"rank {self.rank} of group '{self.group_name}': rank {link.peer} sent a "
-                f"malformed frame ({type(err).__name__}: {err}); its connection was closed and "
-                f"the group is broken. Destroy the group and create it again.")
+            self._protocol_error = self._malformed_frame(link.peer, err, "its connection")
             self._drop_link(link)
         finally:
             if fd is not None:
@@ -506,11 +503,16 @@ class RayTransport(Transport):
         self._knock_local_peers()
 
     def _stream_protocol_error(self, link: tcp.StreamLink, err: Exception) -> None:
-        self._protocol_error = CollectiveError(
-            f"rank {self.rank} of group '{self.group_name}': rank {link.peer} sent a malformed "
-            f"frame on its stream ({type(err).__name__}: {err}); the stream was closed and the "
-            f"group is broken. Destroy the group and create it again.")
+        self._protocol_error = self._malformed_frame(link.peer, err, "its stream")
         self._drop_stream(link, ended=False)
+
+    def _malformed_frame(self, peer: int, err: Exception, carrier: str) -> CollectiveError:
+        """The error of a call after ``peer`` sent a frame this rank could not read on
+        ``carrier`` (which is then closed)."""
+        return CollectiveError(
+            f"rank {self.rank} of group '{self.group_name}': rank {peer} sent a malformed frame "
+            f"on {carrier} ({type(err).__name__}: {err}); it was closed and the group is broken. "
+            f"Destroy the group and create it again.")
 
     def _drop_stream(self, link: tcp.StreamLink, ended: bool = True) -> None:
         """Forget a stream that closed. Once every stream with a peer has ended, the peer is
