@@ -206,14 +206,19 @@ def post_office_nodes() -> list:
                     for h in handles])
 
 
-def post_offices_gone_within(seconds: float) -> float:
-    """Seconds until no post-office name is registered (ray.kill is asynchronous), or -1."""
+def _seconds_until(condition, seconds: float) -> float:
+    """Seconds until ``condition()`` holds, looked at every 50 ms, or -1 after ``seconds``."""
     start = time.monotonic()
     while time.monotonic() - start < seconds:
-        if not post_office_names():
+        if condition():
             return time.monotonic() - start
         time.sleep(0.05)
     return -1.0
+
+
+def post_offices_gone_within(seconds: float) -> float:
+    """Seconds until no post-office name is registered (ray.kill is asynchronous), or -1."""
+    return _seconds_until(lambda: not post_office_names(), seconds)
 
 
 def declared_group(members: list, cross_node: str = "streams") -> dict:
@@ -333,12 +338,8 @@ def post_office_killed(members: list) -> dict:
 
 def _wait_for_post_offices(count: int, seconds: float) -> float:
     """Seconds until ``count`` post offices answer where they run (-1 if they never do)."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        if len(post_office_names()) >= count and len(post_office_nodes()) >= count:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    return -1.0
+    return _seconds_until(lambda: len(post_office_names()) >= count
+                          and len(post_office_nodes()) >= count, seconds)
 
 
 def rank_killed(members: list) -> dict:
