@@ -1,6 +1,9 @@
 """The rendezvous's bookkeeping (who left, where members listen for streams) on an in-memory
 store standing in for Ray's."""
 
+import threading
+import time
+
 import pytest
 
 from ray_collective.backends import rendezvous
@@ -71,3 +74,51 @@ def test_a_stream_endpoint_never_published_is_a_connection_error_naming_the_rank
     kv = MemoryKeyValue()
     with pytest.raises(ConnectionError, match="rank 1 published no stream endpoint"):
         rendezvous.wait_for_stream_endpoint(kv, "p/", "t", 1, timeout=0.05)
+
+
+def test_a_survivor_leaves_for_its_dead_peers_so_the_last_survivor_removes_every_key():
+    kv = MemoryKeyValue()
+    assert rendezvous.leave(kv, "p/", "t", 0, 3, dead=[2]) == {0, 2}
+    assert rendezvous.leave(kv, "p/", "t", 1, 3, dead=[2]) == {0, 1, 2}
+    assert kv.data == {}
+
+
+def _join_in_threads(kv, world_size, stagger_s):
+    results, errors = {}, []
+
+    def join(rank):
+        time.sleep(rank * stagger_s)
+        try:
+            results[rank] = rendezvous.join(
+                kv, "p/", "g", world_size, rendezvous.Member(rank, "node", 1000 + rank),
+                timeout=20, on_token=lambda token: None, token="t")
+        except Exception as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    return results
+
+
+def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they_wait():
+    kv = MemoryKeyValue()
+    full_listings = []
+    original = kv.keys
+    kv.keys = lambda prefix: (full_listings.append(prefix) if prefix.endswith("/member/")
+                              else None, original(prefix))[1]
+    world_size = 12
+    # The first ranks wait about 0.3 s for the last: many looks at the store each.
+    results = _join_in_threads(kv, world_size, stagger_s=0.025)
+    expected = [rendezvous.Member(rank, "node", 1000 + rank) for rank in range(world_size)]
+    assert all(result == ("t", expected) for result in results.values())
+    assert kv.get("p/t/complete") is not None
+    assert len(full_listings) <= 2 * world_size
+
+
+def test_a_large_group_looks_at_the_store_less_often_than_a_small_one():
+    assert rendezvous._longest_pause(8) == 0.05
+    assert rendezvous._longest_pause(400) == pytest.approx(400 / rendezvous.LOOKS_PER_SECOND)

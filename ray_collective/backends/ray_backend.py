@@ -330,8 +330,10 @@ class RayMembership(TransportMembership):
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
         except FileNotFoundError:
             pass
+        dead_here = [m.rank for m in self.members
+                     if m.node == node and m.rank != self.rank and not process_alive(m.pid)]
         gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
-                                self.world_size)
+                                self.world_size, dead_here)
         if {m.rank for m in self.members if m.node == node} <= gone:
             _shut_post_office(transport.group_key, node)
             shutil.rmtree(self.directory, ignore_errors=True)

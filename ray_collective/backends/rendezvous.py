@@ -10,6 +10,10 @@ may use the same group name. One incarnation of a group is identified by a rando
   (``cores``: the CPUs its process may run on; ``cross node``: the transport it asks for
   between nodes, ``streams`` or ``object_store``). Everything a peer needs is in the key
   itself, so one ``list`` call reads the whole membership.
+- ``<prefix><token>/complete`` is written by the rank whose registration completed the
+  membership (it is the one that finds all ``world_size`` keys when it lists them after its
+  own); the others poll this one key rather than list the whole membership again and again,
+  which at 400 ranks would be 400 listings of 400 keys per poll.
 - ``<prefix><token>/stream/<rank>/<host>/<port>`` is where a member of a group that spans
   nodes listens for streams from other nodes, published right after the membership is
   complete and read by a peer when it first connects.
@@ -37,7 +41,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from urllib.parse import quote
 
 from ..errors import CollectiveTimeoutError
@@ -142,7 +146,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     deadline = time.monotonic() + timeout
     registered = None
     abandoned: Set[str] = set()
-    pauses = _pauses()
+    pauses = _pauses(_longest_pause(world_size))
     members: List[Member] = []
     while True:
         current = token or kv.get(prefix + "token")
@@ -161,16 +165,23 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                                        on_token)
                 if registered is None:
                     abandoned.add(current)
-        if registered is not None:
+                else:
+                    # The store is linearizable: the rank whose key went in last sees every
+                    # key here, and tells the others with one key they can poll cheaply.
+                    members = _members(kv, prefix, registered)
+                    if len(members) >= world_size:
+                        kv.put(f"{prefix}{registered}/complete")
+                        return registered, sorted(members, key=lambda m: m.rank)
+        elif registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
             members = _members(kv, prefix, registered)
-            if len(members) >= world_size:
-                return registered, sorted(members, key=lambda m: m.rank)
+            return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
             if registered is not None:
                 # Withdraw, so that a rank joining this incarnation later waits for a live
                 # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
-            present = {m.rank for m in members}
+            present = {m.rank for m in (_members(kv, prefix, registered) if registered
+                                        else members)}
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size) if r not in present],
                                          timeout)
@@ -186,9 +197,9 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
     """
     # Look before registering: ``on_token`` takes over the rank's socket path, which a live
     # holder of the rank is using.
-    members = _members(kv, prefix, token)
-    holders = [m for m in members if m.rank == me.rank and m != me]
-    if holders and _incarnation_is_dead(kv, prefix, token, members, me, world_size):
+    holders = [m for m in _members(kv, prefix, token, me.rank) if m != me]
+    if holders and _incarnation_is_dead(kv, prefix, token, _members(kv, prefix, token), me,
+                                        world_size):
         mark_broken(kv, prefix, token)
         return None
     if not holders:
@@ -216,22 +227,36 @@ def mark_broken(kv: KeyValue, prefix: str, token: str) -> None:
     kv.put(f"{prefix}{token}/broken")
 
 
-def _pauses() -> Iterator[float]:
+def _pauses(longest: float = 0.05) -> Iterator[float]:
     """The sleeps between two looks at the store while waiting: short at first (the others are
-    usually a moment away), growing to at most 50 ms."""
+    usually a moment away), growing to at most ``longest`` seconds."""
     pause = 0.002
     while True:
         yield pause
-        pause = min(pause * 1.5, 0.05)
+        pause = min(pause * 1.5, longest)
+
+
+LOOKS_PER_SECOND = 4000
+"""How often all the waiting ranks of a group together may look at the store (each look is a
+few requests to Ray's control store, which serves the whole cluster)."""
+
+
+def _longest_pause(world_size: int) -> float:
+    """The longest sleep between two looks of one of ``world_size`` waiting ranks: 50 ms, or
+    longer where the group is so large that looks every 50 ms would load the store beyond
+    ``LOOKS_PER_SECOND`` (400 ranks: 100 ms)."""
+    return max(0.05, world_size / LOOKS_PER_SECOND)
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
     return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}"
 
 
-def _members(kv: KeyValue, prefix: str, token: str) -> List[Member]:
+def _members(kv: KeyValue, prefix: str, token: str, rank: Optional[int] = None) -> List[Member]:
+    """The registered members of ``token``'s incarnation (only those claiming ``rank``, if
+    given: one short listing instead of the whole membership)."""
     found = []
-    for key in kv.keys(f"{prefix}{token}/member/"):
+    for key in kv.keys(f"{prefix}{token}/member/" + ("" if rank is None else f"{rank}/")):
         rank, node, pid, cores, cross_node = key.rsplit("/", 5)[1:]
         found.append(Member(int(rank), node, int(pid), int(cores), cross_node))
     return found
@@ -271,12 +296,21 @@ def wait_for_stream_endpoint(kv: KeyValue, prefix: str, token: str, rank: int,
         time.sleep(next(pauses))
 
 
-def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int) -> Set[int]:
-    """Mark ``rank`` as gone; the last member out deletes the incarnation's keys.
+def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int,
+          dead: Iterable[int] = ()) -> Set[int]:
+    """Mark ``rank`` as gone, and the ``dead`` members with it; the last member out deletes
+    the incarnation's keys.
+
+    A member that died never leaves by itself: a survivor that saw its process gone leaves on
+    its behalf, so that the survivors' destroy still removes every key.
 
     Returns:
         The ranks that have left so far, this one included.
     """
+    # The dead first: the last member out deletes the keys once it sees this rank's own key,
+    # so nothing may be written after it.
+    for other in dead:
+        kv.put(f"{prefix}{token}/left/{other}")
     kv.put(f"{prefix}{token}/left/{rank}")
     gone = {int(k.rsplit("/", 1)[1]) for k in kv.keys(f"{prefix}{token}/left/")}
     if rank not in gone:
