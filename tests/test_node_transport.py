@@ -257,5 +257,34 @@ def test_the_state_page_tells_stalled_ranks_from_waiting_and_finished_ones(tmp_p
 def test_an_abort_after_the_page_is_closed_publishes_nothing(tmp_path):
     state = NodeState(str(tmp_path), "g", 2)
     state.close()
-    state.abort({"rank": 1, "group": "g"})
+    assert state.abort({"rank": 1, "group": "g"}) is False
     assert not os.path.exists(os.path.join(str(tmp_path), "abort.json"))
+
+
+def test_only_the_first_abort_is_published_and_only_its_caller_is_told_to_wake_the_others(
+        tmp_path):
+    state = NodeState(str(tmp_path), "g", 3)
+    try:
+        assert state.abort({"rank": 2, "group": "g", "kind": "first"}) is True
+        assert state.abort({"rank": 0, "group": "g", "kind": "second"}) is False
+        assert state.aborted()["kind"] == "first"
+    finally:
+        state.close()
+
+
+def test_ranks_raising_an_abort_they_read_do_not_knock_again(tmp_path, monkeypatch):
+    """One abort wakes a node's n-1 other ranks once: were every rank that raises it to
+    knock too, n ranks would make n² connections (160 000 at 400 ranks)."""
+    transports = _transports(tmp_path / "group", 5)
+    knocked = []
+    monkeypatch.setattr(uds, "knock", knocked.append)
+    try:
+        transports[3].abort(PeerDiedError("g", 3, "allreduce", 1, [4]))
+        for transport in transports[:3]:
+            transport.abort(PeerDiedError("g", transport.rank, "allreduce", 1, [4]))
+        assert sorted(knocked) == sorted(os.path.join(str(tmp_path / "group"), f"{rank}.sock")
+                                         for rank in (0, 1, 2, 4))
+        assert transports[0].state.aborted()["rank"] == 3
+    finally:
+        for transport in transports:
+            transport.close()

@@ -87,9 +87,9 @@ class PostOffice:
 
     def abort(self, record: dict) -> None:
         """Publish another node's failure to the ranks here, and wake them to read it."""
-        self.state.abort(record)
-        for rank in self.local_pids:
-            uds.knock(f"{self.directory}/{rank}.sock")
+        if self.state.abort(record):
+            for rank in self.local_pids:
+                uds.knock(f"{self.directory}/{rank}.sock")
 
     def shutdown(self) -> None:
         """Close every link and release the arena and the node's group directory."""

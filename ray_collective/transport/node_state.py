@@ -95,14 +95,20 @@ class NodeState:
                 responsive.append(r)
         return responsive
 
-    def abort(self, record: dict) -> None:
+    def abort(self, record: dict) -> bool:
         """Publish a failure to every member on this node (the first abort wins; nothing once
         the page is closed: an abort from another node can reach a post office after its
-        group left this node)."""
+        group left this node).
+
+        Returns:
+            Whether this call published it (False: the page holds an abort already, or is
+            closed); only the publisher needs to wake the others.
+        """
         if self._words is None or self._words[0]:
-            return
+            return False
         write_atomically(os.path.join(self.directory, "abort.json"), json.dumps(record))
         self._words[0] = int(record["rank"]) + 1
+        return True
 
     def aborted(self) -> Optional[dict]:
         """The failure published by :meth:`abort`, or None."""

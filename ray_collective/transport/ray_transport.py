@@ -499,8 +499,8 @@ class RayTransport(Transport):
         if record["group"] != self.group_name or not isinstance(record["rank"], int):
             raise ValueError(f"an ABORT frame of group {record['group']!r}, rank "
                              f"{record['rank']!r}")
-        self.state.abort(record)
-        self._knock_local_peers()
+        if self.state.abort(record):
+            self._knock_local_peers()
 
     def _stream_protocol_error(self, link: tcp.StreamLink, err: Exception) -> None:
         self._protocol_error = self._malformed_frame(link.peer, err, "its stream")
@@ -757,8 +757,13 @@ class RayTransport(Transport):
 
     def abort(self, error: BaseException) -> None:
         record = error_record(self.group_name, self.rank, error)
-        self.state.abort(record)
-        self._knock_local_peers()
+        # Only the rank that publishes the failure on this node wakes the others and tells the
+        # other nodes: the rest raise after reading it, and all of them knocking too would be
+        # n² connections at once (160 000 at 400 ranks). Whoever published first here was the
+        # origin, or a rank or post office relaying the origin's abort, which told every node.
+        first_here = self.state.abort(record)
+        if first_here:
+            self._knock_local_peers()
         # The peers this rank has streams with learn of it at once, and publish it on their
         # node (and, breaking in turn, on the nodes they have streams with); the post offices
         # reach every other node.
@@ -766,7 +771,7 @@ class RayTransport(Transport):
         for link in list(self._streams_by_fd.values()):
             if link.open and not (link.closed or link.unwritable):
                 link.send(tcp.control_frame(frame))
-        if self.post_offices is not None:
+        if first_here and self.post_offices is not None:
             self.post_offices.abort(record)
 
     def _knock_local_peers(self) -> None:
