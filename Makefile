@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-nodes ps-example ps-bench venv clean
+.PHONY: demo test bench bench-nodes bench-400 ps-example ps-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: $(STAMP_TEST)
 
 bench-nodes: $(STAMP_TEST)
 	PYTHON=$(BIN)/python benchmarks/reproduce.sh across-nodes
+
+bench-400: $(STAMP_TEST)
+	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.scale_real \
+	    --ranks 64,128,256,400 --drill --json benchmarks/results/scale-real-400.json \
+	    --plot benchmarks/results/plots/scale-real-400.png
 
 ps-example: $(STAMP_TEST)
 	$(BIN)/python -m examples.parameter_server --workers 4 --steps 100

@@ -49,7 +49,7 @@ def _series(rows: Sequence[dict], x_key: str, y: Callable[[dict], Optional[float
     return {key: sorted(points) for key, points in lines.items()}
 
 
-def _draw(path: pathlib.Path, title: str, x_label: str, y_label: str,
+def draw(path: pathlib.Path, title: str, x_label: str, y_label: str,
           lines: Dict[Line, List[Tuple[float, float]]], x_ticks: Sequence[float],
           x_tick_labels: Sequence[str], log_x: bool) -> Optional[pathlib.Path]:
     """Draw one figure; None (and no file) when no line has two points."""
@@ -107,12 +107,12 @@ def write_plots(rows: Sequence[dict], directory: pathlib.Path) -> List[pathlib.P
             sizes = sorted({row["nbytes"] for row in at_size})
             labels = [format_size(size) for size in sizes]
             title = f"{collective}, {world_size} ranks"
-            written.append(_draw(
+            written.append(draw(
                 directory / f"latency_{collective}_{world_size}ranks.png", title,
                 "message size", "p50 latency (s)", _series(at_size, "nbytes",
                                                            lambda row: row["p50_s"]),
                 sizes, labels, log_x=True))
-            written.append(_draw(
+            written.append(draw(
                 directory / f"busbw_{collective}_{world_size}ranks.png", title,
                 "message size", "bus bandwidth (GB/s)",
                 _series(at_size, "nbytes", lambda row: row["busbw_gbps"]), sizes, labels,
@@ -121,7 +121,7 @@ def write_plots(rows: Sequence[dict], directory: pathlib.Path) -> List[pathlib.P
             for nbytes in sorted({row["nbytes"] for row in of_collective}):
                 of_size = [row for row in of_collective if row["nbytes"] == nbytes]
                 present = sorted({row["world_size"] for row in of_size})
-                written.append(_draw(
+                written.append(draw(
                     directory / f"time_{collective}_{_file_size(nbytes)}.png",
                     f"{collective}, {format_size(nbytes)}", "ranks", "p50 latency (s)",
                     _series(of_size, "world_size", lambda row: row["p50_s"]), present,

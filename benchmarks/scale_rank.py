@@ -1,0 +1,121 @@
+"""One rank of ``benchmarks.scale_real``: the actor class and the data it checks results with.
+
+Kept apart from the driver's module so that each of up to 400 rank processes imports numpy and
+small modules only (0.3 MB; the driver's module with its plotting and cluster code, 2 MB): at
+400 ranks every megabyte per process is 400 MB of a machine that has 23.5 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, List, Optional
+
+import numpy as np
+
+from .collectives import message_layout
+from .worker import resident_bytes, time_back_to_back
+
+
+def elements(collective: str, nbytes: int, world_size: int) -> int:
+    """float32 elements of one rank's tensor (allgather's ``nbytes`` is its whole output, as
+    in nccl-tests, so that 400 ranks do not each gather 400 times 64 KiB)."""
+    return message_layout(collective, nbytes, world_size, 4).elements_per_tensor if nbytes else 0
+
+
+def rank_input(rank: int, count: int) -> np.ndarray:
+    """Rank ``rank``'s data for a correctness check: small integers, so that any order of
+    float32 sums over 400 ranks is exact and the comparison with numpy can be exact too."""
+    return ((np.arange(count) * 7 + rank * 13) % 31).astype(np.float32)
+
+
+def expected_result(collective: str, world_size: int, rank: int, count: int) -> Any:
+    """What numpy says rank ``rank`` must hold after ``collective`` on ``rank_input`` data."""
+    if collective == "allreduce":
+        return np.sum([rank_input(r, count) for r in range(world_size)], axis=0,
+                      dtype=np.float64).astype(np.float32)
+    if collective == "broadcast":
+        return rank_input(0, count)
+    if collective == "allgather":
+        return np.stack([rank_input(r, count) for r in range(world_size)])
+    raise KeyError(collective)
+
+
+class ScaleRank:
+    """One rank actor of the run; it knows its rank only per group, as the driver assigns it."""
+
+    def ready(self) -> dict:
+        """``{"pid", "rss_bytes"}`` of this actor, once it is up."""
+        return {"pid": os.getpid(), "rss_bytes": resident_bytes()}
+
+    def join(self, world_size: int, rank: int, group_name: str, timeout_s: float) -> dict:
+        """``init_collective_group(backend="ray")``; returns seconds and memory around it
+        (the memory from before the library is imported, on a rank's first join)."""
+        before = resident_bytes()
+        import ray_collective as col
+        start = time.perf_counter()
+        col.init_collective_group(world_size, rank, backend="ray", group_name=group_name,
+                                  timeout=timeout_s)
+        return {"seconds": time.perf_counter() - start, "rss_before": before,
+                "rss_after": resident_bytes()}
+
+    def leave(self, group_name: str) -> float:
+        """``destroy_collective_group``; returns its seconds."""
+        import ray_collective as col
+        start = time.perf_counter()
+        col.destroy_collective_group(group_name)
+        return time.perf_counter() - start
+
+    def check(self, group_name: str, collective: str, nbytes: int) -> Optional[str]:
+        """One call on ``rank_input`` data; None if the result equals numpy's, else why not."""
+        import ray_collective as col
+        rank, size = col.get_rank(group_name), col.get_collective_group_size(group_name)
+        if collective == "barrier":
+            col.barrier(group_name)
+            return None
+        count = elements(collective, nbytes, size)
+        tensor = rank_input(rank, count)
+        if collective == "allreduce":
+            col.allreduce(tensor, group_name)
+            got = tensor
+        elif collective == "broadcast":
+            col.broadcast(tensor, 0, group_name)
+            got = tensor
+        else:
+            parts = [np.empty(count, np.float32) for _ in range(size)]
+            col.allgather(parts, tensor, group_name)
+            got = np.stack(parts)
+        want = expected_result(collective, size, rank, count)
+        if np.array_equal(got, want):
+            return None
+        wrong = int(np.count_nonzero(got != want))
+        return f"rank {rank}: {collective} {nbytes} B: {wrong} of {want.size} elements differ"
+
+    def time_loop(self, group_name: str, collective: str, nbytes: int, warmup: int,
+                  iterations: int) -> List[float]:
+        """One barrier, then the calls back to back; this rank's seconds per timed call."""
+        import ray_collective as col
+        size = col.get_collective_group_size(group_name)
+        count = elements(collective, nbytes, size)
+        tensor = np.zeros(count, np.float32)
+        parts = [np.empty(count, np.float32) for _ in range(size)]
+        calls = {"allreduce": lambda: col.allreduce(tensor, group_name),
+                 "broadcast": lambda: col.broadcast(tensor, 0, group_name),
+                 "allgather": lambda: col.allgather(parts, tensor, group_name),
+                 "barrier": lambda: col.barrier(group_name)}
+        return time_back_to_back(lambda: col.barrier(group_name), calls[collective], warmup,
+                                 iterations)
+
+    def allreduce_until_error(self, group_name: str) -> dict:
+        """Allreduce 8 B in a loop until the group fails; what failed, and when (wall clock)."""
+        import ray_collective as col
+        tensor = np.zeros(2, np.float32)
+        calls = 0
+        while True:
+            try:
+                col.allreduce(tensor, group_name)
+                calls += 1
+            except Exception as err:  # noqa: BLE001 - the drill reports whatever is raised
+                return {"at": time.time(), "type": type(err).__name__, "calls": calls,
+                        "dead_ranks": list(getattr(err, "dead_ranks", []) or []),
+                        "message": str(err)[:300]}

@@ -1,0 +1,410 @@
+"""Real groups of up to 400 ranks on one machine: join, collectives, memory, and a failure drill.
+
+``python -m benchmarks.scale_real --ranks 64,128,256,400`` (``make bench-400``) starts the
+largest number of rank actors once (``num_cpus=0``, in waves, with a progress line: 400 take
+about 12 minutes here), then for each N uses the first N of them:
+
+- **join and destroy**: every rank calls ``init_collective_group`` (imperative), timed on the
+  driver from the first task submitted to the last answer, and inside each rank; then
+  ``destroy_collective_group`` in every rank; then the same group declared from the driver
+  (``declare_collective_group``) and destroyed from it;
+- **collectives**, back to back (one barrier, then the loop; per iteration the slowest rank):
+  allreduce 8 B, 64 KiB and 1 MiB, broadcast 1 MiB, allgather 64 KiB, barrier; before each,
+  one call on rank-dependent data whose result every rank compares with numpy's;
+- **memory**: each rank's resident memory before and after joining, the machine's shared
+  memory (``Shmem`` of ``/proc/meminfo``) and its process count before, during and after;
+- **leaks**: after every destroy, the group's keys in Ray's key-value store, its directories
+  and the rank sockets in them.
+
+With ``--drill``, at the largest N: every rank loops on allreduce, the driver SIGKILLs one of
+them, and every survivor must raise ``PeerDiedError`` naming it; the survivors then destroy
+their memberships, rebuild a group of N-1 ranks, check one allreduce and destroy it.
+
+Gloo (``ray.util.collective`` or ``torch.distributed``) is not run here: its ranks load torch,
+which this machine cannot hold 400 times (see ``benchmarks/README.md``, "400 ranks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .nodes import pick_nodes, pinned, start_local_cluster
+from .plots import Line, draw
+from .report import format_size
+from .stats import iteration_latencies, percentiles
+from .scale_rank import ScaleRank
+from .worker import BACK_TO_BACK
+
+POINTS = (("allreduce", 8), ("allreduce", 64 * 1024), ("allreduce", 2**20),
+          ("broadcast", 2**20), ("allgather", 64 * 1024), ("barrier", 0))
+"""(collective, bytes per rank) measured at every N."""
+
+WAVE = 25
+"""Actors created at once: Ray starts worker processes a few at a time on 2 cores anyway, and
+a wave that waits for its actors keeps the progress line honest."""
+
+RANK_OPTIONS = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 2}
+"""Rank actors take no CPU (400 of them share 2 cores), never restart (a killed rank stays
+dead, as the drill needs) and serve a second call beside a running one (the drill's kill
+target answers its pid while looping)."""
+
+
+def machine_shmem_bytes() -> int:
+    """``Shmem`` of ``/proc/meminfo``: shared memory in use on the machine, in bytes."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_count() -> int:
+    """Processes on the machine now."""
+    return sum(1 for name in os.listdir("/proc") if name.isdigit())
+
+
+def _latency_row(collective: str, nbytes: int, durations: Sequence[Sequence[float]]) -> dict:
+    latencies = iteration_latencies(durations)
+    summary = percentiles(latencies)
+    return {"collective": collective, "bytes": nbytes, "iterations": len(latencies),
+            "p50_s": summary["p50"], "p95_s": summary["p95"]}
+
+
+def group_dir_entries() -> set:
+    """Every file and directory under this machine's group directories now."""
+    from ray_collective.backends.ray_backend import _group_dirs_base, _runtime
+    entries = set()
+    for root, dirs, files in os.walk(_group_dirs_base(_runtime()[2])):
+        entries.update(os.path.join(root, name) for name in dirs + files)
+    return entries
+
+
+def _leftovers(group_name: str, entries_before: set) -> dict:
+    """What a destroyed group left: its keys in the store, and the files and directories that
+    appeared under the group directories since ``entries_before``."""
+    from ray.experimental import internal_kv
+
+    from ray_collective.backends import rendezvous
+    from ray_collective.backends.ray_backend import _runtime
+    prefix = rendezvous.group_prefix(_runtime()[0], group_name)
+    keys = internal_kv._internal_kv_list(prefix.encode(), namespace=rendezvous.NAMESPACE)
+    return {"kv_keys": len(keys), "group_dir_entries": len(group_dir_entries() - entries_before)}
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(values))
+
+
+class Run:
+    """The driver's side: the actors, and one method per measurement."""
+
+    def __init__(self, ray, actors: List[Any], pids: List[int], timeout_s: float,
+                 warmup: int, iterations: int):
+        self.ray, self.actors, self.pids = ray, actors, pids
+        self.timeout_s, self.warmup, self.iterations = timeout_s, warmup, iterations
+
+    def _all(self, refs: List[Any]) -> List[Any]:
+        return self.ray.get(refs, timeout=self.timeout_s * 4)
+
+    def imperative(self, size: int, group_name: str) -> dict:
+        members = self.actors[:size]
+        shm_before, procs_before = machine_shmem_bytes(), process_count()
+        entries_before = group_dir_entries()
+        start = time.perf_counter()
+        joins = self._all([a.join.remote(size, r, group_name, self.timeout_s)
+                           for r, a in enumerate(members)])
+        join_s = time.perf_counter() - start
+        added = [j["rss_after"] - j["rss_before"] for j in joins]
+        result = {"join_s": join_s,
+                  "join_in_rank_p50_s": _median([j["seconds"] for j in joins]),
+                  "join_in_rank_max_s": max(j["seconds"] for j in joins),
+                  "rss_before_p50_bytes": _median([j["rss_before"] for j in joins]),
+                  "rss_added_p50_bytes": _median(added),
+                  "rss_added_max_bytes": max(added),
+                  "shmem_added_bytes": machine_shmem_bytes() - shm_before,
+                  "processes_added": process_count() - procs_before,
+                  "points": [], "wrong": []}
+        for collective, nbytes in POINTS:
+            _progress(f"{size} ranks: {collective} {nbytes} B")
+            result["wrong"] += [w for w in self._all(
+                [a.check.remote(group_name, collective, nbytes) for a in members]) if w]
+            durations = self._all([a.time_loop.remote(group_name, collective, nbytes,
+                                                       self.warmup, self.iterations)
+                                   for a in members])
+            result["points"].append(_latency_row(collective, nbytes, durations))
+        result["shmem_in_use_bytes"] = machine_shmem_bytes() - shm_before
+        start = time.perf_counter()
+        self._all([a.leave.remote(group_name) for a in members])
+        result["destroy_s"] = time.perf_counter() - start
+        result["after_destroy"] = _leftovers(group_name, entries_before)
+        result["processes_after_destroy"] = process_count() - procs_before
+        return result
+
+    def declarative(self, size: int, group_name: str) -> dict:
+        import ray_collective as col
+        members = self.actors[:size]
+        entries_before = group_dir_entries()
+        start = time.perf_counter()
+        col.declare_collective_group(members, size, list(range(size)), backend="ray",
+                                     group_name=group_name, timeout=self.timeout_s)
+        join_s = time.perf_counter() - start
+        wrong = [w for w in self._all([a.check.remote(group_name, "allreduce", 8)
+                                       for a in members]) if w]
+        start = time.perf_counter()
+        col.destroy_collective_group(group_name)
+        return {"join_s": join_s, "destroy_s": time.perf_counter() - start, "wrong": wrong,
+                "after_destroy": _leftovers(group_name, entries_before)}
+
+    def drill(self, size: int, group_name: str) -> dict:
+        """Kill one of ``size`` looping ranks; the survivors must name it, then rebuild."""
+        members = self.actors[:size]
+        entries_before = group_dir_entries()
+        self._all([a.join.remote(size, r, group_name, self.timeout_s)
+                   for r, a in enumerate(members)])
+        victim = size // 2 + 1
+        loops = [a.allreduce_until_error.remote(group_name) for a in members]
+        time.sleep(3.0)
+        killed_at = time.time()
+        os.kill(self.pids[victim], signal.SIGKILL)
+        survivors = [r for r in range(size) if r != victim]
+        ready, _ = self.ray.wait([loops[r] for r in survivors], num_returns=len(survivors),
+                                 timeout=60)
+        outcomes = self.ray.get(ready)
+        seconds = [o["at"] - killed_at for o in outcomes]
+        result = {"world_size": size, "victim": victim, "survivors_answered": len(outcomes),
+                  "survivors": len(survivors),
+                  "types": sorted({o["type"] for o in outcomes}),
+                  "naming_victim": sum(victim in o["dead_ranks"] for o in outcomes),
+                  "raise_after_kill_p50_s": _median(seconds) if seconds else None,
+                  "raise_after_kill_max_s": max(seconds) if seconds else None,
+                  "calls_before_p50": _median([o["calls"] for o in outcomes]),
+                  "example": outcomes[0]["message"] if outcomes else None}
+        rest = [members[r] for r in survivors]
+        self._all([a.leave.remote(group_name) for a in rest])
+        result["after_destroy"] = _leftovers(group_name, entries_before)
+        rebuilt = group_name + "-rebuilt"
+        start = time.perf_counter()
+        self._all([a.join.remote(len(rest), r, rebuilt, self.timeout_s)
+                   for r, a in enumerate(rest)])
+        result["rebuild_join_s"] = time.perf_counter() - start
+        result["rebuild_wrong"] = [w for w in self._all(
+            [a.check.remote(rebuilt, "allreduce", 64 * 1024) for a in rest]) if w]
+        self._all([a.leave.remote(rebuilt) for a in rest])
+        result["rebuild_after_destroy"] = _leftovers(rebuilt, entries_before)
+        return result
+
+
+def _progress(text: str) -> None:
+    print(f"\r[{time.strftime('%H:%M:%S')}] {text:<70}", end="", file=sys.stderr, flush=True)
+
+
+def start_actors(ray, count: int, node_ids: Sequence[Optional[str]], actors: List[Any],
+                 pids: List[int]) -> float:
+    """Add rank actors to ``actors`` (and their pids to ``pids``) until there are ``count``,
+    ``WAVE`` at a time, actor i pinned to node ``node_ids[i % len(node_ids)]`` (so that the
+    first N of them spread over every node); returns the seconds it took."""
+    actor_class = ray.remote(**RANK_OPTIONS)(ScaleRank)
+    start = time.perf_counter()
+    while len(actors) < count:
+        wave = [actor_class.options(**pinned(node_ids[i % len(node_ids)])).remote()
+                for i in range(len(actors), min(len(actors) + WAVE, count))]
+        pids += [r["pid"] for r in ray.get([a.ready.remote() for a in wave])]
+        actors += wave
+        elapsed = time.perf_counter() - start
+        _progress(f"actors {len(actors)}/{count}, {elapsed:.0f} s, "
+                  f"{machine_memory_used_bytes() / 2**30:.1f} GiB in use")
+    print(file=sys.stderr)
+    return time.perf_counter() - start
+
+
+def actor_cpu_cores(pids: Sequence[int], seconds: float = 5.0) -> float:
+    """The CPU the processes ``pids`` use together while none runs a task (Ray's own
+    threads in each idle actor), in cores, over ``seconds``."""
+    def cpu_ticks() -> int:
+        total = 0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
+
+    before = cpu_ticks()
+    time.sleep(seconds)
+    return (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def machine_memory_used_bytes() -> int:
+    """Total minus available memory of the machine, in bytes."""
+    fields = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
+
+
+def predicted_allreduce_8b_s(size: int, fit_path: str) -> Optional[dict]:
+    """The scale benchmark's cost model (fitted at <= 64 ranks) for allreduce 8 B at ``size``
+    ranks on this machine's cores, with the algorithm the selector picks there."""
+    from ray_collective.algorithms.selector import select
+
+    from .scale_costs import call_costs
+    from .scale_model import Fit, features, predict
+    try:
+        with open(fit_path) as source:
+            coefficients = json.load(source)["fit"]["coefficients"]
+    except (OSError, KeyError, ValueError):
+        return None
+    cores = os.cpu_count() or 1
+    algorithm = select("allreduce", 2, 4, size, oversubscribed=size > cores).name
+    regressors = features(call_costs("allreduce", algorithm, size, 2), size, cores)
+    return {"algorithm": algorithm,
+            "seconds": predict(Fit(coefficients, (), 0.0), regressors)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the measurements of the module's docstring and write them as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_real",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="64,128,256,400",
+                        help="world sizes, comma-separated (default: %(default)s)")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="the groups' deadline per call, seconds")
+    parser.add_argument("--drill", action="store_true",
+                        help="kill one rank at the largest N and rebuild without it")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes of a ray.cluster_utils.Cluster started on this machine, "
+                             "ranks spread over them round robin (default: one node, a "
+                             "plain local Ray)")
+    parser.add_argument("--fit", default="benchmarks/results/scale.json",
+                        help="the scale benchmark's fit, for the predicted allreduce 8 B")
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--plot", help="PNG of time against N (optional)")
+    parser.add_argument("--from-json", action="store_true",
+                        help="run nothing: print and plot the results already in --json")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.json) as source:
+            report = json.load(source)
+        for row in report["sizes"]:
+            _summary(row)
+        if args.plot:
+            write_plot(report, args.plot)
+        return 0
+    sizes = sorted({int(s) for s in args.ranks.split(",")})
+    if sizes[0] < 2:
+        parser.error("--ranks: every world size must be at least 2")
+
+    import ray
+    # Ray's memory monitor kills workers above 95 % of the machine's memory by default; 400
+    # ranks here sit at 96 % (23.5 GiB, 49-54 MB per idle Ray actor), so the run allows 98 %.
+    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
+    cluster = start_local_cluster(args.nodes) if args.nodes > 1 else None
+    if cluster is None:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                 _system_config={"worker_register_timeout_seconds": 600})
+        node_ids: List[Optional[str]] = [None]
+    else:
+        ray.init(address=cluster.address, log_to_driver=False)
+        node_ids = list(pick_nodes(args.nodes))
+    report: Dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
+        "ray": ray.__version__, "cores": os.cpu_count(), "nodes": args.nodes,
+        "memory_before_actors_bytes": machine_memory_used_bytes(), "sizes": []}
+    # Actors are added as N grows, so that each N is measured beside no idle extra actors
+    # (each idle Ray actor costs its node CPU time) and what was measured is kept if a
+    # larger N does not fit.
+    run = Run(ray, [], [], args.timeout, args.warmup, args.iterations)
+    for size in sizes:
+        try:
+            start_s = start_actors(ray, size, node_ids, run.actors, run.pids)
+            row = {"world_size": size, "actors_start_s": start_s,
+                   "memory_in_use_bytes": machine_memory_used_bytes(),
+                   "idle_actor_cpu_cores": actor_cpu_cores(run.pids),
+                   "imperative": run.imperative(size, f"imperative-{size}"),
+                   "declarative": run.declarative(size, f"declarative-{size}"),
+                   # The model is one node's: shared memory, no streams, no hierarchy.
+                   "predicted_allreduce_8b": (predicted_allreduce_8b_s(size, args.fit)
+                                              if args.nodes == 1 else None)}
+        except Exception as err:  # noqa: BLE001 - recorded: what broke at this N is a result
+            report["failed"] = {"world_size": size, "error": f"{type(err).__name__}: {err}"[:2000],
+                                "memory_in_use_bytes": machine_memory_used_bytes()}
+            print(f"\nN={size} failed: {report['failed']['error']}", file=sys.stderr)
+            break
+        report["sizes"].append(row)
+        _write(args.json, report)
+        _summary(row)
+    if args.drill and report["sizes"] and "failed" not in report:
+        _progress(f"drill at {sizes[-1]} ranks")
+        report["drill"] = run.drill(sizes[-1], f"drill-{sizes[-1]}")
+        print(file=sys.stderr)
+        print("DRILL", json.dumps(report["drill"]), flush=True)
+    _write(args.json, report)
+    if args.plot:
+        write_plot(report, args.plot)
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+    return 0
+
+
+def write_plot(report: dict, path: str) -> Optional[pathlib.Path]:
+    """Time against N, log-log: every collective's p50, the joins, and the cost model's
+    allreduce 8 B; None (and no file) with fewer than two world sizes."""
+    lines: Dict[Line, List[Tuple[float, float]]] = {}
+
+    def add(label: str, size: int, seconds: Optional[float]) -> None:
+        if seconds:
+            lines.setdefault((label, BACK_TO_BACK), []).append((size, seconds))
+
+    sizes = [row["world_size"] for row in report["sizes"]]
+    for row in report["sizes"]:
+        size = row["world_size"]
+        for point in row["imperative"]["points"]:
+            add(f"{point['collective']} {format_size(point['bytes'])}".replace(" 0 B", ""),
+                size, point["p50_s"])
+        add("model: allreduce 8 B", size, (row["predicted_allreduce_8b"] or {}).get("seconds"))
+        add("join (imperative)", size, row["imperative"]["join_s"])
+        add("join (declared)", size, row["declarative"]["join_s"])
+    return draw(pathlib.Path(path), "ray backend, one node, 2 cores", "ranks",
+                "seconds (p50)", lines, sizes, [str(n) for n in sizes], log_x=True)
+
+
+def _write(path: str, report: dict) -> None:
+    with open(path, "w") as sink:
+        json.dump(report, sink, indent=1)
+
+
+def _summary(row: dict) -> None:
+    imperative = row["imperative"]
+    print(file=sys.stderr)
+    print(f"N={row['world_size']}: join {imperative['join_s']:.2f} s (declared "
+          f"{row['declarative']['join_s']:.2f} s), destroy {imperative['destroy_s']:.2f} s "
+          f"(declared {row['declarative']['destroy_s']:.2f} s), rss added p50 "
+          f"{imperative['rss_added_p50_bytes'] / 2**20:.1f} MiB, wrong "
+          f"{len(imperative['wrong']) + len(row['declarative']['wrong'])}", flush=True)
+    for point in imperative["points"]:
+        print(f"   {point['collective']:>9} {point['bytes']:>8} B  p50 "
+              f"{point['p50_s'] * 1e3:8.2f} ms  p95 {point['p95_s'] * 1e3:8.2f} ms", flush=True)
+    predicted = row["predicted_allreduce_8b"]
+    if predicted:
+        print(f"   model: allreduce 8 B {predicted['seconds'] * 1e3:.2f} ms "
+              f"({predicted['algorithm']})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

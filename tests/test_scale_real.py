@@ -1,0 +1,58 @@
+"""The 400-rank benchmark's mechanics on a small real group (the run itself is ``make bench-400``):
+every result checked against numpy, nothing left after a destroy, and the failure drill, whose
+survivors must name the killed rank, leave nothing behind and rebuild without it."""
+
+import numpy as np
+import pytest
+
+from benchmarks import scale_rank, scale_real
+
+
+def test_rank_inputs_make_sums_that_float32_holds_exactly_at_400_ranks():
+    inputs = np.stack([scale_rank.rank_input(rank, 1000) for rank in range(400)])
+    exact = inputs.astype(np.int64).sum(axis=0)
+    assert exact.max() < 2**24
+    assert np.array_equal(scale_rank.expected_result("allreduce", 400, 5, 1000), exact)
+    # A reference that ignores a rank would be caught: the inputs differ from rank to rank.
+    assert not np.array_equal(inputs[0], inputs[1])
+
+
+def test_allgather_and_broadcast_references():
+    gathered = scale_rank.expected_result("allgather", 3, 1, 4)
+    assert gathered.shape == (3, 4)
+    assert np.array_equal(gathered[2], scale_rank.rank_input(2, 4))
+    assert np.array_equal(scale_rank.expected_result("broadcast", 3, 2, 4),
+                          scale_rank.rank_input(0, 4))
+
+
+@pytest.fixture(scope="module")
+def scale_run(ray_session):
+    run = scale_real.Run(ray_session, [], [], timeout_s=30.0, warmup=1, iterations=3)
+    scale_real.start_actors(ray_session, 4, [None], run.actors, run.pids)
+    yield run
+    for actor in run.actors:
+        ray_session.kill(actor)
+
+
+def test_every_point_is_correct_and_a_destroyed_group_leaves_nothing(scale_run):
+    imperative = scale_run.imperative(3, "scale-real-imperative")
+    assert imperative["wrong"] == []
+    assert [(p["collective"], p["bytes"]) for p in imperative["points"]] == \
+        list(scale_real.POINTS)
+    assert all(p["p50_s"] > 0 and p["iterations"] == 3 for p in imperative["points"])
+    assert imperative["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
+    declared = scale_run.declarative(3, "scale-real-declared")
+    assert declared["wrong"] == []
+    assert declared["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
+
+
+def test_the_drill_names_the_killed_rank_then_rebuilds_without_it_and_leaves_nothing(scale_run):
+    drill = scale_run.drill(4, "scale-real-drill")
+    assert drill["victim"] == 3
+    assert drill["survivors_answered"] == drill["survivors"] == 3
+    assert drill["types"] == ["PeerDiedError"]
+    assert drill["naming_victim"] == 3
+    assert drill["raise_after_kill_max_s"] < 5
+    assert drill["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
+    assert drill["rebuild_wrong"] == []
+    assert drill["rebuild_after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
