@@ -7,6 +7,9 @@ small modules only (0.3 MB; the driver's module with its plotting and cluster co
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import importlib
 import os
 import time
 from typing import Any, List, Optional
@@ -23,17 +26,32 @@ def elements(collective: str, nbytes: int, world_size: int) -> int:
     return message_layout(collective, nbytes, world_size, 4).elements_per_tensor if nbytes else 0
 
 
+MODULUS = 31
+"""Rank inputs are residues modulo this prime (small integers: float32 sums of 400 of them are
+exact, so results can be compared with numpy's exactly)."""
+
+
 def rank_input(rank: int, count: int) -> np.ndarray:
-    """Rank ``rank``'s data for a correctness check: small integers, so that any order of
-    float32 sums over 400 ranks is exact and the comparison with numpy can be exact too."""
-    return ((np.arange(count) * 7 + rank * 13) % 31).astype(np.float32)
+    """Rank ``rank``'s data for a correctness check: element i is (7i + 13·rank) mod 31."""
+    return ((np.arange(count) * 7 + rank * 13) % MODULUS).astype(np.float32)
+
+
+def allreduce_sum(world_size: int, count: int) -> np.ndarray:
+    """The sum of every rank's ``rank_input``, without building ``world_size`` arrays (at 400
+    ranks and 1 MiB, 400 MB per rank): 13 is invertible modulo 31, so any 31 consecutive
+    ranks contribute each residue once (0 + 1 + ... + 30 = 465), and only the remaining
+    ``world_size mod 31`` ranks are added one by one."""
+    full_cycles, rest = divmod(world_size, MODULUS)
+    total = np.full(count, full_cycles * (MODULUS * (MODULUS - 1) // 2), dtype=np.float64)
+    for rank in range(rest):
+        total += rank_input(rank, count)
+    return total.astype(np.float32)
 
 
 def expected_result(collective: str, world_size: int, rank: int, count: int) -> Any:
     """What numpy says rank ``rank`` must hold after ``collective`` on ``rank_input`` data."""
     if collective == "allreduce":
-        return np.sum([rank_input(r, count) for r in range(world_size)], axis=0,
-                      dtype=np.float64).astype(np.float32)
+        return allreduce_sum(world_size, count)
     if collective == "broadcast":
         return rank_input(0, count)
     if collective == "allgather":
@@ -48,16 +66,35 @@ class ScaleRank:
         """``{"pid", "rss_bytes"}`` of this actor, once it is up."""
         return {"pid": os.getpid(), "rss_bytes": resident_bytes()}
 
-    def join(self, world_size: int, rank: int, group_name: str, timeout_s: float) -> dict:
-        """``init_collective_group(backend="ray")``; returns seconds and memory around it
-        (the memory from before the library is imported, on a rank's first join)."""
+    def load_library(self) -> dict:
+        """Import ``ray_collective`` (a no-op after the first time); returns the resident
+        memory before and after."""
         before = resident_bytes()
+        importlib.import_module("ray_collective")
+        return {"rss_before": before, "rss_after": resident_bytes()}
+
+    def join(self, world_size: int, rank: int, group_name: str, timeout_s: float) -> dict:
+        """``init_collective_group(backend="ray")``; returns seconds and memory around it."""
         import ray_collective as col
+        before = resident_bytes()
         start = time.perf_counter()
         col.init_collective_group(world_size, rank, backend="ray", group_name=group_name,
                                   timeout=timeout_s)
         return {"seconds": time.perf_counter() - start, "rss_before": before,
                 "rss_after": resident_bytes()}
+
+    def release_memory(self) -> int:
+        """Hand the heap's free memory back to the system; returns the resident bytes after.
+
+        glibc keeps freed 1 MiB buffers in the heap once it has raised its mmap threshold, so
+        without this each rank kept 12-30 MB after the 1 MiB points: 5-12 GB at 400 ranks.
+        """
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to trim this way
+        return resident_bytes()
 
     def leave(self, group_name: str) -> float:
         """``destroy_collective_group``; returns its seconds."""

@@ -119,12 +119,19 @@ class Run:
         members = self.actors[:size]
         shm_before, procs_before = machine_shmem_bytes(), process_count()
         entries_before = group_dir_entries()
+        # A fresh actor's first join would also import the library: 64 processes doing that
+        # at once on 2 cores take seconds, which is no cost of joining.
+        start = time.perf_counter()
+        loads = self._all([a.load_library.remote() for a in members])
+        import_s = time.perf_counter() - start
         start = time.perf_counter()
         joins = self._all([a.join.remote(size, r, group_name, self.timeout_s)
                            for r, a in enumerate(members)])
         join_s = time.perf_counter() - start
         added = [j["rss_after"] - j["rss_before"] for j in joins]
-        result = {"join_s": join_s,
+        imported = [load["rss_after"] - load["rss_before"] for load in loads]
+        result = {"join_s": join_s, "import_s": import_s,
+                  "rss_added_by_import_p50_bytes": _median(imported),
                   "join_in_rank_p50_s": _median([j["seconds"] for j in joins]),
                   "join_in_rank_max_s": max(j["seconds"] for j in joins),
                   "rss_before_p50_bytes": _median([j["rss_before"] for j in joins]),
@@ -141,6 +148,8 @@ class Run:
                                                        self.warmup, self.iterations)
                                    for a in members])
             result["points"].append(_latency_row(collective, nbytes, durations))
+            result["rss_after_points_p50_bytes"] = _median(
+                self._all([a.release_memory.remote() for a in members]))
         result["shmem_in_use_bytes"] = machine_shmem_bytes() - shm_before
         start = time.perf_counter()
         self._all([a.leave.remote(group_name) for a in members])
@@ -394,8 +403,10 @@ def _summary(row: dict) -> None:
     print(file=sys.stderr)
     print(f"N={row['world_size']}: join {imperative['join_s']:.2f} s (declared "
           f"{row['declarative']['join_s']:.2f} s), destroy {imperative['destroy_s']:.2f} s "
-          f"(declared {row['declarative']['destroy_s']:.2f} s), rss added p50 "
-          f"{imperative['rss_added_p50_bytes'] / 2**20:.1f} MiB, wrong "
+          f"(declared {row['declarative']['destroy_s']:.2f} s), memory added p50 "
+          f"{imperative['rss_added_p50_bytes'] / 2**20:.1f} MiB by joining and "
+          f"{imperative.get('rss_added_by_import_p50_bytes', 0) / 2**20:.1f} MiB by the "
+          f"import, wrong "
           f"{len(imperative['wrong']) + len(row['declarative']['wrong'])}", flush=True)
     for point in imperative["points"]:
         print(f"   {point['collective']:>9} {point['bytes']:>8} B  p50 "
