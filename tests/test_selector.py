@@ -13,6 +13,10 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("allreduce", 2, 4, (0, 1, 2, 3), "recursive_doubling"),
     ("broadcast", 2, 8, None, "binomial"),
     ("broadcast", 1 << 20, 8, None, "scatter_allgather"),
+    # past 16 ranks a 4 MiB broadcast goes binomially, unless larger than its ring's rounds
+    ("broadcast", 1 << 20, 64, None, "binomial"),
+    ("broadcast", 1 << 20, 400, None, "binomial"),
+    ("broadcast", 16 << 20, 64, None, "scatter_allgather"),
     ("broadcast", 1 << 20, 4, ("a", "a", "b", "b"), "hierarchical"),
     ("reduce", 2, 4, (0, 0, 1, 1), "hierarchical"),
     ("allgather", 2, 8, None, "recursive_doubling"),

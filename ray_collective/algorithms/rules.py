@@ -9,7 +9,9 @@ The rules, and why:
   1.2× at 16, 1.45× at 64, and even (within 3%) at 4, where recursive doubling is kept;
 - large messages are bandwidth-bound: ring on few ranks (one neighbour, 2(p-1)/p·n bytes),
   Rabenseifner / recursive halving+doubling on many ranks (same bytes, log rounds instead of
-  2(p-1): a ring over hundreds of ranks pays hundreds of latencies);
+  2(p-1): a ring over hundreds of ranks pays hundreds of latencies); a large broadcast on many
+  ranks goes binomially unless the message is so large that the root's extra bytes cost more
+  than a ring's rounds (``BROADCAST_ROUND_BYTES``);
 - algorithms that need a power of two are only picked when p is one.
 
 The choice between these and the hierarchical variants (several nodes) is the selector's
@@ -27,6 +29,14 @@ RING_MAX_RANKS = 16
 OVERSUBSCRIBED_TREE_MIN_RANKS = 4
 """On an oversubscribed node, small allreduces above this many ranks go by reduce+broadcast."""
 
+BROADCAST_ROUND_BYTES = 512 * 1024
+"""What one round of a broadcast is worth in bytes copied: the scale model's latency per round
+over its cost per byte (128 µs / 0.25 ns, ``benchmarks/results/scale.json``). Past
+``RING_MAX_RANKS`` a large broadcast goes binomially (log2 p rounds, about (log2 p - 2)·n more
+bytes from the root) unless those extra bytes cost more than the p - 1 extra rounds of
+scatter+allgather's ring: measured at 1 MiB on 2 cores, scatter+allgather took 0.44 s at 64
+ranks and 4.2 s at 128, a cost that grows with p²."""
+
 SMALL_BLOCK_BYTES = 1024
 """Alltoall blocks below this size go through Bruck's log-round packing."""
 
@@ -34,6 +44,11 @@ SMALL_BLOCK_BYTES = 1024
 def is_power_of_two(p: int) -> bool:
     """Whether ``p`` is a power of two."""
     return p & (p - 1) == 0
+
+
+def ceil_log2(p: int) -> int:
+    """Rounds of a binomial tree over ``p`` ranks."""
+    return max(0, (p - 1).bit_length())
 
 
 def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
@@ -57,7 +72,12 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
                     else "recursive_doubling")
         return "ring" if p <= RING_MAX_RANKS else "rabenseifner"
     if collective == "broadcast":
-        return "binomial" if small or p < 3 else "scatter_allgather"
+        if small or p < 3:
+            return "binomial"
+        if p > RING_MAX_RANKS and \
+                nbytes * (ceil_log2(p) - 2) < (p - 1) * BROADCAST_ROUND_BYTES:
+            return "binomial"
+        return "scatter_allgather"
     if collective == "allgather":
         if not small and p <= RING_MAX_RANKS:
             return "ring"
