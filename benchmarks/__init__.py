@@ -11,6 +11,7 @@ Modules: ``cli`` (the command line), ``harness`` (actors, interleaved sweep, row
 plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and its channel),
 ``collectives`` (sizes and bus factors), ``stats`` (percentiles, bandwidths), ``report``
 (table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the README's tables).
-``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call cost against raw
+``scale_real`` (with its rank actor, ``scale_rank``) runs real groups of up to 400 ranks
+(``make bench-400``). ``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call cost against raw
 ``cupy.cuda.nccl``, one GPU per rank, without Ray.
 """

@@ -148,8 +148,9 @@ class Run:
                                                        self.warmup, self.iterations)
                                    for a in members])
             result["points"].append(_latency_row(collective, nbytes, durations))
-            result["rss_after_points_p50_bytes"] = _median(
-                self._all([a.release_memory.remote() for a in members]))
+            after = self._all([a.release_memory.remote() for a in members])
+            result["rss_after_points_p50_bytes"] = _median([a["rss_bytes"] for a in after])
+            result["open_fds_max"] = max(a["open_fds"] for a in after)
         result["shmem_in_use_bytes"] = machine_shmem_bytes() - shm_before
         start = time.perf_counter()
         self._all([a.leave.remote(group_name) for a in members])
@@ -304,13 +305,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--plot", help="PNG of time against N (optional)")
     parser.add_argument("--from-json", action="store_true",
-                        help="run nothing: print and plot the results already in --json")
+                        help="run nothing: print the results already in --json as the "
+                             "results page's table (and plot them with --plot)")
     args = parser.parse_args(argv)
     if args.from_json:
         with open(args.json) as source:
             report = json.load(source)
-        for row in report["sizes"]:
-            _summary(row)
+        print(markdown(report))
         if args.plot:
             write_plot(report, args.plot)
         return 0
@@ -350,7 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "predicted_allreduce_8b": (predicted_allreduce_8b_s(size, args.fit)
                                               if args.nodes == 1 else None)}
         except Exception as err:  # noqa: BLE001 - recorded: what broke at this N is a result
-            report["failed"] = {"world_size": size, "error": f"{type(err).__name__}: {err}"[:2000],
+            error = f"{type(err).__name__}: {err}"[:2000]
+            report["failed"] = {"world_size": size, "error": error,
                                 "memory_in_use_bytes": machine_memory_used_bytes()}
             print(f"\nN={size} failed: {report['failed']['error']}", file=sys.stderr)
             break
@@ -391,6 +393,52 @@ def write_plot(report: dict, path: str) -> Optional[pathlib.Path]:
         add("join (declared)", size, row["declarative"]["join_s"])
     return draw(pathlib.Path(path), "ray backend, one node, 2 cores", "ranks",
                 "seconds (p50)", lines, sizes, [str(n) for n in sizes], log_x=True)
+
+
+def markdown(report: dict) -> str:
+    """The results page's tables of a run: one column per N."""
+    rows = report["sizes"]
+    header = "| | " + " | ".join(f"{row['world_size']} ranks" for row in rows) + " |"
+    lines = [header, "|---" * (len(rows) + 1) + "|"]
+
+    def line(label: str, cell) -> None:
+        lines.append(f"| {label} | " + " | ".join(cell(row) for row in rows) + " |")
+
+    def ms(seconds: Optional[float]) -> str:
+        return "–" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+    line("actors started (s)", lambda r: f"{r['actors_start_s']:.0f}")
+    line("Ray's idle actors, CPU (cores)", lambda r: f"{r['idle_actor_cpu_cores']:.2f}")
+    line("join, imperative (s)", lambda r: f"{r['imperative']['join_s']:.2f}")
+    line("join, declared (s)", lambda r: f"{r['declarative']['join_s']:.2f}")
+    line("destroy, imperative / declared (s)",
+         lambda r: f"{r['imperative']['destroy_s']:.2f} / {r['declarative']['destroy_s']:.2f}")
+    for index, point in enumerate(rows[0]["imperative"]["points"]):
+        label = f"{point['collective']} {format_size(point['bytes'])}".replace(" 0 B", "")
+        line(f"{label}, p50 (p95)",
+             lambda r, i=index: f"{ms(r['imperative']['points'][i]['p50_s'])} "
+                                f"({ms(r['imperative']['points'][i]['p95_s'])})")
+    line("model: allreduce 8 B (algorithm)",
+         lambda r: (f"{ms(r['predicted_allreduce_8b']['seconds'])} "
+                    f"({r['predicted_allreduce_8b']['algorithm']})")
+         if r["predicted_allreduce_8b"] else "–")
+    line("results differing from numpy",
+         lambda r: str(len(r["imperative"]["wrong"]) + len(r["declarative"]["wrong"])))
+    line("memory per rank: import / join (MiB)",
+         lambda r: f"{r['imperative']['rss_added_by_import_p50_bytes'] / 2**20:.1f} / "
+                   f"{r['imperative']['rss_added_p50_bytes'] / 2**20:.1f}")
+    line("shared memory in use, peak seen (MiB)",
+         lambda r: f"{r['imperative']['shmem_in_use_bytes'] / 2**20:.0f}")
+    line("open descriptors per rank, most",
+         lambda r: str(r["imperative"].get("open_fds_max", "–")))
+    line("processes on the machine, added while joined",
+         lambda r: str(r["imperative"]["processes_added"]))
+    line("left after destroy: keys, files (imperative; declared)",
+         lambda r: f"{r['imperative']['after_destroy']['kv_keys']}, "
+                   f"{r['imperative']['after_destroy']['group_dir_entries']}; "
+                   f"{r['declarative']['after_destroy']['kv_keys']}, "
+                   f"{r['declarative']['after_destroy']['group_dir_entries']}")
+    return "\n".join(lines)
 
 
 def _write(path: str, report: dict) -> None:
