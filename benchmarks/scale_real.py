@@ -48,6 +48,10 @@ POINTS = (("allreduce", 8), ("allreduce", 64 * 1024), ("allreduce", 2**20),
           ("broadcast", 2**20), ("allgather", 64 * 1024), ("barrier", 0))
 """(collective, bytes per rank) measured at every N."""
 
+SMALL_POINTS = (("allreduce", 8), ("allgather", 64 * 1024), ("barrier", 0))
+"""The points of ``--small``: no message above 164 B per rank at 400 ranks (the large points'
+shared memory, about 4 MB per rank, does not fit beside 400 idle Ray actors here)."""
+
 WAVE = 25
 """Actors created at once: Ray starts worker processes a few at a time on 2 cores anyway, and
 a wave that waits for its actors keeps the progress line honest."""
@@ -108,9 +112,10 @@ class Run:
     """The driver's side: the actors, and one method per measurement."""
 
     def __init__(self, ray, actors: List[Any], pids: List[int], timeout_s: float,
-                 warmup: int, iterations: int):
+                 warmup: int, iterations: int, points: Sequence[Tuple[str, int]] = POINTS):
         self.ray, self.actors, self.pids = ray, actors, pids
         self.timeout_s, self.warmup, self.iterations = timeout_s, warmup, iterations
+        self.points = points
 
     def _all(self, refs: List[Any]) -> List[Any]:
         return self.ray.get(refs, timeout=self.timeout_s * 4)
@@ -140,7 +145,7 @@ class Run:
                   "shmem_added_bytes": machine_shmem_bytes() - shm_before,
                   "processes_added": process_count() - procs_before,
                   "points": [], "wrong": []}
-        for collective, nbytes in POINTS:
+        for collective, nbytes in self.points:
             _progress(f"{size} ranks: {collective} {nbytes} B")
             result["wrong"] += [w for w in self._all(
                 [a.check.remote(group_name, collective, nbytes) for a in members]) if w]
@@ -294,6 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="the groups' deadline per call, seconds")
+    parser.add_argument("--small", action="store_true",
+                        help="only the small-message points (allreduce 8 B, allgather 64 KiB, "
+                             "barrier)")
     parser.add_argument("--drill", action="store_true",
                         help="kill one rank at the largest N and rebuild without it")
     parser.add_argument("--nodes", type=int, default=1,
@@ -302,15 +310,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "plain local Ray)")
     parser.add_argument("--fit", default="benchmarks/results/scale.json",
                         help="the scale benchmark's fit, for the predicted allreduce 8 B")
-    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--json", required=True, action="append",
+                        help="where to write the results; with --from-json, the results to "
+                             "read (repeat it to put several runs' world sizes side by side)")
     parser.add_argument("--plot", help="PNG of time against N (optional)")
     parser.add_argument("--from-json", action="store_true",
                         help="run nothing: print the results already in --json as the "
                              "results page's table (and plot them with --plot)")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.json) as source:
-            report = json.load(source)
+        report = merged_reports(args.json)
         print(markdown(report))
         if args.plot:
             write_plot(report, args.plot)
@@ -338,7 +347,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Actors are added as N grows, so that each N is measured beside no idle extra actors
     # (each idle Ray actor costs its node CPU time) and what was measured is kept if a
     # larger N does not fit.
-    run = Run(ray, [], [], args.timeout, args.warmup, args.iterations)
+    run = Run(ray, [], [], args.timeout, args.warmup, args.iterations,
+              SMALL_POINTS if args.small else POINTS)
     for size in sizes:
         try:
             start_s = start_actors(ray, size, node_ids, run.actors, run.pids)
@@ -357,14 +367,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"\nN={size} failed: {report['failed']['error']}", file=sys.stderr)
             break
         report["sizes"].append(row)
-        _write(args.json, report)
+        _write(args.json[0], report)
         _summary(row)
     if args.drill and report["sizes"] and "failed" not in report:
         _progress(f"drill at {sizes[-1]} ranks")
         report["drill"] = run.drill(sizes[-1], f"drill-{sizes[-1]}")
         print(file=sys.stderr)
         print("DRILL", json.dumps(report["drill"]), flush=True)
-    _write(args.json, report)
+    _write(args.json[0], report)
     if args.plot:
         write_plot(report, args.plot)
     ray.shutdown()
@@ -395,6 +405,22 @@ def write_plot(report: dict, path: str) -> Optional[pathlib.Path]:
                 "seconds (p50)", lines, sizes, [str(n) for n in sizes], log_x=True)
 
 
+def merged_reports(paths: Sequence[str]) -> dict:
+    """The world sizes of several runs' JSON files in one report, in order of size (the drill
+    of the last file that has one)."""
+    reports = []
+    for path in paths:
+        with open(path) as source:
+            reports.append(json.load(source))
+    merged = dict(reports[-1])
+    merged["sizes"] = sorted((row for report in reports for row in report["sizes"]),
+                             key=lambda row: row["world_size"])
+    drills = [report["drill"] for report in reports if "drill" in report]
+    if drills:
+        merged["drill"] = drills[-1]
+    return merged
+
+
 def markdown(report: dict) -> str:
     """The results page's tables of a run: one column per N."""
     rows = report["sizes"]
@@ -413,11 +439,16 @@ def markdown(report: dict) -> str:
     line("join, declared (s)", lambda r: f"{r['declarative']['join_s']:.2f}")
     line("destroy, imperative / declared (s)",
          lambda r: f"{r['imperative']['destroy_s']:.2f} / {r['declarative']['destroy_s']:.2f}")
-    for index, point in enumerate(rows[0]["imperative"]["points"]):
-        label = f"{point['collective']} {format_size(point['bytes'])}".replace(" 0 B", "")
+    def point_cell(row: dict, collective: str, nbytes: int) -> str:
+        for point in row["imperative"]["points"]:
+            if (point["collective"], point["bytes"]) == (collective, nbytes):
+                return f"{ms(point['p50_s'])} ({ms(point['p95_s'])})"
+        return "not run"
+
+    for collective, nbytes in POINTS:
+        label = f"{collective} {format_size(nbytes)}".replace(" 0 B", "")
         line(f"{label}, p50 (p95)",
-             lambda r, i=index: f"{ms(r['imperative']['points'][i]['p50_s'])} "
-                                f"({ms(r['imperative']['points'][i]['p95_s'])})")
+             lambda r, c=collective, n=nbytes: point_cell(r, c, n))
     line("model: allreduce 8 B (algorithm)",
          lambda r: (f"{ms(r['predicted_allreduce_8b']['seconds'])} "
                     f"({r['predicted_allreduce_8b']['algorithm']})")

@@ -2,6 +2,8 @@
 every result checked against numpy, nothing left after a destroy, and the failure drill, whose
 survivors must name the killed rank, leave nothing behind and rebuild without it."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,35 @@ def test_the_drill_names_the_killed_rank_then_rebuilds_without_it_and_leaves_not
     assert drill["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
     assert drill["rebuild_wrong"] == []
     assert drill["rebuild_after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
+
+
+def _report(size, points, drill=None):
+    imperative = {"join_s": 1.0, "destroy_s": 0.5, "wrong": [], "import_s": 0.1,
+                  "rss_added_by_import_p50_bytes": 2**21, "rss_added_p50_bytes": 2**17,
+                  "shmem_in_use_bytes": 2**20, "processes_added": 0, "open_fds_max": 9,
+                  "after_destroy": {"kv_keys": 0, "group_dir_entries": 0},
+                  "points": [{"collective": c, "bytes": b, "p50_s": 0.01, "p95_s": 0.02}
+                             for c, b in points]}
+    declarative = {"join_s": 0.9, "destroy_s": 0.4, "wrong": ["rank 1: differs"],
+                   "after_destroy": {"kv_keys": 0, "group_dir_entries": 0}}
+    report = {"sizes": [{"world_size": size, "actors_start_s": 5.0, "idle_actor_cpu_cores": 0.5,
+                         "imperative": imperative, "declarative": declarative,
+                         "predicted_allreduce_8b": None}]}
+    if drill:
+        report["drill"] = drill
+    return report
+
+
+def test_runs_are_merged_by_world_size_and_a_point_not_run_says_so(tmp_path):
+    paths = []
+    for name, report in (("large.json", _report(400, scale_real.SMALL_POINTS, {"victim": 201})),
+                         ("small.json", _report(64, scale_real.POINTS))):
+        paths.append(str(tmp_path / name))
+        (tmp_path / name).write_text(json.dumps(report))
+    merged = scale_real.merged_reports(paths)
+    assert [row["world_size"] for row in merged["sizes"]] == [64, 400]
+    assert merged["drill"] == {"victim": 201}
+    table = scale_real.markdown(merged).splitlines()
+    assert table[0] == "| | 64 ranks | 400 ranks |"
+    assert "| allreduce 1 MiB, p50 (p95) | 10.0 ms (20.0 ms) | not run |" in table
+    assert "| results differing from numpy | 1 | 1 |" in table
