@@ -42,7 +42,13 @@ bench-nodes: $(STAMP_TEST)
 
 bench-400: $(STAMP_TEST)
 	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.scale_real \
-	    --ranks 64,128,256,400 --drill --json benchmarks/results/scale-real-400.json \
+	    --ranks 64,128,256 --json benchmarks/results/scale-real-64-256.json
+	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.scale_real \
+	    --ranks 400 --small --iterations 5 --warmup 1 --drill \
+	    --json benchmarks/results/scale-real-400.json
+	$(BIN)/python -m benchmarks.scale_real --from-json \
+	    --json benchmarks/results/scale-real-64-256.json \
+	    --json benchmarks/results/scale-real-400.json \
 	    --plot benchmarks/results/plots/scale-real-400.png
 
 ps-example: $(STAMP_TEST)

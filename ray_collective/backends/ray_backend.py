@@ -325,13 +325,16 @@ class RayMembership(TransportMembership):
     def close(self) -> None:
         transport = self.transport
         node = transport.node
+        # Only a broken group can hold members that will never leave; looking for them costs
+        # a /proc read per node-mate, which every rank of a healthy 400-rank group would pay.
+        broken = transport.state.aborted() is not None
         super().close()
         try:
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
         except FileNotFoundError:
             pass
-        dead_here = [m.rank for m in self.members
-                     if m.node == node and m.rank != self.rank and not process_alive(m.pid)]
+        dead_here = [m.rank for m in self.members if broken and m.node == node
+                     and m.rank != self.rank and not process_alive(m.pid)]
         gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
                                 self.world_size, dead_here)
         if {m.rank for m in self.members if m.node == node} <= gone:
