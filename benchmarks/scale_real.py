@@ -1,27 +1,34 @@
 """Real groups of up to 400 ranks on one machine: join, collectives, memory, and a failure drill.
 
-``python -m benchmarks.scale_real --ranks 64,128,256,400`` (``make bench-400``) starts the
-largest number of rank actors once (``num_cpus=0``, in waves, with a progress line: 400 take
-about 12 minutes here), then for each N uses the first N of them:
+``python -m benchmarks.scale_real --ranks 64,128,256,400`` starts a local Ray (or, with
+``--nodes K``, a ``ray.cluster_utils.Cluster`` of K nodes on this machine, ranks spread round
+robin) and, for each N in turn, adds rank actors (``num_cpus=0``, in waves, with a progress
+line) until there are N, so that each N is measured beside no idle extra actor and what was
+measured is kept if a larger N does not fit. At each N:
 
+- the library is imported in every new actor first, timed apart from the join;
 - **join and destroy**: every rank calls ``init_collective_group`` (imperative), timed on the
   driver from the first task submitted to the last answer, and inside each rank; then
-  ``destroy_collective_group`` in every rank; then the same group declared from the driver
-  (``declare_collective_group``) and destroyed from it;
+  ``destroy_collective_group`` in every rank; then the same ranks declared as a group from the
+  driver (``declare_collective_group``) and destroyed from it;
 - **collectives**, back to back (one barrier, then the loop; per iteration the slowest rank):
-  allreduce 8 B, 64 KiB and 1 MiB, broadcast 1 MiB, allgather 64 KiB, barrier; before each,
-  one call on rank-dependent data whose result every rank compares with numpy's;
-- **memory**: each rank's resident memory before and after joining, the machine's shared
-  memory (``Shmem`` of ``/proc/meminfo``) and its process count before, during and after;
-- **leaks**: after every destroy, the group's keys in Ray's key-value store, its directories
-  and the rank sockets in them.
+  allreduce 8 B, 64 KiB and 1 MiB, broadcast 1 MiB, allgather 64 KiB, barrier (``--small``:
+  the small ones only); before each, one call on rank-dependent data whose result every rank
+  compares with numpy's;
+- **memory and descriptors**: each rank's resident memory around the import and the join, and
+  its open descriptors after the points; the machine's shared memory (``Shmem`` of
+  ``/proc/meminfo``) and process count; the CPU that the idle actors use;
+- **leftovers**: after every destroy, the group's keys in Ray's key-value store and the files
+  and directories that appeared under the group directories.
 
 With ``--drill``, at the largest N: every rank loops on allreduce, the driver SIGKILLs one of
 them, and every survivor must raise ``PeerDiedError`` naming it; the survivors then destroy
 their memberships, rebuild a group of N-1 ranks, check one allreduce and destroy it.
 
-Gloo (``ray.util.collective`` or ``torch.distributed``) is not run here: its ranks load torch,
-which this machine cannot hold 400 times (see ``benchmarks/README.md``, "400 ranks").
+``make bench-400`` runs the two runs of the results page and draws its table and plot
+(``--from-json``). Gloo (``ray.util.collective`` or ``torch.distributed``) is not run here: its
+ranks load torch, which this machine cannot hold 400 times (``benchmarks/README.md``, "400
+ranks").
 """
 
 from __future__ import annotations
