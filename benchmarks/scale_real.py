@@ -466,7 +466,7 @@ def markdown(report: dict) -> str:
          lambda r: f"{r['imperative']['rss_added_by_import_p50_bytes'] / 2**20:.1f} / "
                    f"{r['imperative']['rss_added_p50_bytes'] / 2**20:.1f}")
     line("shared memory in use, peak seen (MiB)",
-         lambda r: f"{r['imperative']['shmem_in_use_bytes'] / 2**20:.0f}")
+         lambda r: f"{max(0, r['imperative']['shmem_in_use_bytes']) / 2**20:.0f}")
     line("open descriptors per rank, most",
          lambda r: str(r["imperative"].get("open_fds_max", "–")))
     line("processes on the machine, added while joined",
