@@ -122,3 +122,12 @@ def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they
 def test_a_large_group_looks_at_the_store_less_often_than_a_small_one():
     assert rendezvous._longest_pause(8) == 0.05
     assert rendezvous._longest_pause(400) == pytest.approx(400 / rendezvous.LOOKS_PER_SECOND)
+
+
+def test_a_join_that_times_out_names_the_missing_ranks_not_itself_and_withdraws():
+    kv = MemoryKeyValue()
+    with pytest.raises(rendezvous.CollectiveTimeoutError) as caught:
+        rendezvous.join(kv, "p/", "g", 3, rendezvous.Member(1, "node", 1001), timeout=0.05,
+                        on_token=lambda token: None, token="t")
+    assert caught.value.missing_ranks == (0, 2)
+    assert not [key for key in kv.data if "/member/" in key]

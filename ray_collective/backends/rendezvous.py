@@ -176,12 +176,12 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             members = _members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
+            present = {m.rank for m in (_members(kv, prefix, registered) if registered
+                                        else members)}
             if registered is not None:
                 # Withdraw, so that a rank joining this incarnation later waits for a live
                 # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
-            present = {m.rank for m in (_members(kv, prefix, registered) if registered
-                                        else members)}
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size) if r not in present],
                                          timeout)
