@@ -69,13 +69,19 @@ dead, as the drill needs) and serve a second call beside a running one (the dril
 target answers its pid while looping)."""
 
 
-def machine_shmem_bytes() -> int:
-    """``Shmem`` of ``/proc/meminfo``: shared memory in use on the machine, in bytes."""
+def _meminfo() -> Dict[str, int]:
+    """``/proc/meminfo``, each field in bytes."""
+    fields = {}
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+def machine_shmem_bytes() -> int:
+    """``Shmem`` of ``/proc/meminfo``: shared memory in use on the machine, in bytes."""
+    return _meminfo()["Shmem"]
 
 
 def process_count() -> int:
@@ -269,11 +275,7 @@ def actor_cpu_cores(pids: Sequence[int], seconds: float = 5.0) -> float:
 
 def machine_memory_used_bytes() -> int:
     """Total minus available memory of the machine, in bytes."""
-    fields = {}
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            name, value = line.split(":", 1)
-            fields[name] = int(value.split()[0]) * 1024
+    fields = _meminfo()
     return fields["MemTotal"] - fields["MemAvailable"]
 
 

@@ -52,9 +52,9 @@ NODES = 3
 RANKS_PER_NODE = 2
 WORLD_SIZE = NODES * RANKS_PER_NODE
 SMALL, LARGE = 7, 100_000
+"""Element counts: 7 float64 ride inline; 100_000 float64 (800 KB) go by reference."""
 KILLED_RANK = 3
 """The member rank_killed SIGKILLs (not a node's lowest rank: that one owns a post office)."""
-"""Element counts: 7 float64 ride inline; 100_000 float64 (800 KB) go by reference."""
 OBJECT_STORE_BYTES = 200 * 2**20
 NAMESPACE = "ray_collective"
 POST_OFFICE_PREFIX = "post-office-"

@@ -20,6 +20,8 @@ The choice between these and the hierarchical variants (several nodes) is the se
 
 from __future__ import annotations
 
+from .reduce import log_rounds
+
 SMALL_MESSAGE_BYTES = 16 * 1024
 """Below this many bytes per rank, latency dominates and log-round algorithms win."""
 
@@ -46,11 +48,6 @@ def is_power_of_two(p: int) -> bool:
     return p & (p - 1) == 0
 
 
-def ceil_log2(p: int) -> int:
-    """Rounds of a binomial tree over ``p`` ranks."""
-    return max(0, (p - 1).bit_length())
-
-
 def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
                         oversubscribed: bool = False) -> str:
     """The name of the flat algorithm for ``nbytes`` per rank on ``world_size`` ranks.
@@ -75,7 +72,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         if small or p < 3:
             return "binomial"
         if p > RING_MAX_RANKS and \
-                nbytes * (ceil_log2(p) - 2) < (p - 1) * BROADCAST_ROUND_BYTES:
+                nbytes * (log_rounds(p) - 2) < (p - 1) * BROADCAST_ROUND_BYTES:
             return "binomial"
         return "scatter_allgather"
     if collective == "allgather":

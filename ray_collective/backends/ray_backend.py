@@ -333,8 +333,9 @@ class RayMembership(TransportMembership):
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
         except FileNotFoundError:
             pass
-        dead_here = [m.rank for m in self.members if broken and m.node == node
-                     and m.rank != self.rank and not process_alive(m.pid)]
+        dead_here = [m.rank for m in self.members
+                     if m.node == node and m.rank != self.rank and not process_alive(m.pid)
+                     ] if broken else []
         gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
                                 self.world_size, dead_here)
         if {m.rank for m in self.members if m.node == node} <= gone:

@@ -252,11 +252,13 @@ def _member_key(prefix: str, token: str, me: Member) -> str:
     return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}"
 
 
-def _members(kv: KeyValue, prefix: str, token: str, rank: Optional[int] = None) -> List[Member]:
-    """The registered members of ``token``'s incarnation (only those claiming ``rank``, if
-    given: one short listing instead of the whole membership)."""
+def _members(kv: KeyValue, prefix: str, token: str,
+             claiming: Optional[int] = None) -> List[Member]:
+    """The registered members of ``token``'s incarnation (only those claiming rank
+    ``claiming``, if given: one short listing instead of the whole membership)."""
     found = []
-    for key in kv.keys(f"{prefix}{token}/member/" + ("" if rank is None else f"{rank}/")):
+    for key in kv.keys(f"{prefix}{token}/member/"
+                       + ("" if claiming is None else f"{claiming}/")):
         rank, node, pid, cores, cross_node = key.rsplit("/", 5)[1:]
         found.append(Member(int(rank), node, int(pid), int(cores), cross_node))
     return found
