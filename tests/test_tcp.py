@@ -193,6 +193,88 @@ def test_frames_cut_anywhere_by_the_stream_are_put_back_together():
     link.close()
 
 
+def _open_reader():
+    """(writer socket, reading link past its handshake) over a socket pair."""
+    writer, reader = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.enlarge_buffers(writer, 4 * PART)
+    uds.enlarge_buffers(reader, 4 * PART)
+    reader.setblocking(False)
+    link = tcp.StreamLink(reader, 0, KEY, peer=1)
+    link.open = True
+    return writer, link
+
+
+def _receive_all(link, count, seconds=5):
+    """The next ``count`` frames, each as (frame bytes, placed payload bytes or None)."""
+    frames, deadline = [], time.monotonic() + seconds
+    while len(frames) < count:
+        assert time.monotonic() < deadline, "the frames did not arrive"
+        frame = link.receive()
+        if frame is not None:
+            frames.append((bytes(frame), None if link.placed is None else bytes(link.placed)))
+    return frames
+
+
+def test_a_large_payload_whose_receive_waits_is_read_straight_into_its_buffer():
+    writer, link = _open_reader()
+    payload = np.arange(2 * PART // 8, dtype=np.float64)              # two full parts
+    small = np.arange(5, dtype=np.float64)
+    stamp = _stamp(count=len(payload))
+    target = np.zeros(len(payload), np.float64)
+    asked = []
+
+    def placer(head):
+        tag, part = wire.parse_data_head(head, None)
+        asked.append((tag, part.part_offset))
+        if part.part_offset:
+            return None     # the second part: no receive waits, it arrives whole
+        return memoryview(target.view(np.uint8))[:part.part_bytes]
+
+    link.placer = placer
+    for frame in tcp.frame_pieces(0, 4, len(payload), stamp.packed, payload) + \
+            tcp.frame_pieces(1, 4, len(small), stamp.packed, small):
+        writer.sendall(b"".join(bytes(piece) for piece in frame))
+    (first, placed), (second, not_placed), (third, _) = _receive_all(link, 3)
+    assert asked == [(4, 0), (4, PART)]              # never asked for the small message
+    # the placed frame ends with its call header, its payload is already in place
+    assert len(first) == wire.DATA_FRAME.size + len(stamp.packed)
+    assert placed == payload.view(np.uint8)[:PART].tobytes()
+    np.testing.assert_array_equal(target[:PART // 8], payload[:PART // 8])
+    assert not_placed is None
+    tag, part = wire.parse_data(memoryview(second), None)
+    assert bytes(part.payload) == payload.view(np.uint8)[PART:].tobytes()
+    tag, part = wire.parse_data(memoryview(first), None,
+                                memoryview(target.view(np.uint8))[:PART])
+    assert part.placed and part.part_bytes == PART
+    tag, part = wire.parse_data(memoryview(third), None)
+    np.testing.assert_array_equal(np.frombuffer(part.payload), small)
+    writer.close()
+    link.close()
+
+
+def test_a_kept_large_payload_takes_the_streams_buffer_and_later_frames_stay_whole():
+    writer, link = _open_reader()
+    payload = np.arange(3 * PART // 8, dtype=np.float64)
+    stamp = _stamp(count=len(payload))
+    writer.sendall(b"".join(bytes(piece) for frame in tcp.frame_pieces(
+        0, 4, len(payload), stamp.packed, payload) for piece in frame))
+    kept = []
+    deadline = time.monotonic() + 5
+    while len(kept) < 3:
+        assert time.monotonic() < deadline, "the frames did not arrive"
+        frame = link.receive()
+        if frame is None:
+            continue
+        buffer = link._buffer
+        tag, part = wire.parse_data(frame, None)
+        kept.append(link.own(part.payload))
+        assert link._buffer is not buffer                       # given up, not copied
+    assert link.own(memoryview(b"x" * 100)) == b"x" * 100      # a small one is copied
+    assert b"".join(bytes(view) for view in kept) == payload.tobytes()
+    writer.close()
+    link.close()
+
+
 # ---------------------------------------------------------- the transport over streams
 
 def _transports(tmp_path, world_size, key_of=lambda rank: KEY):
@@ -244,7 +326,8 @@ def test_every_collective_across_two_nodes_over_streams_matches_numpy(tmp_path, 
     check_every_collective(results, p, dtype, op_name, count)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
+@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner", "hierarchical",
+                                       "hierarchical_sharded"])
 def test_a_large_allreduce_in_many_stream_parts_is_exact(tmp_path, algorithm):
     count, p = 5 * PART // 4 + 5, 4       # several stream parts per message, float32
 

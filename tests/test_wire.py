@@ -234,3 +234,53 @@ def test_hello_carries_the_rank_and_key_and_nothing_else():
         wire.parse_hello(wire.hello(5, b"k" * 16) + b"x")
     with pytest.raises(ValueError):
         wire.parse_hello(wire.release_frame(0, 0))
+
+
+def _head(packet, nbytes):
+    """The start of ``packet`` up to its call header (what a stream driver has read first)."""
+    return wire.parse_data_head(memoryview(bytes(packet[:len(packet) - nbytes])), "link")
+
+
+def test_a_payload_is_placed_only_where_a_copying_receive_waits_for_exactly_it():
+    stamp = HeaderTemplate(HEADER).stamp(0)
+    key = (0, wire.COLLECTIVE_TAG)
+    sender = Sender(stamp, step=1)
+    data = np.arange(6, dtype=np.float32)
+    second_half = sender.inline(data[3:], count=6, offset=12, total=24)
+    inbox, _ = _inbox()
+    assert inbox.destination(key, _head(second_half, 12)[1]) is None     # nothing posted
+    out = np.zeros(6, np.float32)
+    receive = Receive(0, stamp, 1, out, None)
+    inbox.post(key, receive)
+    # the receive expects offset 0 first: the second half would be a mismatch
+    assert inbox.destination(key, _head(second_half, 12)[1]) is None
+    first_half = sender.inline(data[:3], count=6, total=24)
+    target = inbox.destination(key, _head(first_half, 12)[1])
+    assert len(target) == 12
+    target[:] = data[:3].tobytes()            # the driver reads the payload straight there
+    tag, part = wire.parse_data(memoryview(bytes(first_half[:-12])), "link", target)
+    assert part.placed and inbox.arrive(key, part) is True
+    assert receive.received == 12 and not receive.done
+    assert _arrive(inbox, second_half) is True
+    assert receive.done and inbox.error is None
+    np.testing.assert_array_equal(out, data)
+    # a receive that reduces, or one behind a part that came early, takes no placement
+    reducing = Receive(0, stamp, 1, np.zeros(6, np.float32), _add)
+    inbox.post(key, reducing)
+    whole = sender.inline(data)
+    assert inbox.destination(key, _head(whole, 24)[1]) is None
+    assert _arrive(inbox, whole) is True and reducing.done
+    early = HeaderTemplate(HEADER).stamp(1)
+    assert _arrive(inbox, Sender(early, step=1).inline(data)) is False
+    inbox.post(key, Receive(0, early, 1, np.zeros(6, np.float32), None))
+    assert inbox.destination(key, _head(Sender(early, step=1).inline(data), 24)[1]) is None
+
+
+def test_a_placed_part_that_must_wait_owns_a_copy_of_its_bytes():
+    stamp = HeaderTemplate(HEADER).stamp(0)
+    packet = Sender(stamp).inline(np.arange(6, dtype=np.float32))
+    placed = bytearray(np.arange(6, dtype=np.float32).tobytes())
+    tag, part = wire.parse_data(memoryview(bytes(packet[:-24])), "link", memoryview(placed))
+    part.keep()
+    placed[:] = b"\x00" * 24
+    assert not part.placed and part.payload == np.arange(6, dtype=np.float32).tobytes()

@@ -32,6 +32,7 @@ every other node, and every waiting rank raises it within one poll interval.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import select
 import struct
@@ -310,9 +311,24 @@ class RayTransport(Transport):
                                     f"connection: {err}")
                 raise self._peer_died([peer], what) from err
             self._stream_to[peer] = link
-            self._streams_by_fd[link.fd] = link
-            self._poll.register(link.fd, select.POLLIN)
+            self._add_stream(link)
         return link
+
+    def _add_stream(self, link: tcp.StreamLink) -> None:
+        link.placer = functools.partial(self._destination, link)
+        self._streams_by_fd[link.fd] = link
+        self._poll.register(link.fd, select.POLLIN)
+
+    def _destination(self, link: tcp.StreamLink, head: memoryview) -> Optional[memoryview]:
+        """Where the payload of the frame ``head`` starts belongs, when a receive waits for it
+        (``StreamLink.placer``)."""
+        if link.peer < 0:
+            return None
+        try:
+            tag, part = wire.parse_data_head(head, link)
+        except ValueError:
+            return None  # the whole frame arrives, and is refused, as usual
+        return self._inbox.destination((link.peer, tag), part)
 
     def _watch_stream(self, link: tcp.StreamLink) -> None:
         if link.closed or link.unwritable:
@@ -438,9 +454,7 @@ class RayTransport(Transport):
                 return
             except OSError:
                 return  # the connection went before it was accepted
-            link = tcp.accepted(sock, self.rank, self.group_key)
-            self._streams_by_fd[link.fd] = link
-            self._poll.register(link.fd, select.POLLIN)
+            self._add_stream(tcp.accepted(sock, self.rank, self.group_key))
 
     def _read_stream(self, link: tcp.StreamLink) -> None:
         """Handle what ``link`` has received: its handshake, then its frames."""
@@ -482,10 +496,10 @@ class RayTransport(Transport):
                 return
             if frame[0] != wire.DATA:
                 raise ValueError(f"frame kind {frame[0]} on a stream")
-            tag, part = wire.parse_data(frame, link)
+            tag, part = wire.parse_data(frame, link, link.placed)
             if part.segment != wire.INLINE:
                 raise ValueError("a shared-memory part on a stream")
-            self._inbox.arrive((link.peer, tag), part)
+            self._inbox.arrive((link.peer, tag), part, link.own)
         except (ValueError, struct.error) as err:
             self._stream_protocol_error(link, err)
 

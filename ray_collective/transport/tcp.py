@@ -38,7 +38,7 @@ import socket
 import struct
 import time
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Callable, Deque, List, Optional, Tuple
 
 import numpy as np
 
@@ -57,6 +57,10 @@ SMALL_BUFFER_BYTES = LENGTH.size + wire.DATA_FRAME.size + MAX_HEADER_BYTES + (64
 """A stream's receive buffer until a larger frame comes: a rank with streams to many peers
 (an alltoall across many nodes) keeps a quarter of a part's size per stream that carries only
 small messages."""
+LARGE_PAYLOAD_BYTES = 64 << 10
+"""From this size on, a payload whose receive is waiting is read straight into the receive's
+buffer (see ``StreamLink.placer``), and one kept for a later receive takes the stream's buffer
+with it; a smaller one is copied either way (cheaper than a system call or a new buffer)."""
 NONCE_BYTES = 16
 MAC_BYTES = hashlib.sha256().digest_size
 MAGIC = b"RCS1"
@@ -69,6 +73,11 @@ SOCKET_BUFFER = 4 << 20
 
 HANDSHAKE_TIMEOUT_S = 10.0
 """A connection whose handshake has not completed this long after it opened is closed."""
+
+
+def _buffer(nbytes: int) -> np.ndarray:
+    """Receive memory, not zeroed (the kernel writes it before anything reads it)."""
+    return np.empty(nbytes, np.uint8)
 
 
 class HandshakeError(ConnectionError):
@@ -187,6 +196,11 @@ class StreamLink:
         unwritable: sending failed because the other end is gone.
         refused: the other end failed the handshake (the link is closed).
         opened_at: when the connection was made (``time.monotonic()``).
+        placer: given the start of a large inline DATA frame (its fixed part and call header),
+            returns the writable bytes its payload belongs in, to be read straight there, or
+            None (the frame then arrives whole, as usual). Set by the transport.
+        placed: the payload of the frame :meth:`receive` returned last, when it was placed
+            (that frame then ends with its call header); None otherwise.
     """
 
     def __init__(self, sock: socket.socket, rank: int, key: bytes, peer: Optional[int] = None):
@@ -203,11 +217,15 @@ class StreamLink:
         self._connecting = peer is not None
         self._accept_nonce = b""
         self._connect_nonce = b""
-        self._buffer = bytearray(SMALL_BUFFER_BYTES)
+        self._buffer = _buffer(SMALL_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = 0
         self._end = 0
         self._outbox: Deque[Tuple[list, object]] = deque()
+        self.placer: Optional[Callable[[memoryview], Optional[memoryview]]] = None
+        self.placed: Optional[memoryview] = None
+        self._placing: Optional[Tuple[bytes, memoryview, int]] = None
+        self._asked = False  # whether placer was asked about the frame at _start
         if not self._connecting:
             self._accept_nonce = os.urandom(NONCE_BYTES)
             self._write_handshake(CHALLENGE.pack(MAGIC, self._accept_nonce))
@@ -262,21 +280,81 @@ class StreamLink:
 
     def receive(self) -> Optional[memoryview]:
         """The next whole frame (a view valid until the next call), or None when none is ready
-        (``closed`` is set when the stream ended). Drives the handshake first.
+        (``closed`` is set when the stream ended). Drives the handshake first. A frame whose
+        payload was placed (see ``placer``) ends with its call header; ``placed`` holds it.
 
         Raises:
             HandshakeError: the other end failed the handshake (the link is now closed).
             ValueError: the other end sent a frame longer than any frame of the protocol.
         """
+        self.placed = None
         while not self.open:
             if self.closed or not self._handshake_step():
                 return None
         while True:
+            if self._placing is not None:
+                return self._go_on_placing()
             frame = self._next_frame()
             if frame is not None or self.closed:
                 return frame
+            if not self._asked and self._start_placing():
+                continue
             if not self._fill():
                 return None
+
+    def _start_placing(self) -> bool:
+        """Ask ``placer``, once per frame, where the payload of the large inline DATA frame
+        begun in the buffer goes, as soon as its call header is in; whether it now goes
+        there."""
+        head_at = self._start + LENGTH.size
+        if self.placer is None or self._end - head_at < wire.DATA_FRAME.size:
+            return False
+        if self._buffer[head_at] != wire.DATA:
+            self._asked = True
+            return False
+        fields = wire.DATA_FRAME.unpack_from(self._buffer, head_at)
+        part_bytes, segment, header_len = fields[6], fields[7], fields[9]
+        head_bytes = wire.DATA_FRAME.size + header_len
+        if self._end - head_at < head_bytes:
+            return False
+        self._asked = True
+        length = LENGTH.unpack_from(self._buffer, self._start)[0]
+        if (segment != wire.INLINE or part_bytes < LARGE_PAYLOAD_BYTES
+                or length != head_bytes + part_bytes):
+            return False
+        head = bytes(self._view[head_at:head_at + head_bytes])
+        target = self.placer(memoryview(head))
+        if target is None or len(target) != part_bytes:
+            return False
+        payload_at = head_at + head_bytes
+        arrived = min(self._end - payload_at, part_bytes)
+        target[:arrived] = self._view[payload_at:payload_at + arrived]
+        self._start = payload_at + arrived
+        self._placing = (head, target, arrived)
+        return True
+
+    def _go_on_placing(self) -> Optional[memoryview]:
+        """Read the placed payload on; the frame's start once all of it is in place."""
+        head, target, arrived = self._placing
+        while arrived < len(target):
+            try:
+                got = self.sock.recv_into(target[arrived:])
+            except BlockingIOError:
+                break
+            except OSError:
+                got = 0
+            if not got:
+                self.closed = True
+                self._placing = None
+                return None
+            arrived += got
+        if arrived < len(target):
+            self._placing = (head, target, arrived)
+            return None
+        self._placing = None
+        self._asked = False
+        self.placed = target
+        return memoryview(head)
 
     def _next_frame(self) -> Optional[memoryview]:
         available = self._end - self._start
@@ -289,6 +367,7 @@ class StreamLink:
             return None
         begin = self._start + LENGTH.size
         self._start = begin + length
+        self._asked = False
         return self._view[begin:self._start]
 
     def _fill(self, limit: Optional[int] = None) -> bool:
@@ -300,7 +379,7 @@ class StreamLink:
         if needed > len(self._buffer):
             # The first frame larger than the buffer: make room for the largest there is.
             kept = self._end - self._start
-            larger = bytearray(MAX_FRAME_BYTES + LENGTH.size)
+            larger = _buffer(MAX_FRAME_BYTES + LENGTH.size)
             larger[:kept] = self._buffer[self._start:self._end]
             self._buffer, self._view = larger, memoryview(larger)
             self._start, self._end = 0, kept
@@ -310,6 +389,10 @@ class StreamLink:
             self._buffer[:kept] = self._buffer[self._start:self._end]
             self._start, self._end = 0, kept
         room = (len(self._buffer) if limit is None else limit) - self._end
+        if needed > SMALL_BUFFER_BYTES:
+            # A large frame is read up to its end, not into the next one: the buffer can then
+            # be given up with it whole (see own) without moving anything.
+            room = min(room, self._start + needed - self._end)
         if room <= 0:
             return False
         try:
@@ -324,6 +407,19 @@ class StreamLink:
             return False
         self._end += got
         return True
+
+    def own(self, payload: memoryview):
+        """Make ``payload``, a view into the frame :meth:`receive` returned last, outlive the
+        next receive: a large one by giving up the buffer it lies in (the link reads on into
+        a new one), a small one by a copy."""
+        if len(payload) < LARGE_PAYLOAD_BYTES:
+            return bytes(payload)
+        kept = self._end - self._start
+        fresh = _buffer(len(self._buffer))
+        fresh[:kept] = self._buffer[self._start:self._end]
+        self._buffer, self._view = fresh, memoryview(fresh)
+        self._start, self._end = 0, kept
+        return payload
 
     def _partial_frame_bytes(self) -> int:
         """The size, length prefix included, of the frame that starts at ``_start``."""

@@ -263,14 +263,16 @@ class Part:
 
     ``payload`` holds an inline part's bytes (a view of the driver's receive buffer while the
     packet is being handled, a copy once kept); a shared-memory part has ``payload`` None and
-    is read at (``segment``, ``segment_offset``) of its sender's memory.
+    is read at (``segment``, ``segment_offset``) of its sender's memory. ``placed`` is true when
+    the driver read the payload straight into the receive's buffer, at the place
+    :meth:`Inbox.destination` gave it: consuming the part then copies nothing.
     """
 
     __slots__ = ("step", "count", "nbytes", "part_offset", "part_bytes", "segment",
-                 "segment_offset", "header", "payload", "origin")
+                 "segment_offset", "header", "payload", "origin", "placed")
 
     def __init__(self, step, count, nbytes, part_offset, part_bytes, segment, segment_offset,
-                 header, payload, origin):
+                 header, payload, origin, placed=False):
         self.step = step
         self.count = count
         self.nbytes = nbytes
@@ -281,39 +283,72 @@ class Part:
         self.header = header
         self.payload = payload
         self.origin = origin
+        self.placed = placed
 
-    def keep(self) -> "Part":
-        """Own the header and inline payload (copy them out of the driver's receive buffer)."""
+    def keep(self, own: Callable[[memoryview], object] = bytes) -> "Part":
+        """Own the header and inline payload: copy the header out of the driver's receive
+        buffer, and the payload through ``own`` (a copy unless the carrier can give up the
+        memory it lies in)."""
         self.header = bytes(self.header)
-        if self.payload is not None:
-            self.payload = bytes(self.payload)
+        if self.placed:
+            # Not reached by the drivers (a placed part's receive is waiting for it); should
+            # it be, the bytes are copied out of the receive's buffer, which may change.
+            self.payload, self.placed = bytes(self.payload), False
+        elif self.payload is not None:
+            self.payload = own(self.payload)
         return self
 
 
-def parse_data(packet: memoryview, origin) -> Tuple[int, Part]:
-    """(channel tag, part) of a DATA packet; the part's views point into ``packet``.
+def parse_data_head(packet: memoryview, origin) -> Tuple[int, Part]:
+    """(channel tag, part) announced by the start of a DATA frame, up to its call header (the
+    part's payload None: not read yet).
 
     Raises:
-        ValueError: the packet is shorter or longer than its frame says.
+        ValueError: the frame is shorter than its fixed part or its call header.
     """
     try:
         (_, step, tag, count, nbytes, part_offset, part_bytes, segment, segment_offset,
          header_len) = DATA_FRAME.unpack_from(packet)
     except struct.error as err:
         raise ValueError(f"DATA frame too short: {err}") from err
-    start = DATA_FRAME.size
-    end = start + header_len
-    payload = None
-    if segment == INLINE:
-        payload = packet[end:]
-        if len(payload) != part_bytes:
-            raise ValueError(f"inline part of {len(payload)} bytes, frame says {part_bytes}")
-    elif len(packet) != end:
-        raise ValueError("shared-memory part with trailing bytes")
+    end = DATA_FRAME.size + header_len
     if end > len(packet):
         raise ValueError("DATA frame shorter than its header")
     return tag, Part(step, count, nbytes, part_offset, part_bytes, segment, segment_offset,
-                     packet[start:end], payload, origin)
+                     packet[DATA_FRAME.size:end], None, origin)
+
+
+def parse_data(packet: memoryview, origin, placed: Optional[memoryview] = None
+               ) -> Tuple[int, Part]:
+    """(channel tag, part) of a DATA packet; the part's views point into ``packet``.
+
+    Args:
+        packet: the frame.
+        origin: the carrier it came on (kept with the part).
+        placed: the payload of an inline part, when the driver read it straight into the
+            place :meth:`Inbox.destination` gave (``packet`` then ends with the call header).
+
+    Raises:
+        ValueError: the packet is shorter or longer than its frame says.
+    """
+    tag, part = parse_data_head(packet, origin)
+    end = DATA_FRAME.size + len(part.header)
+    if part.segment != INLINE:
+        if len(packet) != end:
+            raise ValueError("shared-memory part with trailing bytes")
+        if placed is not None:
+            raise ValueError("a shared-memory part cannot have been placed")
+        return tag, part
+    if placed is None:
+        part.payload = packet[end:]
+    elif len(packet) != end:
+        raise ValueError("placed part with trailing bytes")
+    else:
+        part.payload, part.placed = placed, True
+    if len(part.payload) != part.part_bytes:
+        raise ValueError(f"inline part of {len(part.payload)} bytes, frame says "
+                         f"{part.part_bytes}")
+    return tag, part
 
 
 # ---------------------------------------------------------------------------- matching
@@ -391,22 +426,48 @@ class Inbox:
         if len(posted) == 1:
             self._drain(key, posted)
 
-    def arrive(self, key: Hashable, part: Part) -> bool:
+    def arrive(self, key: Hashable, part: Part,
+               own: Callable[[memoryview], object] = bytes) -> bool:
         """Hand over a part that arrived on ``key``.
+
+        Args:
+            key: (sender, tag).
+            part: the part, its views into the driver's receive buffer.
+            own: makes a kept inline payload outlive that buffer's next use (a copy by
+                default).
 
         Returns:
             True if it was consumed now; False if it was kept for a later receive (its inline
-            payload copied, so the caller may reuse its buffer either way).
+            payload owned through ``own``, so the caller may reuse its buffer either way).
         """
         posted = self._posted.get(key)
         if posted and not self._unexpected.get(key):
             self._consume(posted, part)
             return True
-        kept = part.keep()
+        kept = part.keep(own)
         self._unexpected[key].append(kept)
         if key[1] == COLLECTIVE_TAG:
             self._check_current(key[0], kept)
         return False
+
+    def destination(self, key: Hashable, part: Part) -> Optional[memoryview]:
+        """Where an inline part's payload would be copied if it arrived now, for the driver to
+        read it straight there: the bytes of the posted receive's buffer it fills, when that
+        receive copies (does not reduce), expects this part and its buffer is contiguous;
+        None otherwise (the part then arrives with its payload, as usual).
+
+        Args:
+            key: (sender, tag).
+            part: the part, known from its frame's header (its payload not read yet).
+        """
+        posted = self._posted.get(key)
+        if not posted or self._unexpected.get(key):
+            return None
+        receive = posted[0]
+        if (receive.combine is not None or not receive.out.flags.c_contiguous
+                or self._difference(receive, part) is not None):
+            return None
+        return memoryview(self._target(receive, part).view(np.uint8)).cast("B")
 
     def _check_current(self, sender: int, part: Part) -> None:
         current = self._current
@@ -434,27 +495,39 @@ class Inbox:
         while posted and waiting:
             self._consume(posted, waiting.popleft())
 
-    def _consume(self, posted: Deque[Receive], part: Part) -> None:
-        receive = posted[0]
+    def _difference(self, receive: Receive, part: Part) -> Optional[CollectiveMismatchError]:
+        """How ``part`` differs from what ``receive`` expects next, or None."""
         out = receive.out
         if (part.header != receive.stamp.packed or part.step != receive.step
                 or part.count != len(out)):
-            self._fail(part, mismatch(self.rank, receive.peer, receive.stamp, receive.step,
-                                      len(out), bytes(part.header), part.step, part.count))
-            return
+            return mismatch(self.rank, receive.peer, receive.stamp, receive.step, len(out),
+                            bytes(part.header), part.step, part.count)
         if (part.nbytes != out.nbytes or part.part_offset != receive.received
                 or part.part_bytes % out.itemsize
                 or part.part_offset + part.part_bytes > out.nbytes):
             mine = receive.stamp.header
-            self._fail(part, CollectiveMismatchError(
+            return CollectiveMismatchError(
                 mine.group, self.rank, receive.peer, mine.collective, mine.seq,
                 {"message part (offset, bytes of message)": (
-                    (receive.received, out.nbytes), (part.part_offset, part.nbytes))}))
+                    (receive.received, out.nbytes), (part.part_offset, part.nbytes))})
+        return None
+
+    @staticmethod
+    def _target(receive: Receive, part: Part) -> np.ndarray:
+        """The elements of ``receive.out`` that ``part`` fills."""
+        itemsize = receive.out.itemsize
+        first = part.part_offset // itemsize
+        return receive.out[first:first + part.part_bytes // itemsize]
+
+    def _consume(self, posted: Deque[Receive], part: Part) -> None:
+        receive = posted[0]
+        out = receive.out
+        difference = self._difference(receive, part)
+        if difference is not None:
+            self._fail(part, difference)
             return
-        if part.part_bytes:
-            itemsize = out.itemsize
-            first = part.part_offset // itemsize
-            target = out[first:first + part.part_bytes // itemsize]
+        if part.part_bytes and not part.placed:
+            target = self._target(receive, part)
             incoming = part.payload if part.payload is not None else self._read_segment(part)
             if len(incoming) != part.part_bytes:
                 mine = receive.stamp.header
