@@ -49,10 +49,6 @@ from .worker import BARRIER, TIMINGS
 from .scale_costs import call_costs
 from .scale_model import PARAMETERS, PLAIN_PARAMETERS, Fit, features, fit_non_negative, predict
 
-NODE_AWARE_ALGORITHMS = ("hierarchical",)
-"""Left out of the model: they need a rank→node map and inter-node costs, which one machine
-cannot measure; on one node the selector never picks them."""
-
 EXTRAPOLATION_ASSUMPTION = (
     "extrapolated points assume one rank per core, each with this machine's measured "
     "per-round, per-message and per-byte costs over shared memory: a cluster's compute with "
@@ -240,8 +236,10 @@ def fit_points(collective: str, points: Sequence[MeasuredPoint]) -> Tuple[Fit, F
 
 
 def model_algorithms(collective: str) -> Tuple[str, ...]:
-    """The collective's algorithms the model covers (all but the node-aware ones)."""
-    return tuple(n for n in names(collective) if n not in NODE_AWARE_ALGORITHMS)
+    """The collective's algorithms the model covers: all but the node-aware ones, which need a
+    rank→node map and inter-node costs that one machine cannot measure (on one node the
+    selector never picks them)."""
+    return tuple(n for n in names(collective) if not lookup(collective, n).node_aware)
 
 
 def predicted_seconds(fit: Fit, collective: str, algorithm: str, ranks: int, nbytes: int,

@@ -23,7 +23,7 @@ def _power_of_two(p):
 FLAT_CASES = [(collective, name, p)
               for collective, by_name in sorted(ALGORITHMS.items())
               for name, algorithm in sorted(by_name.items())
-              if name != "hierarchical"
+              if not algorithm.node_aware
               for p in WORLD_SIZES
               if not algorithm.power_of_two_only or _power_of_two(p)]
 
@@ -50,7 +50,7 @@ def test_algorithm_matches_numpy_and_formula(collective, name, p, count):
 
 
 REDUCING = [(collective, name) for collective in ("allreduce", "reduce", "reducescatter")
-            for name in ALGORITHMS[collective] if name != "hierarchical"]
+            for name, algorithm in ALGORITHMS[collective].items() if not algorithm.node_aware]
 
 
 @pytest.mark.parametrize("collective, name", REDUCING)
@@ -77,6 +77,25 @@ def test_hierarchical_keeps_inter_node_traffic_between_node_heads(collective, p,
         flat = simulate(collective, p, count, algorithm="binomial" if collective != "allreduce"
                         else "recursive_doubling", root=root, ranks_per_node=ranks_per_node)
         assert report.inter_node_senders <= flat.inter_node_senders
+
+
+@pytest.mark.parametrize("p, ranks_per_node", [(2, 1), (4, 2), (6, 3), (16, 4), (64, 8),
+                                               (7, 3), (9, 4)])
+@pytest.mark.parametrize("count", [0, 5, 1000])
+@pytest.mark.parametrize("dtype", ["int64", "float64"])
+def test_sharded_allreduce_sends_every_ranks_shard_across_nodes(p, ranks_per_node, count, dtype):
+    report = simulate("allreduce", p, count, algorithm="hierarchical_sharded", dtype=dtype,
+                      ranks_per_node=ranks_per_node, seed=p + count)
+    assert report.checked
+    assert report.rounds <= report.formula.rounds
+    leaders = simulate("allreduce", p, count, algorithm="hierarchical", dtype=dtype,
+                       ranks_per_node=ranks_per_node, seed=p + count)
+    if p % ranks_per_node:
+        # unequal nodes: the leaders' version, message for message
+        assert (report.rounds, report.inter_node_senders) == (leaders.rounds,
+                                                              leaders.inter_node_senders)
+    elif count >= ranks_per_node > 1 and p > ranks_per_node:
+        assert report.inter_node_senders == p > leaders.inter_node_senders
 
 
 def test_selector_takes_the_hierarchical_path_across_nodes():

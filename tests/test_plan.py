@@ -99,7 +99,7 @@ def _cases():
                 if algorithm.power_of_two_only and p & (p - 1):
                     continue
                 node_maps = [None]
-                if name == "hierarchical":
+                if algorithm.node_aware:
                     node_maps = [tuple(r // 2 for r in range(p)), tuple(r // 3 for r in range(p))]
                 for node_of in node_maps:
                     for count in (0, 1, 7, 100):

@@ -11,6 +11,10 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("allreduce", 1 << 20, 400, None, "rabenseifner"),
     ("allreduce", 2, 4, (0, 0, 1, 1), "hierarchical"),
     ("allreduce", 2, 4, (0, 1, 2, 3), "recursive_doubling"),
+    # from 16 MiB (4-byte elements) on nodes of equal size, every rank crosses with a shard
+    ("allreduce", 4 << 20, 4, (0, 0, 1, 1), "hierarchical_sharded"),
+    ("allreduce", (4 << 20) - 1, 4, (0, 0, 1, 1), "hierarchical"),
+    ("allreduce", 4 << 20, 5, (0, 0, 1, 1, 1), "hierarchical"),
     ("broadcast", 2, 8, None, "binomial"),
     ("broadcast", 1 << 20, 8, None, "scatter_allgather"),
     # past 16 ranks a 4 MiB broadcast goes binomially, unless larger than its ring's rounds

@@ -233,6 +233,11 @@ class Topology:
         return max((len(n) for n in self.nodes), default=1)
 
     @property
+    def uniform(self) -> bool:
+        """Whether every node holds as many ranks as every other."""
+        return len({len(n) for n in self.nodes}) <= 1
+
+    @property
     def is_multi_node(self) -> bool:
         """More than one node, and at least one node with several ranks to aggregate."""
         return len(self.nodes) > 1 and self.max_ranks_per_node > 1
@@ -260,6 +265,7 @@ class Algorithm:
             the element count of one rank's tensor (one block for the list collectives);
             composites use ``itemsize`` to know which sub-algorithm the selector gives them.
         power_of_two_only: True when ``run`` needs p to be a power of two.
+        node_aware: True when ``run`` needs the rank-to-node map (``Context.topology``).
     """
 
     collective: str
@@ -267,3 +273,4 @@ class Algorithm:
     run: Callable[..., AlgorithmGen]
     cost: Callable[[int, int, int, int], Cost]
     power_of_two_only: bool = False
+    node_aware: bool = False

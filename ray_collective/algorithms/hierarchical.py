@@ -1,4 +1,5 @@
-"""Hierarchical (node-aware) allreduce, broadcast and reduce: only one rank per node crosses nodes.
+"""Hierarchical (node-aware) allreduce, broadcast and reduce: the traffic between nodes is cut
+to one message per node (leaders) or one shard per rank (sharded allreduce).
 
 Ranks are grouped by node (``ctx.topology``, from the group's rank→node map). Each node has a
 *leader*: its lowest rank, except that for broadcast and reduce the root leads its own node.
@@ -11,12 +12,22 @@ Ranks are grouped by node (``ctx.topology``, from the group's rank→node map). 
 - **reduce** — a binomial reduce onto each leader inside its node, then a reduce between the
   leaders onto the root.
 
+- **sharded allreduce** (``hierarchical_sharded``, nodes of equal size q) — a reduce-scatter
+  inside each node leaves local rank i with the node's sum of shard i (of q); the i-th ranks
+  of all nodes allreduce their shard among themselves; an allgather inside each node puts
+  the shards together. Every rank crosses nodes, with 1/q of the data: the leaders' version
+  has one rank per node carry (and reduce) all of it while the others wait, this one spreads
+  the work and the streams over every rank. On nodes of unequal size it runs the leaders'
+  version.
+
 Inside a node messages are cheap (shared memory); between nodes they are not, so the leaders
 carry the only inter-node traffic: one message per leader and round of the inter-node phase
 instead of one per rank. Rounds: 2·ceil(log2 q) + the leaders' algorithm for allreduce and
-ceil(log2 q) + the leaders' algorithm for broadcast and reduce, q the most ranks on one node.
-The selector picks these whenever the group spans several nodes and some node holds several
-ranks.
+ceil(log2 q) + the leaders' algorithm for broadcast and reduce, q the most ranks on one node;
+the sharded allreduce has the rounds of the local reduce-scatter and allgather (q - 1 each
+for a ring) around the shards' allreduce. The selector picks these whenever the group spans
+several nodes and some node holds several ranks (the sharded allreduce for large messages on
+nodes of equal size: ``selector.SHARDED_ALLREDUCE_MIN_BYTES``).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import numpy as np
 
 from . import broadcast as flat_broadcast
 from . import reduce as flat_reduce
-from .core import Algorithm, AlgorithmGen, Chooser, Context, Cost, Team, Topology
+from .core import Algorithm, AlgorithmGen, Blocks, Chooser, Context, Cost, Team, Topology
 from .reduce import log_rounds
 
 _INTER_NODE_PHASE = 1 << 22
@@ -56,6 +67,25 @@ class Leaders(Sequence):
         return self.topology.leaders[i]
 
 
+class Column(Sequence):
+    """The ``position``-th rank of every node, in node order (every node holding more than
+    ``position`` ranks)."""
+
+    __slots__ = ("topology", "position")
+
+    def __init__(self, topology: Topology, position: int):
+        self.topology = topology
+        self.position = position
+
+    def __len__(self) -> int:
+        return len(self.topology.nodes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.topology.nodes[i][self.position]
+
+
 def _local_team(topology: Topology, rank: int) -> Team:
     node = topology.nodes[topology.node_index[rank]]
     return Team(node, node.index(rank))
@@ -76,6 +106,28 @@ def allreduce(team: Team, buf: np.ndarray, ctx: Context, step0: int = 0) -> Algo
         yield from inner.run(_leaders_team(Leaders(topology), rank), buf, ctx,
                              step0=step0 + _INTER_NODE_PHASE)
     yield from flat_broadcast.binomial(local, buf, 0, ctx, step0 + _INTRA_NODE_FINAL_PHASE)
+
+
+def sharded_allreduce(team: Team, buf: np.ndarray, ctx: Context,
+                      step0: int = 0) -> AlgorithmGen:
+    """Allreduce ``buf``: reduce-scatter inside nodes, an allreduce of each shard across nodes
+    by the ranks that hold it, allgather inside nodes (the leader version on unequal nodes)."""
+    topology = ctx.topology
+    if not topology.uniform:
+        yield from allreduce(team, buf, ctx, step0)
+        return
+    rank = team.rank
+    local = _local_team(topology, rank)
+    blocks = Blocks.even(len(buf), local.size)
+    # Every column decides by the largest shard, so that all of them run the same algorithms.
+    shard_count = blocks.size(0)
+    yield from ctx.choose("reducescatter", local.size, shard_count).run(
+        local, buf, blocks, ctx, step0=step0)
+    column = Team(Column(topology, local.index), topology.node_index[rank])
+    yield from ctx.choose("allreduce", len(topology.nodes), shard_count).run(
+        column, blocks.view(buf, local.index), ctx, step0=step0 + _INTER_NODE_PHASE)
+    yield from ctx.choose("allgather", local.size, shard_count).run(
+        local, buf, blocks, ctx, step0=step0 + _INTRA_NODE_FINAL_PHASE)
 
 
 def broadcast(team: Team, buf: np.ndarray, root: int, ctx: Context,
@@ -130,6 +182,21 @@ def _allreduce_cost(flat_choice, p: int, count: int, ranks_per_node: int, itemsi
     return Cost(2 * rounds + inner.rounds, elements + inner.max_elements_sent)
 
 
+def _sharded_allreduce_cost(flat_choice, p: int, count: int, ranks_per_node: int,
+                            itemsize: int) -> Cost:
+    """A bound: the local reduce-scatter, the shards' allreduce and the local allgather, one
+    after the other (the leader version's cost where the last node holds fewer ranks)."""
+    q = max(ranks_per_node, 1)
+    if p % q:
+        return _allreduce_cost(flat_choice, p, count, ranks_per_node, itemsize)
+    nodes, shard = p // q, -(-count // q)
+    choose = flat_choice(itemsize)
+    phases = [choose("reducescatter", q, shard).cost(q, shard, 1, itemsize),
+              choose("allreduce", nodes, shard).cost(nodes, shard, 1, itemsize),
+              choose("allgather", q, shard).cost(q, shard, 1, itemsize)]
+    return Cost(sum(c.rounds for c in phases), sum(c.max_elements_sent for c in phases))
+
+
 def _broadcast_cost(flat_choice, p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """A bound: the leaders' broadcast, then the local broadcast."""
     rounds, elements, inner = _phase_costs(flat_choice, "broadcast", p, count, ranks_per_node,
@@ -156,8 +223,11 @@ def algorithms(flat_choice: Callable[[int], Chooser]) -> Tuple[Algorithm, ...]:
     """
     return (
         Algorithm("allreduce", "hierarchical", allreduce,
-                  functools.partial(_allreduce_cost, flat_choice)),
+                  functools.partial(_allreduce_cost, flat_choice), node_aware=True),
+        Algorithm("allreduce", "hierarchical_sharded", sharded_allreduce,
+                  functools.partial(_sharded_allreduce_cost, flat_choice), node_aware=True),
         Algorithm("broadcast", "hierarchical", broadcast,
-                  functools.partial(_broadcast_cost, flat_choice)),
-        Algorithm("reduce", "hierarchical", reduce, functools.partial(_reduce_cost, flat_choice)),
+                  functools.partial(_broadcast_cost, flat_choice), node_aware=True),
+        Algorithm("reduce", "hierarchical", reduce, functools.partial(_reduce_cost, flat_choice),
+                  node_aware=True),
     )

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                     for a in ALGORITHMS[collective].values():
                         if a.power_of_two_only and ranks & (ranks - 1):
                             continue
-                        if a.name == "hierarchical" and not args.ranks_per_node:
+                        if a.node_aware and not args.ranks_per_node:
                             continue
                         rounds = a.cost(ranks, count, args.ranks_per_node or ranks,
                                         itemsize).rounds
