@@ -98,6 +98,17 @@ def test_sharded_allreduce_sends_every_ranks_shard_across_nodes(p, ranks_per_nod
         assert report.inter_node_senders == p > leaders.inter_node_senders
 
 
+@pytest.mark.parametrize("p, ranks_per_node", [(2, 1), (4, 2), (7, 3), (9, 4), (16, 4)])
+@pytest.mark.parametrize("count", [0, 5, 300_000])
+def test_pipelined_broadcast_crosses_each_node_boundary_once(p, ranks_per_node, count):
+    nodes = -(-p // ranks_per_node)
+    for root in sorted({0, p // 2, p - 1}):
+        report = simulate("broadcast", p, count, algorithm="hierarchical_pipeline", root=root,
+                          ranks_per_node=ranks_per_node, seed=root)
+        assert report.checked and report.rounds == report.formula.rounds
+        assert report.inter_node_senders == nodes - 1
+
+
 def test_selector_takes_the_hierarchical_path_across_nodes():
     assert simulate("allreduce", 12, 5, ranks_per_node=4).algorithm == "hierarchical"
     assert simulate("allreduce", 12, 5).algorithm == "recursive_doubling"

@@ -22,6 +22,10 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("broadcast", 1 << 20, 400, None, "binomial"),
     ("broadcast", 16 << 20, 64, None, "scatter_allgather"),
     ("broadcast", 1 << 20, 4, ("a", "a", "b", "b"), "hierarchical"),
+    # from 1 MiB over 3 nodes or more, up to 16 ranks: down the chain of nodes
+    ("broadcast", 1 << 18, 6, (0, 0, 1, 1, 2, 2), "hierarchical_pipeline"),
+    ("broadcast", (1 << 18) - 1, 6, (0, 0, 1, 1, 2, 2), "hierarchical"),
+    ("broadcast", 1 << 18, 18, tuple(r // 2 for r in range(18)), "hierarchical"),
     ("reduce", 2, 4, (0, 0, 1, 1), "hierarchical"),
     ("allgather", 2, 8, None, "recursive_doubling"),
     ("allgather", 2, 9, None, "bruck"),

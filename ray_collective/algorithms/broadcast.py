@@ -7,6 +7,12 @@
 - **scatter_allgather** (van de Geijn) — a binomial scatter of p blocks of the buffer, then a
   ring allgather of those blocks: ceil(log2 p) + p - 1 rounds, about 2n elements per rank
   instead of n·log2(p) at the root. The choice for large messages.
+- **pipeline** — a chain v -> v+1 from the root, the buffer cut into k chunks
+  (``pipeline_chunks``: one per MiB, at most 16): in round t, rank v forwards chunk t - v to
+  v+1 while it takes chunk t - v + 1 from v-1, so every link of the chain is busy at once.
+  k + p - 2 rounds, n elements per rank (the last sends none). Not picked on one node; the
+  hierarchical broadcast across nodes (``hierarchical.py``) runs it on a chain that visits the
+  nodes one after the other, so that only the links between them cross nodes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,43 @@ def scatter_allgather(team: Team, buf: np.ndarray, root: int, ctx: Context,
     yield from allgather.ring(team, buf, blocks, ctx, step0 + _ALLGATHER_PHASE)
 
 
+PIPELINE_CHUNK_BYTES = 1 << 20
+PIPELINE_MAX_CHUNKS = 16
+
+
+def pipeline_chunks(count: int, itemsize: int) -> int:
+    """Chunks of a pipelined broadcast of ``count`` elements: one per MiB, 1 to 16 (every
+    chunk costs a round, in which each rank waits for its slowest link)."""
+    return max(1, min(PIPELINE_MAX_CHUNKS, count * itemsize // PIPELINE_CHUNK_BYTES))
+
+
+def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
+             step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from team member ``root`` down the chain root, root+1, ..., chunk by
+    chunk, each rank forwarding one chunk while it receives the next."""
+    chain = team.rotated(root)
+    v, p = chain.index, chain.size
+    if p == 1:
+        return
+    chunks = Blocks.even(len(buf), pipeline_chunks(len(buf), ctx.dtype.itemsize))
+    # Rank v takes chunk c from v-1 in round c + v - 1 and forwards it to v+1 in round c + v.
+    for t in range(max(v - 1, 0), v + chunks.parts):
+        ops = []
+        if v > 0 and t - v + 1 < chunks.parts:
+            ops.append(Recv(chain.peer(v - 1), chunks.view(buf, t - v + 1), step0 + t))
+        if v < p - 1 and t >= v:
+            ops.append(Send(chain.peer(v + 1), chunks.view(buf, t - v), step0 + t))
+        if ops:
+            yield tuple(ops)
+
+
+def pipeline_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """k + p - 2 rounds (k chunks); every rank but the last sends the buffer once."""
+    if p == 1:
+        return Cost(0, 0)
+    return Cost(pipeline_chunks(count, itemsize) + p - 2, count)
+
+
 def binomial_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """ceil(log2 p) rounds; the root sends the buffer ceil(log2 p) times."""
     return Cost(log_rounds(p), count * log_rounds(p))
@@ -57,4 +100,5 @@ def scatter_allgather_cost(p: int, count: int, ranks_per_node: int, itemsize: in
 ALGORITHMS = (
     Algorithm("broadcast", "binomial", binomial, binomial_cost),
     Algorithm("broadcast", "scatter_allgather", scatter_allgather, scatter_allgather_cost),
+    Algorithm("broadcast", "pipeline", pipeline, pipeline_cost),
 )

@@ -19,6 +19,12 @@ Ranks are grouped by node (``ctx.topology``, from the group's rank→node map). 
   has one rank per node carry (and reduce) all of it while the others wait, this one spreads
   the work and the streams over every rank. On nodes of unequal size it runs the leaders'
   version.
+- **pipelined broadcast** (``hierarchical_pipeline``) — the flat chain broadcast
+  (``broadcast.pipeline``) down a chain that starts at the root, goes through the rest of its
+  node, then through every other node in turn: one link per pair of consecutive nodes crosses
+  nodes, and chunk by chunk every link of the chain carries data at once (the leaders'
+  version sends the whole message between nodes before the nodes pass it on). k + p - 2
+  rounds for k chunks, so the selector keeps it to groups of at most 16 ranks.
 
 Inside a node messages are cheap (shared memory); between nodes they are not, so the leaders
 carry the only inter-node traffic: one message per leader and round of the inter-node phase
@@ -27,11 +33,13 @@ ceil(log2 q) + the leaders' algorithm for broadcast and reduce, q the most ranks
 the sharded allreduce has the rounds of the local reduce-scatter and allgather (q - 1 each
 for a ring) around the shards' allreduce. The selector picks these whenever the group spans
 several nodes and some node holds several ranks (the sharded allreduce for large messages on
-nodes of equal size: ``selector.SHARDED_ALLREDUCE_MIN_BYTES``).
+nodes of equal size, the pipelined broadcast for large messages over 3 nodes or more: see
+``selector``).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Sequence
 from typing import Callable, Tuple
@@ -84,6 +92,48 @@ class Column(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         return self.topology.nodes[i][self.position]
+
+
+class NodeChain(Sequence):
+    """Every rank, node after node: ``root`` first, then the rest of its node, then the other
+    nodes in order, each node's ranks in rank order."""
+
+    __slots__ = ("topology", "root", "root_node", "_node_order", "_starts")
+
+    def __init__(self, topology: Topology, root: int):
+        self.topology = topology
+        self.root = root
+        self.root_node = topology.node_index[root]
+        self._node_order = [self.root_node] + [k for k in range(len(topology.nodes))
+                                               if k != self.root_node]
+        self._starts = [0]
+        for k in self._node_order:
+            self._starts.append(self._starts[-1] + len(topology.nodes[k]))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        slot = bisect.bisect_right(self._starts, i) - 1
+        node = self.topology.nodes[self._node_order[slot]]
+        place = i - self._starts[slot]
+        if slot == 0:
+            # the root first, the rest of its node after it in rank order
+            root_place = node.index(self.root)
+            place = root_place if place == 0 else place - (place <= root_place)
+        return node[place]
+
+    def position(self, rank: int) -> int:
+        """Where ``rank`` is in the chain."""
+        node_index = self.topology.node_index[rank]
+        node = self.topology.nodes[node_index]
+        place = node.index(rank)
+        if node_index == self.root_node:
+            root_place = node.index(self.root)
+            return 0 if rank == self.root else place + (place < root_place)
+        return self._starts[self._node_order.index(node_index)] + place
 
 
 def _local_team(topology: Topology, rank: int) -> Team:
@@ -144,6 +194,16 @@ def broadcast(team: Team, buf: np.ndarray, root: int, ctx: Context,
                              ctx, step0=step0 + _INTER_NODE_PHASE)
     yield from flat_broadcast.binomial(local, buf, local.members.index(leader), ctx,
                                        step0 + _INTRA_NODE_FINAL_PHASE)
+
+
+def pipelined_broadcast(team: Team, buf: np.ndarray, root: int, ctx: Context,
+                        step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from ``root`` chunk by chunk down a chain that visits the nodes one
+    after the other (``broadcast.pipeline``): one link per pair of consecutive nodes crosses
+    nodes, and every link carries a chunk at once."""
+    chain = NodeChain(ctx.topology, team.members[root])
+    yield from flat_broadcast.pipeline(Team(chain, chain.position(team.rank)), buf, 0, ctx,
+                                       step0)
 
 
 def reduce(team: Team, buf: np.ndarray, root: int, ctx: Context, step0: int = 0) -> AlgorithmGen:
@@ -228,6 +288,8 @@ def algorithms(flat_choice: Callable[[int], Chooser]) -> Tuple[Algorithm, ...]:
                   functools.partial(_sharded_allreduce_cost, flat_choice), node_aware=True),
         Algorithm("broadcast", "hierarchical", broadcast,
                   functools.partial(_broadcast_cost, flat_choice), node_aware=True),
+        Algorithm("broadcast", "hierarchical_pipeline", pipelined_broadcast,
+                  flat_broadcast.pipeline_cost, node_aware=True),
         Algorithm("reduce", "hierarchical", reduce, functools.partial(_reduce_cost, flat_choice),
                   node_aware=True),
     )
