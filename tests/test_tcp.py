@@ -343,6 +343,20 @@ def test_a_large_allreduce_in_many_stream_parts_is_exact(tmp_path, algorithm):
         np.testing.assert_array_equal(y, expected)
 
 
+@pytest.mark.parametrize("root", [1, 2])
+def test_a_large_broadcast_down_the_node_chain_over_streams_is_exact(tmp_path, root):
+    count, p = 300_000, 4    # 2.4 MB of float64: two chunks of several stream parts each
+
+    def body(rank):
+        y = rank_data(rank, count, np.float64)
+        col.broadcast(y, root)
+        return y
+
+    factory = StreamFactory(_transports(tmp_path, p), {"broadcast": "hierarchical_pipeline"})
+    for y in run_ranks(p, body, factory_of=lambda rank: factory, timeout=60):
+        np.testing.assert_array_equal(y, rank_data(root, count, np.float64))
+
+
 def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp_path):
     transports = _transports(tmp_path, 2)
     host, port = transports[0]._streams.address(0)
@@ -449,6 +463,52 @@ def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
     assert time.monotonic() - started < 0.2 + 0.5   # no post office here: the stream did it
     for transport in transports:
         transport.close()
+
+
+def test_a_rank_reads_ahead_of_its_receives_only_a_budget_per_turn(tmp_path):
+    """A peer that sends faster than a rank reads must not keep it reading: past the budget of
+    parts no receive waits for, it handles what its buffer holds and turns to its other
+    sockets; the rest waits in the kernel, and nothing is lost."""
+    transports = _transports(tmp_path, 2)
+    _exchange_once(transports, 0, 1)
+    payload = np.arange(3 * (1 << 20) // 8, dtype=np.float64)     # 3 MiB, 12 stream parts
+    stamp = _stamp(count=len(payload))
+    send = transports[0].isend(1, p2p_channel(0), stamp, 0, payload)
+    deadline = time.monotonic() + 5
+    while not send.done:   # the kernels hold it all (4 MiB buffers)
+        assert time.monotonic() < deadline
+        transports[0].wait([send], time.monotonic() + 0.01)
+    receiver = transports[1]
+    for link in list(receiver._streams_by_fd.values()):   # one or two streams with rank 0
+        receiver._read_stream(link, tcp.READ_BUDGET_BYTES)
+    kept = receiver._inbox.unexpected_parts() * PART
+    assert tcp.READ_BUDGET_BYTES <= kept < tcp.READ_BUDGET_BYTES + 2 * PART
+    out = np.zeros_like(payload)
+    receive = receiver.irecv(0, p2p_channel(0), stamp, 0, out)
+    assert receiver.wait([receive], time.monotonic() + 5) == ()
+    np.testing.assert_array_equal(out, payload)
+    for transport in transports:
+        transport.close()
+
+
+def test_a_frame_already_in_the_buffer_is_returned_without_reading_the_socket():
+    writer, link = _open_reader()
+    stamp = _stamp(count=1)
+    small = b"".join(bytes(piece) for piece in tcp.frame_pieces(0, 4, 1, stamp.packed,
+                                                                 np.ones(1))[0])
+    large = b"".join(bytes(piece) for piece in tcp.frame_pieces(
+        1, 4, PART // 8, stamp.packed, np.ones(PART // 8))[0])
+    writer.sendall(small * 2 + large[:1000])
+    deadline = time.monotonic() + 5
+    while link.receive() is None:
+        assert time.monotonic() < deadline
+    assert bytes(link.receive(read=False)) == small[4:]   # whole in the buffer already
+    writer.sendall(large[1000:])
+    time.sleep(0.05)
+    assert link.receive(read=False) is None                # the rest is still in the kernel
+    assert len(_receive_all(link, 1)[0][0]) == len(large) - 4
+    writer.close()
+    link.close()
 
 
 @pytest.mark.parametrize("frame", [

@@ -38,9 +38,10 @@ PIPELINE_BROADCAST_MIN_BYTES = 1 << 20
 PIPELINE_BROADCAST_MAX_RANKS = RING_MAX_RANKS
 """A broadcast across 3 nodes or more goes down the node chain (``hierarchical_pipeline``) from
 1 MiB on up to this many ranks: measured on a local 4-node cluster (2 ranks a node, 2 cores),
-p50 3.0, 36 and 112 ms at 1, 16 and 64 MiB against the leaders' 8.2, 63 and 239 ms (Gloo in the
-same runs 4.5, 31 and 108 ms); on 2 nodes it was level or slower (25 against 19 ms at 16 MiB).
-A chain costs a round per rank: past a ring's size the leaders' tree is kept."""
+p50 2.6, 43 and 154 ms at 1, 16 and 64 MiB against the leaders' 6.7, 57 and 178 ms (Gloo in the
+same runs 4.3-6.0, 30-35 and 109-110 ms), p95 no worse; on 2 nodes it was level or slower (25
+against 19 ms at 16 MiB). A chain costs a round per rank: past a ring's size the leaders' tree
+is kept."""
 
 def forced_algorithms() -> Mapping[str, str]:
     """The algorithm ``RAY_COLLECTIVE_ALGORITHM`` forces, by collective (empty when unset).

@@ -456,17 +456,21 @@ class RayTransport(Transport):
                 return  # the connection went before it was accepted
             self._add_stream(tcp.accepted(sock, self.rank, self.group_key))
 
-    def _read_stream(self, link: tcp.StreamLink) -> None:
-        """Handle what ``link`` has received: its handshake, then its frames."""
+    def _read_stream(self, link: tcp.StreamLink, budget: Optional[int] = None) -> None:
+        """Handle what ``link`` has received: its handshake, then its frames; once it has kept
+        ``budget`` bytes of parts that no receive waits for yet, only the frames already
+        whole in its buffer (the socket stays readable, and the next poll comes back to it)."""
         try:
             while True:
                 was_open = link.open
-                frame = link.receive()
+                frame = link.receive(budget is None or budget > 0)
                 if link.open and not was_open:
                     self._on_stream_open(link)
                 if frame is None:
                     return
-                self._on_stream_frame(link, frame)
+                kept = self._on_stream_frame(link, frame)
+                if budget is not None:
+                    budget -= kept
         except tcp.HandshakeError:
             self.refused_connections += 1
             if link.peer >= 0 and self._stream_to.get(link.peer) is link:
@@ -487,21 +491,25 @@ class RayTransport(Transport):
         if link.backlogged:
             self._poll.modify(link.fd, select.POLLIN | select.POLLOUT)
 
-    def _on_stream_frame(self, link: tcp.StreamLink, frame: memoryview) -> None:
+    def _on_stream_frame(self, link: tcp.StreamLink, frame: memoryview) -> int:
+        """Handle one frame; returns the bytes of the part kept for a later receive (0 when
+        a receive took it, or it was no part)."""
         if link.peer < 0:
-            return  # refused on opening: nothing it sent is read
+            return 0  # refused on opening: nothing it sent is read
         try:
             if frame[0] == wire.ABORT:
                 self._on_stream_abort(link, wire.parse_abort(frame))
-                return
+                return 0
             if frame[0] != wire.DATA:
                 raise ValueError(f"frame kind {frame[0]} on a stream")
             tag, part = wire.parse_data(frame, link, link.placed)
             if part.segment != wire.INLINE:
                 raise ValueError("a shared-memory part on a stream")
-            self._inbox.arrive((link.peer, tag), part, link.own)
+            if not self._inbox.arrive((link.peer, tag), part, link.own):
+                return part.part_bytes
         except (ValueError, struct.error) as err:
             self._stream_protocol_error(link, err)
+        return 0
 
     def _on_stream_abort(self, link: tcp.StreamLink, record: dict) -> None:
         """Publish another node's failure on this node, as its post office would; the record
@@ -560,7 +568,7 @@ class RayTransport(Transport):
         if events & select.POLLOUT:
             link.flush()
         if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
-            self._read_stream(link)
+            self._read_stream(link, tcp.READ_BUDGET_BYTES)
         self._watch_stream(link)
 
     def _read_link(self, link: uds.Link) -> None:

@@ -71,6 +71,11 @@ _RANKS = struct.Struct("<ii")
 
 SOCKET_BUFFER = 4 << 20
 
+READ_BUDGET_BYTES = 4 * STREAM_PART_BYTES
+"""What a rank reads ahead from one stream (parts no receive waits for yet) before it turns to
+its other sockets: a peer that sends faster than this rank reads would otherwise keep it
+reading ahead while its own sends wait, which stalled a chain of ranks for 0.4 to 3 s."""
+
 HANDSHAKE_TIMEOUT_S = 10.0
 """A connection whose handshake has not completed this long after it opened is closed."""
 
@@ -278,16 +283,22 @@ class StreamLink:
 
     # ---------------------------------------------------------------- receiving
 
-    def receive(self) -> Optional[memoryview]:
+    def receive(self, read: bool = True) -> Optional[memoryview]:
         """The next whole frame (a view valid until the next call), or None when none is ready
         (``closed`` is set when the stream ended). Drives the handshake first. A frame whose
         payload was placed (see ``placer``) ends with its call header; ``placed`` holds it.
+
+        Args:
+            read: read from the socket; False returns only a frame already whole in the
+                link's buffer (what the kernel holds is left for the next call).
 
         Raises:
             HandshakeError: the other end failed the handshake (the link is now closed).
             ValueError: the other end sent a frame longer than any frame of the protocol.
         """
         self.placed = None
+        if not read:
+            return self._next_frame() if self.open and self._placing is None else None
         while not self.open:
             if self.closed or not self._handshake_step():
                 return None
