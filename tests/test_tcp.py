@@ -465,6 +465,44 @@ def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
         transport.close()
 
 
+def test_when_one_of_two_streams_with_a_peer_ends_the_other_carries_its_messages(tmp_path):
+    """Two ranks that connected to each other at once hold two streams; a peer that leaves
+    closes both, and the end of the one this rank sent on may be read before the messages
+    that came on the other: the other then carries on (and tells the peer's death at its own
+    end), instead of a new connection, refused, calling the peer dead with its last message
+    unread."""
+    transports = _transports(tmp_path, 2)
+    stamp = _stamp()
+    sends = [transports[0].isend(1, p2p_channel(0), stamp, 0, np.ones(1)),
+             transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))]  # both connect
+    receives = [transports[1].irecv(0, p2p_channel(0), stamp, 0, np.zeros(1)),
+                transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))]
+    deadline = time.monotonic() + 5
+    while not all(r.done for r in sends + receives):
+        assert time.monotonic() < deadline
+        for transport in transports:
+            transport.wait(sends + receives, time.monotonic() + 0.01)
+    rank0 = transports[0]
+    streams = [link for link in rank0._streams_by_fd.values() if link.peer == 1]
+    assert len(streams) == 2 and all(link.open for link in streams)
+    first = rank0._stream_to[1]
+    rank0._drop_stream(first)                   # its end was read first
+    assert rank0._stream_to[1] in streams and rank0._stream_to[1] is not first
+    assert 1 not in rank0._dead
+    payload = np.arange(1000, dtype=np.float64)
+    big = _stamp(count=len(payload))
+    send = transports[1].isend(0, p2p_channel(0), big, 1, payload)
+    out = np.zeros_like(payload)
+    receive = rank0.irecv(1, p2p_channel(0), big, 1, out)
+    while not (send.done and receive.done):
+        assert time.monotonic() < deadline
+        transports[1].wait([send], time.monotonic() + 0.01)
+        rank0.wait([receive], time.monotonic() + 0.01)
+    np.testing.assert_array_equal(out, payload)
+    for transport in transports:
+        transport.close()
+
+
 def test_a_rank_reads_ahead_of_its_receives_only_a_budget_per_turn(tmp_path):
     """A peer that sends faster than a rank reads must not keep it reading: past the budget of
     parts no receive waits for, it handles what its buffer holds and turns to its other

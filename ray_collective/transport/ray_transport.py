@@ -547,10 +547,16 @@ class RayTransport(Transport):
         self._poll.unregister(link.fd)
         peer = link.peer
         ours = peer >= 0 and self._stream_to.get(peer) is link
+        others = [other for other in self._streams_by_fd.values() if other.peer == peer]
         if ours:
+            # The other stream with the peer, if any, carries on: a new connection would be
+            # refused by a peer that left after sending on it, and call it dead unread.
             del self._stream_to[peer]
-        if ended and peer >= 0 and (link.open or ours) and not any(
-                other.peer == peer for other in self._streams_by_fd.values()):
+            for other in others:
+                if other.open:
+                    self._stream_to[peer] = other
+                    break
+        if ended and peer >= 0 and (link.open or ours) and not others:
             self._dead.setdefault(peer, f"its stream from node {self.peers[peer].node[:8]} "
                                         f"ended (its process exited or left the group)")
         link.close()
