@@ -420,9 +420,15 @@ class StreamLink:
         return True
 
     def own(self, payload: memoryview):
-        """Make ``payload``, a view into the frame :meth:`receive` returned last, outlive the
-        next receive: a large one by giving up the buffer it lies in (the link reads on into
-        a new one), a small one by a copy."""
+        """Make ``payload`` outlive the next receive: a large one by giving up the buffer it
+        lies in (the link reads on into a new one), a small one by a copy.
+
+        Args:
+            payload: a view into the frame :meth:`receive` returned last.
+
+        Returns:
+            ``payload`` itself (large), or a copy of its bytes (small).
+        """
         if len(payload) < LARGE_PAYLOAD_BYTES:
             return bytes(payload)
         kept = self._end - self._start
