@@ -55,26 +55,6 @@ _INTER_NODE_PHASE = 1 << 22
 _INTRA_NODE_FINAL_PHASE = 2 << 22
 
 
-class Leaders(Sequence):
-    """The leader of every node: its lowest rank, or ``root`` on the root's node."""
-
-    __slots__ = ("topology", "root")
-
-    def __init__(self, topology: Topology, root: int = -1):
-        self.topology = topology
-        self.root = root
-
-    def __len__(self) -> int:
-        return len(self.topology.nodes)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if self.root >= 0 and i == self.topology.node_index[self.root]:
-            return self.root
-        return self.topology.leaders[i]
-
-
 class Column(Sequence):
     """The ``position``-th rank of every node, in node order (every node holding more than
     ``position`` ranks)."""
@@ -91,7 +71,25 @@ class Column(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        return self._rank_of_node(i)
+
+    def _rank_of_node(self, i: int) -> int:
         return self.topology.nodes[i][self.position]
+
+
+class Leaders(Column):
+    """The leader of every node: its lowest rank, or ``root`` on the root's node."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, topology: Topology, root: int = -1):
+        super().__init__(topology, 0)
+        self.root = root
+
+    def _rank_of_node(self, i: int) -> int:
+        if self.root >= 0 and i == self.topology.node_index[self.root]:
+            return self.root
+        return self.topology.leaders[i]
 
 
 class NodeChain(Sequence):
