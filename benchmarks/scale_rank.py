@@ -66,6 +66,10 @@ class ScaleRank:
         """``{"pid", "rss_bytes"}`` of this actor, once it is up."""
         return {"pid": os.getpid(), "rss_bytes": resident_bytes()}
 
+    def hold(self, seconds: float) -> None:
+        """Sleep inside a task for ``seconds`` (Ray's signal check waits meanwhile)."""
+        time.sleep(seconds)
+
     def load_library(self) -> dict:
         """Import ``ray_collective`` (a no-op after the first time); returns the resident
         memory before and after."""
