@@ -131,3 +131,27 @@ def test_a_join_that_times_out_names_the_missing_ranks_not_itself_and_withdraws(
                         on_token=lambda token: None, token="t")
     assert caught.value.missing_ranks == (0, 2)
     assert not [key for key in kv.data if "/member/" in key]
+
+
+def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_seldom(
+        monkeypatch):
+    monkeypatch.setattr(rendezvous, "RECHECK_S", 0.2)
+    kv = MemoryKeyValue()
+    kv.put("p/token", "t")
+    looked_at = []
+    original = kv.get
+    kv.get = lambda key: (looked_at.append(key), original(key))[1]
+    waiting = threading.Thread(target=rendezvous.join, args=(
+        kv, "p/", "g", 2, rendezvous.Member(1, "node", 1001), 10, lambda token: None))
+    waiting.start()
+    time.sleep(0.7)
+    polled = list(looked_at)
+    rendezvous.join(kv, "p/", "g", 2, rendezvous.Member(0, "node", 1000), 10,
+                    lambda token: None)
+    waiting.join()
+    completes = polled.count("p/t/complete")
+    rechecks = polled.count("p/token")
+    assert completes >= 8
+    # One look at the token before registering, then one per RECHECK_S (0.7 s: 3 or 4).
+    assert 2 <= rechecks <= 6
+    assert set(polled) <= {"p/token", "p/t/complete", "p/t/broken", "p/t/left/1"}

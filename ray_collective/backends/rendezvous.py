@@ -23,7 +23,8 @@ may use the same group name. One incarnation of a group is identified by a rando
   member raised a collective error in it, or a joining rank found it dead.
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
-group) registers again under the new one. A rank never registers under a token it has left (a
+group) registers again under the new one; a registered rank looks for that (and for a broken
+mark) every ``RECHECK_S``, and otherwise polls only the ``complete`` key. A rank never registers under a token it has left (a
 re-init after a destroy waits for the next incarnation), and a rank whose join times out
 withdraws its member key.
 
@@ -148,31 +149,37 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     abandoned: Set[str] = set()
     pauses = _pauses(_longest_pause(world_size))
     members: List[Member] = []
+    next_recheck = 0.0
     while True:
-        current = token or kv.get(prefix + "token")
-        if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
-            kv.delete_prefix(_member_key(prefix, registered, me))
-            abandoned.add(registered)
-            registered, members = None, []
-        # Never rejoin an incarnation this rank left: a re-init after a destroy waits for the
-        # next one, which rank 0 opens once it has left too.
-        if current is not None and current != registered and current not in abandoned \
-                and kv.get(f"{prefix}{current}/left/{me.rank}") is None:
-            if kv.get(f"{prefix}{current}/broken") is not None:
-                abandoned.add(current)
-            else:
-                registered = _register(kv, prefix, current, group_name, world_size, me,
-                                       on_token)
-                if registered is None:
+        # A registered rank polls one key; whether its incarnation was replaced or broken
+        # is looked at only every RECHECK_S (each look is a request to Ray's control store,
+        # which 400 waiting ranks would otherwise keep busy).
+        if registered is None or time.monotonic() >= next_recheck:
+            next_recheck = time.monotonic() + RECHECK_S
+            current = token or kv.get(prefix + "token")
+            if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
+                kv.delete_prefix(_member_key(prefix, registered, me))
+                abandoned.add(registered)
+                registered, members = None, []
+            # Never rejoin an incarnation this rank left: a re-init after a destroy waits for
+            # the next one, which rank 0 opens once it has left too.
+            if current is not None and current != registered and current not in abandoned \
+                    and kv.get(f"{prefix}{current}/left/{me.rank}") is None:
+                if kv.get(f"{prefix}{current}/broken") is not None:
                     abandoned.add(current)
                 else:
-                    # The store is linearizable: the rank whose key went in last sees every
-                    # key here, and tells the others with one key they can poll cheaply.
-                    members = _members(kv, prefix, registered)
-                    if len(members) >= world_size:
-                        kv.put(f"{prefix}{registered}/complete")
-                        return registered, sorted(members, key=lambda m: m.rank)
-        elif registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
+                    registered = _register(kv, prefix, current, group_name, world_size, me,
+                                           on_token)
+                    if registered is None:
+                        abandoned.add(current)
+                    else:
+                        # The store is linearizable: the rank whose key went in last sees
+                        # every key here, and tells the others with one key they can poll.
+                        members = _members(kv, prefix, registered)
+                        if len(members) >= world_size:
+                            kv.put(f"{prefix}{registered}/complete")
+                            return registered, sorted(members, key=lambda m: m.rank)
+        if registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
             members = _members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
@@ -238,7 +245,11 @@ def _pauses(longest: float = 0.05) -> Iterator[float]:
 
 LOOKS_PER_SECOND = 4000
 """How often all the waiting ranks of a group together may look at the store (each look is a
-few requests to Ray's control store, which serves the whole cluster)."""
+request to Ray's control store, which serves the whole cluster)."""
+
+RECHECK_S = 0.5
+"""How often a registered rank looks whether its incarnation was replaced (a new token) or
+broken (a member died), besides whether it is complete."""
 
 
 def _longest_pause(world_size: int) -> float:
