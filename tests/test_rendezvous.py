@@ -155,3 +155,18 @@ def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_s
     # One look at the token before registering, then one per RECHECK_S (0.7 s: 3 or 4).
     assert 2 <= rechecks <= 6
     assert set(polled) <= {"p/token", "p/t/complete", "p/t/broken", "p/t/left/1"}
+
+
+def test_the_broken_mark_keeps_the_first_failure_recorded_for_other_nodes_to_read():
+    kv = MemoryKeyValue()
+    assert rendezvous.broken_by(kv, "p/", "t") is None
+    rendezvous.mark_broken(kv, "p/", "t", {"group": "g", "rank": 3, "kind": "PeerDiedError"})
+    rendezvous.mark_broken(kv, "p/", "t", {"group": "g", "rank": 4, "kind": "GroupBrokenError"})
+    assert rendezvous.broken_by(kv, "p/", "t") == {"group": "g", "rank": 3,
+                                                  "kind": "PeerDiedError"}
+    # A mark without a failure (a joining rank found the incarnation dead) still breaks it.
+    rendezvous.mark_broken(kv, "p/", "u")
+    assert kv.get("p/u/broken") == "" and rendezvous.broken_by(kv, "p/", "u") is None
+    kv.put("p/v/broken", "[1, 2]")
+    with pytest.raises(ValueError, match="incarnation v"):
+        rendezvous.broken_by(kv, "p/", "v")

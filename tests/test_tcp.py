@@ -17,12 +17,12 @@ from helpers import numpy_reduce, rank_data
 from test_ray_backend import check_every_collective, every_collective
 from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_membership import TransportMembership
-from ray_collective.errors import CollectiveError, PeerDiedError
+from ray_collective.errors import CollectiveError, PeerDiedError, error_record
 from ray_collective.testing import run_ranks
 from ray_collective.transport import tcp, uds, wire
 from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
 from ray_collective.transport.node_state import NodeState
-from ray_collective.transport.ray_transport import Peer, RayTransport, Streams
+from ray_collective.transport.ray_transport import Peer, PostOffices, RayTransport, Streams
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
 KEY = b"0123456789abcdef"
@@ -277,8 +277,9 @@ def test_a_kept_large_payload_takes_the_streams_buffer_and_later_frames_stay_who
 
 # ---------------------------------------------------------- the transport over streams
 
-def _transports(tmp_path, world_size, key_of=lambda rank: KEY):
-    """Ranks on two pretend nodes (the first half on "a"), streams between them on loopback."""
+def _transports(tmp_path, world_size, key_of=lambda rank: KEY, post_offices=None):
+    """Ranks on two pretend nodes (the first half on "a"), streams between them on loopback
+    (and ``post_offices``, if given, for every rank)."""
     nodes = ["a" if rank < (world_size + 1) // 2 else "b" for rank in range(world_size)]
     paths, states = [], {}
     for rank, node in enumerate(nodes):
@@ -293,7 +294,8 @@ def _transports(tmp_path, world_size, key_of=lambda rank: KEY):
         state = NodeState(os.path.dirname(paths[rank]), "g", world_size)
         states.setdefault(nodes[rank], state)
         transports.append(RayTransport(rank, "g", key_of(rank), peers,
-                                       uds.listen(paths[rank], 16), state, connect_timeout=5,
+                                       uds.listen(paths[rank], 16), state, post_offices,
+                                       connect_timeout=5,
                                        streams=Streams(listeners[rank], addresses.__getitem__)))
     return transports
 
@@ -461,6 +463,58 @@ def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
     aborter.join()
     assert caught.value.dead_ranks == (5,) and "reported by rank 0" in str(caught.value)
     assert time.monotonic() - started < 0.2 + 0.5   # no post office here: the stream did it
+    for transport in transports:
+        transport.close()
+
+
+class QuietPostOffices(PostOffices):
+    """Post offices that know of no death and carry nothing; the abort published for the whole
+    group is ``published`` once ``after_s`` have passed."""
+
+    def __init__(self, published, after_s):
+        self.published, self.at = published, time.monotonic() + after_s
+
+    def deliver(self, node, messages):
+        raise AssertionError("streams carry every message here")
+
+    def dead_ranks(self, node, ranks):
+        return []
+
+    def local_post_office_alive(self):
+        return True
+
+    def responsive(self, node, ranks, seq):
+        return ranks
+
+    def abort(self, record):
+        pass
+
+    def published_abort(self):
+        return self.published if time.monotonic() >= self.at else None
+
+
+@pytest.mark.parametrize("group", ["g", "another group"])
+def test_a_rank_waiting_on_another_node_learns_the_abort_published_for_the_group(tmp_path,
+                                                                                 group):
+    """The drill across 8 nodes: the rank that saw the death left its call before answering
+    a stream's handshake, and the other nodes' post offices were still starting; the waiting
+    ranks learned of it 8-15 s later. Now they read the published abort every second."""
+    published = error_record(group, 0, PeerDiedError(group, 0, "allreduce", 3, [5],
+                                                     "its process exited"))
+    transports = _transports(tmp_path, 2, post_offices=QuietPostOffices(published, 0.3))
+    receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
+                                  np.zeros(1))
+    started = time.monotonic()
+    if group == "g":
+        with pytest.raises(PeerDiedError) as caught:
+            transports[1].wait([receive], time.monotonic() + 30)
+        assert caught.value.dead_ranks == (5,)
+        assert time.monotonic() - started < 0.3 + 1.0 + 0.5
+        assert transports[0].state.aborted() is None    # another node: not told by rank 1
+        assert transports[1].state.aborted()["rank"] == 0   # its node's page now holds it
+    else:   # another group's record is none of this one's business
+        assert transports[1].wait([receive], time.monotonic() + 1.5) == [receive]
+        assert transports[1].state.aborted() is None
     for transport in transports:
         transport.close()
 

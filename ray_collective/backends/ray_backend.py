@@ -28,10 +28,10 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..algorithms.selector import forced_algorithms
-from ..errors import ArgumentValueError, BackendNotAvailableError
+from ..errors import ArgumentValueError, BackendNotAvailableError, error_record
 from ..transport import tcp, uds
 from ..transport.node_state import NodeState, write_atomically
 from ..transport.ray_transport import (SPIN_S, Peer, PostOffices, RayTransport, Streams,
@@ -173,11 +173,15 @@ POST_OFFICE_LOOKUP_S = 10.0
 
 
 class RayPostOffices(PostOffices):
-    """Reaches the other nodes of a group through their post office actors."""
+    """Reaches the other nodes of a group through their post office actors, and reads the
+    failure published for the whole group with ``read_abort`` (the incarnation's broken mark
+    in Ray's key-value store)."""
 
     def __init__(self, group_key: bytes, node: str, other_nodes: Sequence[str],
-                 deadline_s: float, directory: str):
+                 deadline_s: float, directory: str,
+                 read_abort: Callable[[], Optional[dict]]):
         self.group_key = group_key
+        self._read_abort = read_abort
         self.node = node
         self.other_nodes = tuple(other_nodes)
         self.deadline_s = deadline_s
@@ -263,6 +267,12 @@ class RayPostOffices(PostOffices):
     def responsive(self, node, ranks, seq) -> List[int]:
         return self._ask(node, "responsive", ranks, seq) or []
 
+    def published_abort(self) -> Optional[dict]:
+        try:
+            return self._read_abort()
+        except Exception:  # noqa: BLE001 - a store gone with the job, or a mark not ours
+            return None
+
     def abort(self, record) -> None:
         # Finding the post offices asks Ray's control store, which took up to a second on the
         # loaded test cluster; the rank that aborts raises its error without waiting for that
@@ -318,7 +328,8 @@ class RayMembership(TransportMembership):
         # A rank that comes to rebuild the group must not mistake this incarnation for a live
         # one: a member that died here never leaves it.
         try:
-            rendezvous.mark_broken(rendezvous.KeyValue(), self.prefix, self.token)
+            rendezvous.mark_broken(rendezvous.KeyValue(), self.prefix, self.token,
+                                   error_record(self.group_name, self.rank, error))
         except Exception:  # noqa: BLE001 - the store may be gone with the job; the abort stands
             pass
 
@@ -429,8 +440,9 @@ class RayBackendFactory(BackendFactory):
             # object store (by choice, or for TLS) takes the whole group there.
             if all(m.cross_node == STREAMS for m in members):
                 streams = _listen_for_streams(kv, prefix, token, rank, world_size, timeout)
-            post_offices = RayPostOffices(group_key, node, sorted(nodes - {node}), timeout,
-                                          directory)
+            post_offices = RayPostOffices(
+                group_key, node, sorted(nodes - {node}), timeout, directory,
+                functools.partial(rendezvous.broken_by, kv, prefix, token))
             local = {m.rank: m.pid for m in members if m.node == node}
             if rank == min(local):
                 post_office = _start_post_office(directory, group_name, group_key, world_size,

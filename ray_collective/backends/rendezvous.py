@@ -20,7 +20,9 @@ may use the same group name. One incarnation of a group is identified by a rando
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
-  member raised a collective error in it, or a joining rank found it dead.
+  member raised a collective error in it (the key holds that error's record, which ranks
+  waiting on other nodes read: see ``RayPostOffices.published_abort``), or a joining rank
+  found it dead.
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
 group) registers again under the new one; a registered rank looks for that (and for a broken
@@ -38,6 +40,7 @@ live incarnation is refused (``ValueError``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -229,9 +232,28 @@ def _incarnation_is_dead(kv: KeyValue, prefix: str, token: str, members: List[Me
     return gone >= set(range(world_size)) - {me.rank}
 
 
-def mark_broken(kv: KeyValue, prefix: str, token: str) -> None:
-    """Record that ``token``'s incarnation can never complete a call again (see the module)."""
-    kv.put(f"{prefix}{token}/broken")
+def mark_broken(kv: KeyValue, prefix: str, token: str, record: Optional[dict] = None) -> None:
+    """Record that ``token``'s incarnation can never complete a call again (see the module),
+    with the failure that broke it (``errors.error_record``) if there is one; the first
+    failure recorded stays."""
+    kv.put(f"{prefix}{token}/broken", "" if record is None else json.dumps(record),
+           overwrite=False)
+
+
+def broken_by(kv: KeyValue, prefix: str, token: str) -> Optional[dict]:
+    """The failure recorded by :func:`mark_broken` for ``token``'s incarnation; None while it
+    is not broken, or broken with no failure recorded.
+
+    Raises:
+        ValueError: the recorded failure is not a JSON object.
+    """
+    value = kv.get(f"{prefix}{token}/broken")
+    if not value:
+        return None
+    record = json.loads(value)
+    if not isinstance(record, dict):
+        raise ValueError(f"the broken mark of incarnation {token} holds {value[:80]!r}")
+    return record
 
 
 def _pauses(longest: float = 0.05) -> Iterator[float]:

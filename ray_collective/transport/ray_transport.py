@@ -26,8 +26,12 @@ office delivers them on its node as if it were the sender.
 Failures: a peer's socket or streams closing, or its process gone from the process table
 (checked every 0.1 s for the peers a rank waits for on its node, every second through the post
 offices for the others that have no stream), means it died; an abort by any rank is published
-in the node's shared state page (``transport.node_state``) and, through the post offices, on
-every other node, and every waiting rank raises it within one poll interval.
+in the node's shared state page (``transport.node_state``) and, through the streams and the
+post offices, on every other node, and every waiting rank raises it within one poll interval.
+A rank that waits on another node also reads, every second, the abort published for the whole
+group (``PostOffices.published_abort``): the way it learns of a failure that no stream and no
+post office has brought it (a post office still starting, a stream whose peer left the call
+before answering its handshake).
 """
 
 from __future__ import annotations
@@ -117,6 +121,13 @@ class PostOffices:
 
     def abort(self, record: dict) -> None:
         """Publish a failure on every other node."""
+        raise NotImplementedError
+
+    def published_abort(self) -> Optional[dict]:
+        """The failure a rank of the group published for every node to read (the record of
+        ``abort``), or None: for a rank that waits on another node which neither a stream
+        nor a post office has told yet (a post office still starting, a stream whose peer
+        left the call before it answered)."""
         raise NotImplementedError
 
 
@@ -728,8 +739,9 @@ class RayTransport(Transport):
         if self.post_offices is None:
             return False
         self._local_post_office_lost()
-        if not (remote and remote_too):
+        if not remote_too or all(self.peers[peer].node == self.node for peer in peers):
             return False
+        self._learn_published_abort()
         for node, ranks in remote.items():
             dead = self.post_offices.dead_ranks(node, ranks)
             if dead is None:
@@ -738,6 +750,20 @@ class RayTransport(Transport):
             for peer in dead:
                 self._dead.setdefault(peer, f"its process on node {node[:8]} exited")
         return True
+
+    def _learn_published_abort(self) -> None:
+        """Publish on this node a failure published for the whole group, if there is one (a
+        malformed record is no failure of this group's, and is left alone)."""
+        record = self.post_offices.published_abort()
+        if record is None:
+            return
+        try:
+            error_from_record(record, self.rank)
+            valid = record["group"] == self.group_name and isinstance(record["rank"], int)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            valid = False
+        if valid and self.state.abort(record):
+            self._knock_local_peers()
 
     def _local_post_office_lost(self) -> bool:
         """Whether this node's post office is known to be dead; looked at again at most once
