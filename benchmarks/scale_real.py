@@ -127,10 +127,12 @@ class Run:
     """The driver's side: the actors, and one method per measurement."""
 
     def __init__(self, ray, actors: List[Any], pids: List[int], timeout_s: float,
-                 warmup: int, iterations: int, points: Sequence[Tuple[str, int]] = POINTS):
+                 warmup: int, iterations: int, points: Sequence[Tuple[str, int]] = POINTS,
+                 nodes: int = 1):
         self.ray, self.actors, self.pids = ray, actors, pids
         self.timeout_s, self.warmup, self.iterations = timeout_s, warmup, iterations
         self.points = points
+        self.nodes = nodes
 
     def _all(self, refs: List[Any]) -> List[Any]:
         return self.ray.get(refs, timeout=self.timeout_s * 4)
@@ -157,9 +159,14 @@ class Run:
         joins = self._all([a.join.remote(size, r, group_name, self.timeout_s)
                            for r, a in enumerate(members)])
         join_s = time.perf_counter() - start
+        # Over several nodes the join returns before the post offices are up: points timed
+        # meanwhile would share the cores with their start (allreduce 8 B: 63.5 ms right
+        # after the join at 64 ranks over 8 nodes, 34-36 ms ten seconds later).
+        post_offices_up_s = (wait_for_post_offices(self.ray, self.nodes, self.timeout_s)
+                             if self.nodes > 1 else None)
         added = [j["rss_after"] - j["rss_before"] for j in joins]
         imported = [load["rss_after"] - load["rss_before"] for load in loads]
-        result = {"join_s": join_s, "import_s": import_s,
+        result = {"join_s": join_s, "import_s": import_s, "post_offices_up_s": post_offices_up_s,
                   "rss_added_by_import_p50_bytes": _median(imported),
                   "join_in_rank_p50_s": _median([j["seconds"] for j in joins]),
                   "join_in_rank_max_s": max(j["seconds"] for j in joins),
@@ -284,6 +291,28 @@ def actor_cpu_cores(pids: Sequence[int], seconds: float = 5.0) -> float:
     return (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
 
 
+def wait_for_post_offices(ray, count: int, timeout_s: float) -> float:
+    """Wait until ``count`` of the library's post offices (one per node of a group spanning
+    nodes) are registered and answer; returns the seconds it took.
+
+    Raises:
+        TimeoutError: fewer were up after ``timeout_s`` seconds.
+    """
+    from ray_collective.backends.ray_backend import POST_OFFICE_NAME_PREFIX
+    from ray_collective.backends.rendezvous import NAMESPACE
+    start = time.perf_counter()
+    while True:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE and a["name"].startswith(POST_OFFICE_NAME_PREFIX)]
+        if len(names) >= count:
+            ray.get([ray.get_actor(name, namespace=NAMESPACE).__ray_ready__.remote()
+                     for name in names], timeout=timeout_s)
+            return time.perf_counter() - start
+        if time.perf_counter() - start > timeout_s:
+            raise TimeoutError(f"{len(names)} of {count} post offices up after {timeout_s} s")
+        time.sleep(0.1)
+
+
 def machine_memory_used_bytes() -> int:
     """Total minus available memory of the machine, in bytes."""
     fields = _meminfo()
@@ -368,7 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # (each idle Ray actor costs its node CPU time) and what was measured is kept if a
     # larger N does not fit.
     run = Run(ray, [], [], args.timeout, args.warmup, args.iterations,
-              SMALL_POINTS if args.small else POINTS)
+              SMALL_POINTS if args.small else POINTS, args.nodes)
     for size in sizes:
         try:
             start_s = start_actors(ray, size, node_ids, run.actors, run.pids)

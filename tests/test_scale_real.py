@@ -106,3 +106,39 @@ def test_runs_are_merged_by_world_size_and_a_point_not_run_says_so(tmp_path):
     assert "| allreduce 1 MiB, p50 (p95) | 10.0 ms (20.0 ms) | not run |" in table
     assert "| results differing from numpy | 1 | 1 |" in table
     assert "| Ray's actors inside a task, CPU (cores) | 0.25 | not measured |" in table
+
+
+class _FakeRay:
+    """``ray`` as ``wait_for_post_offices`` uses it: the named actors appear one per look."""
+
+    def __init__(self, names):
+        self.pending, self.listed, self.readied = list(names), [], []
+        self.util = self
+
+    def list_named_actors(self, all_namespaces):
+        if self.pending:
+            self.listed.append(self.pending.pop(0))
+        return [{"name": "someone-else", "namespace": "ray_collective"},
+                *({"name": n, "namespace": "ray_collective"} for n in self.listed)]
+
+    def get_actor(self, name, namespace):
+        fake = self
+
+        class Ready:
+            def remote(self):
+                fake.readied.append(name)
+                return name
+        return type("Handle", (), {"__ray_ready__": Ready()})()
+
+    def get(self, refs, timeout):
+        return refs
+
+
+def test_the_points_over_nodes_wait_until_every_post_office_answers():
+    from ray_collective.backends.ray_backend import post_office_name
+    names = [post_office_name(b"k" * 16, f"node{i}") for i in range(3)]
+    fake = _FakeRay(names)
+    assert scale_real.wait_for_post_offices(fake, 3, timeout_s=5) < 5
+    assert sorted(fake.readied) == sorted(names)
+    with pytest.raises(TimeoutError, match="1 of 2 post offices"):
+        scale_real.wait_for_post_offices(_FakeRay(names[:1]), 2, timeout_s=0.3)

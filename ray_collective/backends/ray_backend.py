@@ -163,9 +163,13 @@ def _private_dirs(path: str) -> None:
         pass
 
 
+POST_OFFICE_NAME_PREFIX = "post-office-"
+"""How the Ray actor names of post offices begin (in the namespace ``rendezvous.NAMESPACE``)."""
+
+
 def post_office_name(group_key: bytes, node: str) -> str:
     """The Ray actor name of a group's post office on ``node``."""
-    return f"post-office-{group_key.hex()}-{node[:16]}"
+    return f"{POST_OFFICE_NAME_PREFIX}{group_key.hex()}-{node[:16]}"
 
 
 POST_OFFICE_LOOKUP_S = 10.0
