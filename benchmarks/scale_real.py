@@ -490,6 +490,10 @@ def markdown(report: dict) -> str:
                     else "not measured"))
     line("join, imperative (s)", lambda r: f"{r['imperative']['join_s']:.2f}")
     line("join, declared (s)", lambda r: f"{r['declarative']['join_s']:.2f}")
+    if any(r["imperative"].get("post_offices_up_s") is not None for r in rows):
+        line("post offices answering, after the join (s)",
+             lambda r: (f"{r['imperative']['post_offices_up_s']:.2f}"
+                        if r["imperative"].get("post_offices_up_s") is not None else "–"))
     line("destroy, imperative / declared (s)",
          lambda r: f"{r['imperative']['destroy_s']:.2f} / {r['declarative']['destroy_s']:.2f}")
     def point_cell(row: dict, collective: str, nbytes: int) -> str:

@@ -106,6 +106,10 @@ def test_runs_are_merged_by_world_size_and_a_point_not_run_says_so(tmp_path):
     assert "| allreduce 1 MiB, p50 (p95) | 10.0 ms (20.0 ms) | not run |" in table
     assert "| results differing from numpy | 1 | 1 |" in table
     assert "| Ray's actors inside a task, CPU (cores) | 0.25 | not measured |" in table
+    assert not any(row.startswith("| post offices answering") for row in table)
+    merged["sizes"][1]["imperative"]["post_offices_up_s"] = 2.5
+    assert ("| post offices answering, after the join (s) | – | 2.50 |"
+            in scale_real.markdown(merged).splitlines())
 
 
 class _FakeRay:
