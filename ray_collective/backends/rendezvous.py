@@ -26,9 +26,9 @@ may use the same group name. One incarnation of a group is identified by a rando
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
 group) registers again under the new one; a registered rank looks for that (and for a broken
-mark) every ``RECHECK_S``, and otherwise polls only the ``complete`` key. A rank never registers under a token it has left (a
-re-init after a destroy waits for the next incarnation), and a rank whose join times out
-withdraws its member key.
+mark) every ``RECHECK_S``, and otherwise polls only the ``complete`` key. A rank never
+registers under a token it has left (a re-init after a destroy waits for the next
+incarnation), and a rank whose join times out withdraws its member key.
 
 Rebuilding after a crash works in any join order. A member that died never leaves, so its key
 stays under the old token until rank 0 (or the driver) opens the next incarnation; a rank that

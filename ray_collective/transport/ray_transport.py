@@ -509,7 +509,7 @@ class RayTransport(Transport):
             return 0  # refused on opening: nothing it sent is read
         try:
             if frame[0] == wire.ABORT:
-                self._on_stream_abort(link, wire.parse_abort(frame))
+                self._publish_other_node_abort(wire.parse_abort(frame), "an ABORT frame")
                 return 0
             if frame[0] != wire.DATA:
                 raise ValueError(f"frame kind {frame[0]} on a stream")
@@ -522,15 +522,19 @@ class RayTransport(Transport):
             self._stream_protocol_error(link, err)
         return 0
 
-    def _on_stream_abort(self, link: tcp.StreamLink, record: dict) -> None:
-        """Publish another node's failure on this node, as its post office would; the record
-        must describe an error of this group (else the frame is malformed)."""
+    def _publish_other_node_abort(self, record: dict, carrier: str) -> None:
+        """Publish another node's failure on this node, as its post office would.
+
+        Raises:
+            ValueError: the record, which came in ``carrier``, describes no error of this
+                group.
+        """
         try:
             error_from_record(record, self.rank)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ValueError(f"an ABORT frame with a malformed record: {err!r}") from err
+            raise ValueError(f"{carrier} with a malformed record: {err!r}") from err
         if record["group"] != self.group_name or not isinstance(record["rank"], int):
-            raise ValueError(f"an ABORT frame of group {record['group']!r}, rank "
+            raise ValueError(f"{carrier} of group {record['group']!r}, rank "
                              f"{record['rank']!r}")
         if self.state.abort(record):
             self._knock_local_peers()
@@ -726,9 +730,11 @@ class RayTransport(Transport):
         """Look for dead peers among ``peers``, and for a dead post office on this node or
         theirs; returns whether remote ones were asked about."""
         remote: Dict[str, List[int]] = defaultdict(list)
+        waits_on_other_nodes = False
         for peer in peers:
             where = self.peers[peer]
             if where.node != self.node:
+                waits_on_other_nodes = True
                 # A peer with a stream is seen to die when the stream ends: asking its post
                 # office (an actor call that can take seconds on a loaded cluster) would only
                 # hold this rank away from reading that end.
@@ -739,7 +745,7 @@ class RayTransport(Transport):
         if self.post_offices is None:
             return False
         self._local_post_office_lost()
-        if not remote_too or all(self.peers[peer].node == self.node for peer in peers):
+        if not (remote_too and waits_on_other_nodes):
             return False
         self._learn_published_abort()
         for node, ranks in remote.items():
@@ -755,15 +761,11 @@ class RayTransport(Transport):
         """Publish on this node a failure published for the whole group, if there is one (a
         malformed record is no failure of this group's, and is left alone)."""
         record = self.post_offices.published_abort()
-        if record is None:
-            return
-        try:
-            error_from_record(record, self.rank)
-            valid = record["group"] == self.group_name and isinstance(record["rank"], int)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            valid = False
-        if valid and self.state.abort(record):
-            self._knock_local_peers()
+        if record is not None:
+            try:
+                self._publish_other_node_abort(record, "the abort published for the group")
+            except ValueError:
+                pass
 
     def _local_post_office_lost(self) -> bool:
         """Whether this node's post office is known to be dead; looked at again at most once
