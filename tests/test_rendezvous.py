@@ -83,6 +83,10 @@ def test_a_survivor_leaves_for_its_dead_peers_so_the_last_survivor_removes_every
     assert kv.data == {}
 
 
+def _member(rank):
+    return rendezvous.Member(rank, "node", 1000 + rank, 2, "streams", f"10.0.0.{rank % 3}")
+
+
 def _join_in_threads(kv, world_size, stagger_s):
     results, errors = {}, []
 
@@ -90,7 +94,7 @@ def _join_in_threads(kv, world_size, stagger_s):
         time.sleep(rank * stagger_s)
         try:
             results[rank] = rendezvous.join(
-                kv, "p/", "g", world_size, rendezvous.Member(rank, "node", 1000 + rank),
+                kv, "p/", "g", world_size, _member(rank),
                 timeout=20, on_token=lambda token: None, token="t")
         except Exception as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
@@ -113,7 +117,7 @@ def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they
     world_size = 12
     # The first ranks wait about 0.3 s for the last: many looks at the store each.
     results = _join_in_threads(kv, world_size, stagger_s=0.025)
-    expected = [rendezvous.Member(rank, "node", 1000 + rank) for rank in range(world_size)]
+    expected = [_member(rank) for rank in range(world_size)]
     assert all(result == ("t", expected) for result in results.values())
     assert kv.get("p/t/complete") is not None
     assert len(full_listings) <= 2 * world_size

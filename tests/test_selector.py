@@ -94,3 +94,18 @@ def test_oversubscription_is_judged_from_the_shared_membership():
     assert not _oversubscribed(two_cores)
     assert _oversubscribed(two_cores + [Member(2, "a", 102, 2)])
     assert not _oversubscribed(two_cores + [Member(2, "b", 102, 1)])
+
+
+def test_ray_nodes_at_one_address_share_its_cores():
+    from ray_collective.backends.rendezvous import Member
+    from ray_collective.backends.ray_backend import _ranks_over_cores
+    # Two ranks on each of two Ray nodes: apart, each node has a core per rank; at one address
+    # (a local Cluster) four ranks share two cores, and no rank may spin.
+    apart = [Member(r, "ab"[r // 2], 100 + r, 2, "streams", f"10.0.0.{r // 2}")
+             for r in range(4)]
+    assert _ranks_over_cores(apart) == {"a": False, "b": False}
+    shared = [Member(r, "ab"[r // 2], 100 + r, 2, "streams", "10.0.0.1") for r in range(4)]
+    assert _ranks_over_cores(shared) == {"a": True, "b": True}
+    # Node c, alone at its address, keeps its own verdict.
+    mixed = shared[:2] + [Member(2, "c", 102, 2, "streams", "10.0.0.3")]
+    assert _ranks_over_cores(mixed) == {"a": False, "c": False}

@@ -3,7 +3,7 @@ of ranks: names only, so that every layer above the catalog can ask.
 
 The rules, and why:
 - small messages are latency-bound: log-round algorithms (recursive doubling, Bruck, binomial);
-  but where a node runs more ranks than it has cores, every message costs a process wake-up
+  but where a machine runs more ranks than it has cores, every message costs a process wake-up
   on a shared core, and allreduce goes by binomial reduce + broadcast (2(p-1) messages instead
   of p·log2 p): measured on 2 cores at 8 B, 1.13× faster than recursive doubling at 8 ranks,
   1.2× at 16, 1.45× at 64, and even (within 3%) at 4, where recursive doubling is kept;
@@ -56,7 +56,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         collective: the collective's name.
         nbytes: bytes of one rank's tensor (one block for the list collectives).
         world_size: ranks taking part.
-        oversubscribed: some node runs more ranks than it has cores.
+        oversubscribed: some machine runs more ranks than it has cores.
 
     Returns:
         An algorithm name of the catalog.

@@ -74,7 +74,7 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
         world_size: ranks in the group.
         node_of: node id of every rank, or None for one node.
         forced: an algorithm name that overrides the rules (see :func:`forced_algorithms`).
-        oversubscribed: some node runs more ranks than it has cores.
+        oversubscribed: some machine runs more ranks than it has cores.
         topology: ``node_of`` grouped by node, when the caller has it already.
 
     Returns:

@@ -6,10 +6,11 @@ may use the same group name. One incarnation of a group is identified by a rando
 - ``<prefix>token`` holds the current token. Whoever opens an incarnation (rank 0 of an
   imperative group, or the driver of a declared one) first clears the prefix, so keys left by a
   crashed earlier incarnation cannot pose as members.
-- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>/<cross node>`` announces one member
-  (``cores``: the CPUs its process may run on; ``cross node``: the transport it asks for
-  between nodes, ``streams`` or ``object_store``). Everything a peer needs is in the key
-  itself, so one ``list`` call reads the whole membership.
+- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>/<cross node>/<host>`` announces one
+  member (``cores``: the CPUs its process may run on; ``cross node``: the transport it asks for
+  between nodes, ``streams`` or ``object_store``; ``host``: its node's address as Ray knows
+  it). Everything a peer needs is in the key itself, so one ``list`` call reads the whole
+  membership.
 - ``<prefix><token>/complete`` is written by the rank whose registration completed the
   membership (it is the one that finds all ``world_size`` keys when it lists them after its
   own); the others poll this one key rather than list the whole membership again and again,
@@ -90,6 +91,9 @@ class Member:
     pid: int
     cores: int = 1
     cross_node: str = "streams"
+    host: str = ""
+    """The node's address as Ray knows it: Ray nodes at one address share one machine's cores
+    (a ``ray.cluster_utils.Cluster``, several raylets started on one host)."""
 
 
 def group_prefix(job_id: str, group_name: str) -> str:
@@ -178,15 +182,15 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                     else:
                         # The store is linearizable: the rank whose key went in last sees
                         # every key here, and tells the others with one key they can poll.
-                        members = _members(kv, prefix, registered)
+                        members = registered_members(kv, prefix, registered)
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
                             return registered, sorted(members, key=lambda m: m.rank)
         if registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
-            members = _members(kv, prefix, registered)
+            members = registered_members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
-            present = {m.rank for m in (_members(kv, prefix, registered) if registered
+            present = {m.rank for m in (registered_members(kv, prefix, registered) if registered
                                         else members)}
             if registered is not None:
                 # Withdraw, so that a rank joining this incarnation later waits for a live
@@ -207,9 +211,9 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
     """
     # Look before registering: ``on_token`` takes over the rank's socket path, which a live
     # holder of the rank is using.
-    holders = [m for m in _members(kv, prefix, token, me.rank) if m != me]
-    if holders and _incarnation_is_dead(kv, prefix, token, _members(kv, prefix, token), me,
-                                        world_size):
+    holders = [m for m in registered_members(kv, prefix, token, me.rank) if m != me]
+    if holders and _incarnation_is_dead(kv, prefix, token,
+                                        registered_members(kv, prefix, token), me, world_size):
         mark_broken(kv, prefix, token)
         return None
     if not holders:
@@ -282,18 +286,29 @@ def _longest_pause(world_size: int) -> float:
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
-    return f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}"
+    return (f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}/"
+            f"{me.host}")
 
 
-def _members(kv: KeyValue, prefix: str, token: str,
-             claiming: Optional[int] = None) -> List[Member]:
-    """The registered members of ``token``'s incarnation (only those claiming rank
-    ``claiming``, if given: one short listing instead of the whole membership)."""
+def registered_members(kv: KeyValue, prefix: str, token: str,
+                       claiming: Optional[int] = None) -> List[Member]:
+    """The members registered under ``token``'s incarnation, in no particular order.
+
+    Args:
+        kv: the store.
+        prefix: the group's key prefix (``group_prefix``).
+        token: the incarnation.
+        claiming: only the members claiming this rank (one short listing instead of the whole
+            membership), or None for all.
+
+    Returns:
+        One ``Member`` per registration key.
+    """
     found = []
     for key in kv.keys(f"{prefix}{token}/member/"
                        + ("" if claiming is None else f"{claiming}/")):
-        rank, node, pid, cores, cross_node = key.rsplit("/", 5)[1:]
-        found.append(Member(int(rank), node, int(pid), int(cores), cross_node))
+        rank, node, pid, cores, cross_node, host = key.rsplit("/", 6)[1:]
+        found.append(Member(int(rank), node, int(pid), int(cores), cross_node, host))
     return found
 
 

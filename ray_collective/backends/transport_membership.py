@@ -108,7 +108,7 @@ class TransportMembership(Membership):
         epoch: the group's incarnation; a re-created group with the same name gets a new one,
             so stale messages of the old one are recognised.
         node_of: node id of every rank, or None when all ranks share one node.
-        oversubscribed: some node runs more ranks than it has cores (the selector then
+        oversubscribed: some machine runs more ranks than it has cores (the selector then
             prefers algorithms with fewer messages).
         forced: the algorithm forced per collective; None reads ``RAY_COLLECTIVE_ALGORITHM``.
 
