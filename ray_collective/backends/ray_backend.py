@@ -38,7 +38,7 @@ from ..transport.ray_transport import (SPIN_S, Peer, PostOffices, RayTransport, 
                                        process_alive)
 from . import rendezvous
 from .base import BackendFactory, Declaration, Membership
-from .post_office import POST_OFFICE_PID_FILE, PostOffice
+from .post_office import POST_OFFICE_PID_FILE, PostOffice, pack_round
 from .transport_membership import TransportMembership
 
 _NAMESPACE = rendezvous.NAMESPACE
@@ -225,7 +225,8 @@ class RayPostOffices(PostOffices):
     def deliver(self, node, messages) -> None:
         handle = self._handle(node)
         if handle is not None:  # else the receivers' wait finds the post office gone
-            handle.deliver.remote(messages)
+            messages, parts = pack_round(messages)
+            handle.deliver.remote(messages, *parts)
 
     def _ask(self, node: str, method: str, *args):
         """The post office's answer; None when it is dead, [] when it does not answer soon."""

@@ -11,8 +11,8 @@ parts that arrive, so that its peers reduce one part while it writes the next.
 
 Waiting: a rank first polls its sockets without sleeping for a short while (``spin_s``), which
 answers a small message in microseconds instead of a process wake-up; it is given that while
-only where its node has a core for every rank of the group there (the rendezvous knows), and
-none at all on an oversubscribed node, where spinning would take the core a peer needs. Then it
+only where its machine has a core for every rank of the group there (the rendezvous knows), and
+none at all on an oversubscribed machine, where spinning would take the core a peer needs. Then it
 blocks in ``poll``, waking at least every 0.1 s to look for failures.
 
 Across nodes, messages travel on authenticated TCP streams between the two ranks
@@ -102,7 +102,8 @@ class PostOffices:
     others', the ranks on other nodes (implemented over Ray by the backend)."""
 
     def deliver(self, node: str, messages: List[RemoteMessage]) -> None:
-        """Hand ``messages`` to ``node`` in one batch (asynchronously, order kept per node)."""
+        """Hand ``messages`` to ``node`` in one batch (asynchronously, order kept per node);
+        their payloads are taken by the time it returns, and the caller may reuse them."""
         raise NotImplementedError
 
     def dead_ranks(self, node: str, ranks: List[int]) -> Optional[List[int]]:
@@ -253,6 +254,7 @@ class RayTransport(Transport):
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._remote_batches: Dict[str, list] = {}
+        self._remote_sends: List[SendRequest] = []
         self._streams = streams
         self._stream_listener_fd = -1
         if streams is not None:
@@ -290,10 +292,14 @@ class RayTransport(Transport):
 
     def _send_remote(self, peer: int, tag: int, packed: bytes, step: int,
                      data: np.ndarray) -> Request:
-        payload = data.copy() if data.nbytes > INLINE_LIMIT else data.tobytes()
+        # The round's batch leaves at the next wait or test, which completes the request: the
+        # caller keeps its buffer untouched until then, so a large payload needs no copy.
+        request = SendRequest(peer)
+        payload = data if data.nbytes > INLINE_LIMIT else data.tobytes()
         batch = self._remote_batches.setdefault(self.peers[peer].node, [])
         batch.append((self.rank, peer, tag, step, len(data), packed, payload))
-        return SendRequest(peer, done=True)
+        self._remote_sends.append(request)
+        return request
 
     def _send_stream(self, peer: int, tag: int, packed: bytes, step: int,
                      data: np.ndarray) -> Request:
@@ -352,8 +358,11 @@ class RayTransport(Transport):
     def _flush_remote(self) -> None:
         if self._remote_batches:
             batches, self._remote_batches = self._remote_batches, {}
+            sends, self._remote_sends = self._remote_sends, []
             for node, messages in batches.items():
                 self.post_offices.deliver(node, messages)
+            for request in sends:
+                request.done = True
 
     def _link_to(self, peer: int) -> uds.Link:
         link = self._out_links.get(peer)
@@ -392,6 +401,8 @@ class RayTransport(Transport):
         return receive
 
     def test(self, request: Request) -> bool:
+        if not request.done:
+            self._flush_remote()
         return request.done
 
     def _read_segment(self, part: wire.Part) -> np.ndarray:
