@@ -6,10 +6,10 @@ node. Ray carries a task argument up to 100 KiB inside the task's own message an
 through the object store (put by the sender, pulled by this node, read here without a copy),
 which costs a few milliseconds more: a round of up to ``INLINE_ROUND_BYTES`` therefore goes
 with its payloads cut into arguments of ``INLINE_ARGUMENT_BYTES`` (``pack_round``), a larger
-one as whole arrays through the object store. The post office sends each message to its local destination exactly as the
-sender would on its own node, through the same link and wire protocol code
-(``transport.ray_transport.Deliveries``), so a receiving rank treats local and remote peers
-alike. Over streams it carries no message (the ranks' own streams do).
+one as whole arrays through the object store. The post office sends each message to its local
+destination exactly as the sender would on its own node, through the same link and wire
+protocol code (``transport.ray_transport.Deliveries``), so a receiving rank treats local and
+remote peers alike. Over streams it carries no message (the ranks' own streams do).
 
 Either way it answers for its node: which ranks are dead (process table), which have started a
 collective and are not stalled in it (the node's state page), and publishes an abort raised on
