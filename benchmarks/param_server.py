@@ -14,7 +14,11 @@ tables and a plot:
   process) for ``--accuracy-steps`` updates, ``--accuracy-seeds`` seeds; rank 0 measures test
   accuracy every ``--eval-every`` updates, which also gives the time to ``--target-accuracy``.
 
-``--from-json RUN.json`` redraws the tables and the plot from a file alone.
+``--from-json RUN.json`` redraws the tables and the plot from a file alone; given several files
+(``A.json,B.json``), it joins them into one table. The whole table at 1000 updates takes hours
+on a small machine; it can be run in parts, each a trial (``--first-trial K --trials 1``) or a
+set of worker counts, the accuracy runs in one of them (``--accuracy-steps 0`` in the others),
+and joined afterwards.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=comma_list(at_least(1)), default=DEFAULT_WORKERS,
         help="worker counts (default 1,2,4,8,16)")
     add("--steps", type=at_least(1), default=1000, help="updates per scaling run (1000)")
-    add("--trials", type=at_least(1), default=3, help="scaling trials, seeds 0.. (3)")
+    add("--trials", type=at_least(1), default=3, help="scaling trials (3)")
+    add("--first-trial", type=at_least(0), default=0,
+        help="the first trial's number, and seed (0): a table run in parts")
     add("--per-worker-batch", type=at_least(1), default=16, help="rows per worker per update")
     add("--width", type=at_least(1), default=384, help="hidden units per layer (384)")
     add("--depth", type=at_least(1), default=8, help="hidden layers (8)")
@@ -78,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--json", type=pathlib.Path, help="write every run here")
     add("--plot", type=pathlib.Path, help="write the throughput plot (PNG) here")
     add("--markdown", type=pathlib.Path, help="also write the tables here")
-    add("--from-json", type=pathlib.Path, help="only print the tables (and plot) of this file")
+    add("--from-json", type=comma_list(pathlib.Path),
+        help="only print the tables (and plot) of this file, or of these files joined")
     add("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -119,7 +126,7 @@ def _plan(args: argparse.Namespace) -> List[Tuple[str, Any]]:
     from examples.parameter_server.task import TaskConfig
     from examples.parameter_server.training import RunOptions
     runs: List[Tuple[str, Any]] = []
-    for trial in range(args.trials):
+    for trial in range(args.first_trial, args.first_trial + args.trials):
         task = TaskConfig(width=args.width, depth=args.depth,
                           per_worker_batch=args.per_worker_batch, seed=trial)
         for workers in args.workers:
@@ -244,8 +251,10 @@ def scaling_tables(document: dict) -> str:
         found = groups.get((variant, n))
         return _mean_std([run["seconds"] for run in found]) if found else None
 
-    out = [f"Runtime of {steps} updates (s, mean ± std over "
-           f"{len(groups[(variants[0], workers[0])])} trials):", "",
+    trials = sorted({len(group) for group in groups.values()})
+    trial_count = (f"{trials[0]} trial{'s' if trials[0] > 1 else ''}" if trials[0] == trials[-1]
+                   else f"{trials[0]}–{trials[-1]} trials, each cell's count in the JSON")
+    out = [f"Runtime of {steps} updates (s, mean ± std over {trial_count}):", "",
            _table(["workers"] + variants, (
                [str(n)] + [f"{s[0]:.2f} ± {s[1]:.2f}" if (s := seconds(v, n)) else "–"
                            for v in variants] for n in workers)), ""]
@@ -421,19 +430,59 @@ def plot_throughput(document: dict, path: pathlib.Path) -> None:
     plt.close(figure)
 
 
+def join_documents(documents: Sequence[dict]) -> dict:
+    """One document of a table run in parts (trials, or worker counts, apart).
+
+    Args:
+        documents: the parts' JSON documents.
+
+    Returns:
+        Their runs together; the meta of the part with the accuracy runs (else the first),
+        with every part's under ``parts``.
+
+    Raises:
+        ValueError: the parts' scaling runs differ in updates or batch, or two parts ran the
+            same variant, workers and trial.
+    """
+    if len(documents) == 1:
+        return documents[0]
+    runs = [run for document in documents for run in document["runs"]]
+    scaling = _runs({"runs": runs}, "scaling")
+    shapes = {(run["steps"], run["per_worker_batch"]) for run in scaling}
+    if len(shapes) > 1:
+        raise ValueError(f"the parts' scaling runs differ in (updates, batch per worker): "
+                         f"{sorted(shapes)}; join only parts of one table")
+    seen = set()
+    for run in scaling:
+        key = (run["variant"], run["workers"], run["seed"])
+        if key in seen:
+            raise ValueError(f"two parts ran {run['variant']} at {run['workers']} workers, "
+                             f"trial {run['seed']}; leave one of them out")
+        seen.add(key)
+    with_accuracy = [d for d in documents if _runs(d, "accuracy")] or list(documents)
+    return {"meta": dict(with_accuracy[0]["meta"], parts=[d["meta"] for d in documents]),
+            "runs": runs}
+
+
+def _measured(meta: dict) -> str:
+    load = meta.get("load_average")
+    return meta["date"] + (f" (load average at the end {', '.join(f'{x:.1f}' for x in load)})"
+                           if load else "")
+
+
 def report(document: dict) -> str:
     """Every table of a JSON document.
 
     Args:
-        document: the JSON document.
+        document: the JSON document (one run's, or parts joined by ``join_documents``).
 
     Returns:
         Markdown.
     """
     meta = document["meta"]
-    head = (f"Measured {meta['date']}: Ray {meta['ray']}, thinc {meta['thinc']}, numpy "
-            f"{meta['numpy']}, {meta['cpus']} CPUs, load average at the end "
-            f"{', '.join(f'{x:.1f}' for x in meta.get('load_average', []))}.")
+    parts = meta.get("parts", [meta])
+    head = (f"Measured {'; '.join(_measured(part) for part in parts)}: Ray {meta['ray']}, "
+            f"thinc {meta['thinc']}, numpy {meta['numpy']}, {meta['cpus']} CPUs.")
     return "\n\n".join(filter(None, [head, scaling_tables(document), accuracy_table(document)]))
 
 
@@ -448,7 +497,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     args = build_parser().parse_args(argv)
     if args.from_json:
-        document = json.loads(args.from_json.read_text())
+        document = join_documents([json.loads(path.read_text()) for path in args.from_json])
     else:
         document = run_all(args)
         if args.json:

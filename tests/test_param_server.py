@@ -261,3 +261,43 @@ def test_benchmark_tables_compute_speedup_scalability_and_time_to_accuracy(tmp_p
                               "--markdown", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 0
     assert (tmp_path / "t.md").read_text().startswith("Measured d")
+
+
+def test_a_table_run_in_parts_is_joined_and_parts_that_do_not_fit_are_refused(tmp_path):
+    from benchmarks import param_server
+    meta = {"ray": "r", "thinc": "t", "numpy": "n", "cpus": 2,
+            "options": {"target_accuracy": 0.95, "accuracy_global_batch": 32,
+                        "accuracy_steps": 10, "eval_every": 5}}
+    first = {"meta": dict(meta, date="day 1", load_average=[1.0, 1.0, 1.0]),
+             "runs": [fake_run("scaling", "ps-async", 1, 2.0, seed=0),
+                      fake_run("scaling", "ps-async", 2, 8.0, seed=0)]}
+    second = {"meta": dict(meta, date="day 2"),
+              "runs": [fake_run("scaling", "ps-async", 1, 4.0, seed=1),
+                       fake_run("accuracy", "local", 1, 1.0, final_accuracy=0.95)]}
+    paths = []
+    for number, document in enumerate([first, second]):
+        paths.append(tmp_path / f"part{number}.json")
+        paths[-1].write_text(__import__("json").dumps(document))
+    markdown = tmp_path / "t.md"
+    assert param_server.main(["--from-json", ",".join(map(str, paths)),
+                              "--markdown", str(markdown)]) == 0
+    text = markdown.read_text()
+    assert text.startswith("Measured day 1 (load average at the end 1.0, 1.0, 1.0); day 2:")
+    assert "over 1–2 trials" in text
+    assert "| 1 | 3.00 ± 1.41 |" in text and "| 2 | 8.00 ± 0.00 |" in text
+    assert "| local | 1 | 95.00 ± 0.00 |" in text
+    with pytest.raises(ValueError, match="ps-async at 1 workers, trial 0"):
+        param_server.join_documents([first, first])
+    longer = {"meta": first["meta"], "runs": [fake_run("scaling", "ps-async", 4, 1.0,
+                                                       steps=100)]}
+    with pytest.raises(ValueError, match="differ in"):
+        param_server.join_documents([first, longer])
+
+
+def test_the_first_trial_option_numbers_the_trials_and_their_seeds():
+    from benchmarks import param_server
+    args = param_server.build_parser().parse_args(
+        ["--first-trial", "2", "--trials", "1", "--workers", "2", "--variants", "ps-async",
+         "--accuracy-steps", "0"])
+    assert [(kind, options.task.seed) for kind, options in param_server._plan(args)] == [
+        ("scaling", 2)]
