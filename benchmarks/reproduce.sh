@@ -41,7 +41,7 @@ across_nodes() {
         --write benchmarks/README.md
     # The join of a group spanning 4 nodes, streams against the object store (the page quotes
     # its medians from this file).
-    heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 5 \
+    heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 15 \
         --json "$RESULTS/join-nodes-4x2.json"
 }
 if [ "${1:-}" = "across-nodes" ]; then
