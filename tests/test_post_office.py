@@ -15,17 +15,15 @@ import numpy as np
 import pytest
 
 from test_ray_backend import check_every_collective, every_collective
-from test_tcp import StreamFactory
+from test_tcp import KEY, StreamFactory, pretend_nodes, two_node_transports
 from ray_collective.backends.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
                                                  PostOffice, pack_round, unpack_round)
 from ray_collective.testing import run_ranks
 from ray_collective.transport import uds
 from ray_collective.transport.base import p2p_channel
-from ray_collective.transport.node_state import NodeState
-from ray_collective.transport.ray_transport import Peer, PostOffices, RayTransport
+from ray_collective.transport.ray_transport import PostOffices
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
-KEY = b"0123456789abcdef"
 
 
 def _message(destination, payload):
@@ -114,24 +112,19 @@ class ThreadPostOffices(PostOffices):
 
 
 def _transports(tmp_path, world_size, post_offices=None):
-    """Ranks on two pretend nodes (the first half on "a") that reach each other through
-    ``post_offices`` (by default, real ones on threads: ``ThreadPostOffices``)."""
-    nodes = ["a" if rank < (world_size + 1) // 2 else "b" for rank in range(world_size)]
-    paths = []
-    for rank, node in enumerate(nodes):
-        directory = str(tmp_path / node)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        paths.append(os.path.join(directory, f"{rank}.sock"))
-    peers = [Peer(nodes[r], os.getpid(), paths[r]) for r in range(world_size)]
+    """Ranks on two pretend nodes that reach each other through ``post_offices`` (by default,
+    real ones on threads: ``ThreadPostOffices``); returns the transports and the post offices."""
     if post_offices is None:
-        post_offices = ThreadPostOffices({
-            node: PostOffice(str(tmp_path / node), "g", KEY, world_size,
-                             {r: os.getpid() for r in range(world_size) if nodes[r] == node}, 10)
-            for node in sorted(set(nodes))})
-    transports = [RayTransport(rank, "g", KEY, peers, uds.listen(paths[rank], 16),
-                               NodeState(os.path.dirname(paths[rank]), "g", world_size),
-                               post_offices, connect_timeout=5)
-                  for rank in range(world_size)]
+        nodes = pretend_nodes(world_size)
+        offices = {}
+        for node in sorted(set(nodes)):
+            os.makedirs(tmp_path / node, mode=0o700, exist_ok=True)
+            offices[node] = PostOffice(str(tmp_path / node), "g", KEY, world_size,
+                                       {r: os.getpid() for r in range(world_size)
+                                        if nodes[r] == node}, 10)
+        post_offices = ThreadPostOffices(offices)
+    transports = two_node_transports(tmp_path, world_size, post_offices=post_offices,
+                                     over_streams=False)
     return transports, post_offices
 
 

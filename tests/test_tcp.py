@@ -277,27 +277,31 @@ def test_a_kept_large_payload_takes_the_streams_buffer_and_later_frames_stay_who
 
 # ---------------------------------------------------------- the transport over streams
 
-def _transports(tmp_path, world_size, key_of=lambda rank: KEY, post_offices=None):
-    """Ranks on two pretend nodes (the first half on "a"), streams between them on loopback
-    (and ``post_offices``, if given, for every rank)."""
-    nodes = ["a" if rank < (world_size + 1) // 2 else "b" for rank in range(world_size)]
-    paths, states = [], {}
+def pretend_nodes(world_size):
+    """The node of every rank: the first half on "a", the others on "b"."""
+    return ["a" if rank < (world_size + 1) // 2 else "b" for rank in range(world_size)]
+
+
+def two_node_transports(tmp_path, world_size, key_of=lambda rank: KEY, post_offices=None,
+                        over_streams=True):
+    """Ranks on two pretend nodes (``pretend_nodes``), with streams between them on loopback
+    unless ``over_streams`` is False (and ``post_offices``, if given, for every rank)."""
+    nodes = pretend_nodes(world_size)
+    paths = []
     for rank, node in enumerate(nodes):
         directory = str(tmp_path / node)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         paths.append(os.path.join(directory, f"{rank}.sock"))
     peers = [Peer(nodes[r], os.getpid(), paths[r]) for r in range(world_size)]
-    listeners = [tcp.listen(HOST, 16) for _ in range(world_size)]
-    addresses = {r: (HOST, listener.getsockname()[1]) for r, listener in enumerate(listeners)}
-    transports = []
-    for rank in range(world_size):
-        state = NodeState(os.path.dirname(paths[rank]), "g", world_size)
-        states.setdefault(nodes[rank], state)
-        transports.append(RayTransport(rank, "g", key_of(rank), peers,
-                                       uds.listen(paths[rank], 16), state, post_offices,
-                                       connect_timeout=5,
-                                       streams=Streams(listeners[rank], addresses.__getitem__)))
-    return transports
+    streams = [None] * world_size
+    if over_streams:
+        listeners = [tcp.listen(HOST, 16) for _ in range(world_size)]
+        addresses = {r: (HOST, listener.getsockname()[1]) for r, listener in enumerate(listeners)}
+        streams = [Streams(listener, addresses.__getitem__) for listener in listeners]
+    return [RayTransport(rank, "g", key_of(rank), peers, uds.listen(paths[rank], 16),
+                         NodeState(os.path.dirname(paths[rank]), "g", world_size), post_offices,
+                         connect_timeout=5, streams=streams[rank])
+            for rank in range(world_size)]
 
 
 class StreamFactory(BackendFactory):
@@ -321,7 +325,7 @@ class StreamFactory(BackendFactory):
 def test_every_collective_across_two_nodes_over_streams_matches_numpy(tmp_path, dtype,
                                                                       op_name, count):
     p = 4
-    factory = StreamFactory(_transports(tmp_path, p))
+    factory = StreamFactory(two_node_transports(tmp_path, p))
     results = run_ranks(p, lambda rank: every_collective(rank, "default", p, dtype, op_name,
                                                          count, "numpy"),
                         factory_of=lambda rank: factory, timeout=60)
@@ -338,7 +342,7 @@ def test_a_large_allreduce_in_many_stream_parts_is_exact(tmp_path, algorithm):
         col.allreduce(y)
         return y
 
-    factory = StreamFactory(_transports(tmp_path, p), {"allreduce": algorithm})
+    factory = StreamFactory(two_node_transports(tmp_path, p), {"allreduce": algorithm})
     expected = numpy_reduce([rank_data(r, count, np.float32) for r in range(p)],
                             col.ReduceOp.SUM)
     for y in run_ranks(p, body, factory_of=lambda rank: factory, timeout=60):
@@ -354,13 +358,14 @@ def test_a_large_broadcast_down_the_node_chain_over_streams_is_exact(tmp_path, r
         col.broadcast(y, root)
         return y
 
-    factory = StreamFactory(_transports(tmp_path, p), {"broadcast": "hierarchical_pipeline"})
+    factory = StreamFactory(two_node_transports(tmp_path, p),
+                            {"broadcast": "hierarchical_pipeline"})
     for y in run_ranks(p, body, factory_of=lambda rank: factory, timeout=60):
         np.testing.assert_array_equal(y, rank_data(root, count, np.float64))
 
 
 def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp_path):
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     host, port = transports[0]._streams.address(0)
     stranger = tcp.connect(host, port, 1, 0, WRONG_KEY, 5)
     stamp = _stamp()
@@ -382,7 +387,7 @@ def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp
 
 
 def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     stamp = _stamp("allreduce", seq=4)
     receive = transports[0].irecv(1, COLLECTIVE_CHANNEL, stamp, 0, np.zeros(1))
     # Rank 1 takes the stream rank 0 opened, then leaves without sending.
@@ -403,7 +408,7 @@ def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
 
 
 def test_close_leaves_no_listener_and_no_stream(tmp_path):
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     address = transports[0]._streams.address(0)
     stamp = _stamp()
     send = transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))
@@ -426,7 +431,7 @@ def test_close_leaves_no_listener_and_no_stream(tmp_path):
 
 def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path, monkeypatch):
     monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.2)
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     silent = socket.create_connection(transports[0]._streams.address(0), timeout=5)
     receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
     assert transports[0].wait([receive], time.monotonic() + 1.0) == [receive]
@@ -450,7 +455,7 @@ def _exchange_once(transports, sender, receiver):
 
 
 def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     _exchange_once(transports, 0, 1)
     receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
                                   np.zeros(1))
@@ -501,7 +506,7 @@ def test_a_rank_waiting_on_another_node_learns_the_abort_published_for_the_group
     ranks learned of it 8-15 s later. Now they read the published abort every second."""
     published = error_record(group, 0, PeerDiedError(group, 0, "allreduce", 3, [5],
                                                      "its process exited"))
-    transports = _transports(tmp_path, 2, post_offices=QuietPostOffices(published, 0.3))
+    transports = two_node_transports(tmp_path, 2, post_offices=QuietPostOffices(published, 0.3))
     receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
                                   np.zeros(1))
     started = time.monotonic()
@@ -525,7 +530,7 @@ def test_when_one_of_two_streams_with_a_peer_ends_the_other_carries_its_messages
     that came on the other: the other then carries on (and tells the peer's death at its own
     end), instead of a new connection, refused, calling the peer dead with its last message
     unread."""
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     stamp = _stamp()
     sends = [transports[0].isend(1, p2p_channel(0), stamp, 0, np.ones(1)),
              transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))]  # both connect
@@ -561,7 +566,7 @@ def test_a_rank_reads_ahead_of_its_receives_only_a_budget_per_turn(tmp_path):
     """A peer that sends faster than a rank reads must not keep it reading: past the budget of
     parts no receive waits for, it handles what its buffer holds and turns to its other
     sockets; the rest waits in the kernel, and nothing is lost."""
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     _exchange_once(transports, 0, 1)
     payload = np.arange(3 * (1 << 20) // 8, dtype=np.float64)     # 3 MiB, 12 stream parts
     stamp = _stamp(count=len(payload))
@@ -608,7 +613,7 @@ def test_a_frame_already_in_the_buffer_is_returned_without_reading_the_socket():
     bytes([wire.ABORT]) + b'{"group": "g"}',
     bytes([wire.ABORT]) + b'{"group": "other", "rank": 0, "kind": "X", "message": ""}'])
 def test_a_malformed_frame_on_a_stream_breaks_the_call_and_publishes_nothing(tmp_path, frame):
-    transports = _transports(tmp_path, 2)
+    transports = two_node_transports(tmp_path, 2)
     host, port = transports[0]._streams.address(0)
     rogue = tcp.connect(host, port, 1, 0, KEY, 5)
     rogue.send(tcp.control_frame(frame))

@@ -433,7 +433,7 @@ class RayBackendFactory(BackendFactory):
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
         me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
-                               cross_node, _node_address())
+                               cross_node, _ray().util.get_node_ip_address())
         try:
             token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
                                              listen_under, token)
@@ -452,7 +452,8 @@ class RayBackendFactory(BackendFactory):
             # Every member must agree, and each asked for what it can do: one asking for the
             # object store (by choice, or for TLS) takes the whole group there.
             if all(m.cross_node == STREAMS for m in members):
-                streams = _listen_for_streams(kv, prefix, token, rank, world_size, timeout)
+                streams = _listen_for_streams(kv, prefix, token, rank, me.host, world_size,
+                                              timeout)
             post_offices = RayPostOffices(
                 group_key, node, sorted(nodes - {node}), timeout, directory,
                 functools.partial(rendezvous.broken_by, kv, prefix, token))
@@ -480,17 +481,11 @@ class RayBackendFactory(BackendFactory):
                            functools.partial(_remove_incarnation, group_name, token))
 
 
-def _node_address() -> str:
-    """This node's address as Ray knows it."""
-    from ray.util import get_node_ip_address
-    return get_node_ip_address()
-
-
 def _listen_for_streams(kv: rendezvous.KeyValue, prefix: str, token: str, rank: int,
-                        world_size: int, timeout: float) -> Streams:
-    """Listen on this node's address as Ray knows it, publish where, and return the way to the
-    other members' listeners (read from the store on a rank's first connection to them)."""
-    host = _node_address()
+                        host: str, world_size: int, timeout: float) -> Streams:
+    """Listen on ``host`` (this node's address as Ray knows it), publish where, and return the
+    way to the other members' listeners (read from the store on a rank's first connection to
+    them)."""
     listener = tcp.listen(host, world_size + 16)
     try:
         rendezvous.publish_stream_endpoint(kv, prefix, token, rank, host,
