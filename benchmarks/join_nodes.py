@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ray_collective.backends.ray_backend import CROSS_NODE_TRANSPORTS, CROSS_NODE_VARIABLE
 
-from .nodes import pick_nodes, pinned, rank_nodes, start_local_cluster
+from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 
 ALLREDUCE_ELEMENTS = 4
 
@@ -88,9 +88,7 @@ def measure(nodes: int, ranks_per_node: int, repeats: int) -> dict:
     """
     import ray
     world_size = nodes * ranks_per_node
-    cluster = start_local_cluster(nodes)
-    try:
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    with local_cluster_driver(nodes):
         node_ids = pick_nodes(nodes)
         member = ray.remote(num_cpus=0)(JoinRank)
         actors = [member.options(**pinned(node_ids[node])).remote()
@@ -109,9 +107,6 @@ def measure(nodes: int, ranks_per_node: int, repeats: int) -> dict:
         return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes": nodes,
                 "ranks_per_node": ranks_per_node, "repeats": results,
                 "median": summary(results)}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

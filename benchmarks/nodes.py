@@ -12,7 +12,8 @@ the driver's node.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 NODE_RESOURCE_PREFIX = "node"
 """A local cluster's node k carries the custom resource ``node<k>``; it tells the nodes'
@@ -69,6 +70,24 @@ def start_local_cluster(nodes: int) -> Any:
                          object_store_memory=CLUSTER_OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     return cluster
+
+
+@contextlib.contextmanager
+def local_cluster_driver(nodes: int) -> Iterator[Any]:
+    """A local cluster of ``nodes`` nodes (``start_local_cluster``) with this process connected
+    to it as its driver; both shut down on leaving.
+
+    Yields:
+        The cluster.
+    """
+    import ray
+    cluster = start_local_cluster(nodes)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def order_nodes(alive: Sequence[dict], driver_node_id: str, nodes: int) -> List[str]:

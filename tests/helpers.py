@@ -2,6 +2,8 @@
 plain member actors the Ray tests form groups around (and how to run code inside them)."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -76,3 +78,16 @@ def process_resources(rank):
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return len(fds), memfds, rss
+
+
+def run_benchmark(module, *arguments, timeout=300):
+    """``python -m module *arguments`` from the repository in a subprocess; returns it once it
+    exited with 0 (else fails with the end of its stderr)."""
+    # A benchmark starts a Ray (or a cluster) of its own: it must not join one the suite may
+    # point to.
+    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    environment["PYTHONPATH"] = os.pathsep.join([REPO_DIR, os.environ.get("PYTHONPATH", "")])
+    completed = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_DIR,
+                               env=environment, capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed

@@ -7,7 +7,6 @@ there and never meets a Ray the rest of the suite may hold.
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -33,11 +32,10 @@ from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeas
 from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
-from helpers import run_in, start_members
+from helpers import run_benchmark, run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
                               iteration_latencies, percentiles, speedup)
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 MIB = 2**20
 
 
@@ -539,17 +537,6 @@ def test_torch_peer_needs_the_store_address_on_rank_0s_node(ray_session):
         PEERS["torch"]().setup(2, 0, "unused", 1.0, elsewhere)
 
 
-def _run_cli(*arguments):
-    """``python -m benchmarks *arguments`` in a subprocess; returns it once it exited with 0."""
-    # The sweep starts a Ray of its own: it must not join a cluster the suite may point to.
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    completed = subprocess.run([sys.executable, "-m", "benchmarks", *arguments], cwd=REPO,
-                               env=environment, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return completed
-
-
 def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_plots(tmp_path):
     reason = _ray_backend_unavailable_reason()
     if reason:
@@ -560,10 +547,11 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install '.[bench]')")
     out, plots = tmp_path / "tiny.json", tmp_path / "plots"
     backends = ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
-    completed = _run_cli("--collective", "allreduce,gather", "--backends", ",".join(backends),
-                         "--world-size", "2", "--timing", "both", "--bytes", "8,4K",
-                         "--iters", "3", "--warmup", "1", "--timeout", "60",
-                         "--json", str(out), "--plots", str(plots))
+    completed = run_benchmark("benchmarks", "--collective", "allreduce,gather",
+                              "--backends", ",".join(backends), "--world-size", "2",
+                              "--timing", "both", "--bytes", "8,4K", "--iters", "3",
+                              "--warmup", "1", "--timeout", "60", "--json", str(out),
+                              "--plots", str(plots))
     document = json.loads(out.read_text())
     rows = document["rows"]
     assert [(row["collective"], row["nbytes"], row["timing"], row["backend"]) for row in rows] == [
@@ -833,9 +821,9 @@ def test_a_tiny_sweep_across_two_nodes_of_a_local_cluster(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "nodes.json"
-    completed = _run_cli("--nodes", "2", "--ranks-per-node", "1", "--backends", "ray",
-                         "--bytes", "8", "--iters", "2", "--warmup", "1", "--timeout", "60",
-                         "--quiet", "--json", str(out))
+    completed = run_benchmark("benchmarks", "--nodes", "2", "--ranks-per-node", "1",
+                              "--backends", "ray", "--bytes", "8", "--iters", "2",
+                              "--warmup", "1", "--timeout", "60", "--quiet", "--json", str(out))
     document = json.loads(out.read_text())
     [row] = document["rows"]
     # The harness refuses to time ranks that did not start on the node they were pinned to,

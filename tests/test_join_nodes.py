@@ -2,16 +2,13 @@
 a two-node local cluster (in a subprocess, since a cluster cannot share the suite's Ray)."""
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from benchmarks.join_nodes import summary
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import REPO_DIR, run_benchmark
 
 
 def test_summary_is_the_median_per_transport():
@@ -24,13 +21,8 @@ def test_summary_is_the_median_per_transport():
 
 def test_a_two_node_run_joins_over_both_transports_and_checks_the_first_call(tmp_path):
     out = tmp_path / "join.json"
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.join_nodes", "--nodes", "2", "--ranks-per-node", "1",
-         "--repeats", "2", "--json", str(out)], cwd=REPO, env=environment, capture_output=True,
-        text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    completed = run_benchmark("benchmarks.join_nodes", "--nodes", "2", "--ranks-per-node", "1",
+                              "--repeats", "2", "--json", str(out))
     report = json.loads(out.read_text())
     assert set(report["repeats"]) == {"streams", "object_store"}
     for rows in report["repeats"].values():
@@ -42,5 +34,5 @@ def test_a_two_node_run_joins_over_both_transports_and_checks_the_first_call(tmp
 @pytest.mark.parametrize("arguments", [["--nodes", "1"], ["--repeats", "0"]])
 def test_bad_arguments_are_refused(arguments):
     completed = subprocess.run([sys.executable, "-m", "benchmarks.join_nodes", *arguments],
-                               cwd=REPO, capture_output=True, text=True, timeout=60)
+                               cwd=REPO_DIR, capture_output=True, text=True, timeout=60)
     assert completed.returncode == 2 and "need --nodes >= 2" in completed.stderr
