@@ -9,6 +9,8 @@ weights across workers after every step. The server's rules (stale drop, update 
 and its timeout) are also checked in-process with recording stand-ins for the peer actors.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -256,7 +258,7 @@ def test_benchmark_tables_compute_speedup_scalability_and_time_to_accuracy(tmp_p
     assert ("| allreduce-flat | 2 | 94.00 ± 0.00 | -1.00 | 72.00 ± 0.00 | -16.00 | not reached "
             "| 0/1 |") in text
     path = tmp_path / "run.json"
-    path.write_text(__import__("json").dumps(document))
+    path.write_text(json.dumps(document))
     assert param_server.main(["--from-json", str(path), "--plot", str(tmp_path / "t.png"),
                               "--markdown", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 0
@@ -277,7 +279,7 @@ def test_a_table_run_in_parts_is_joined_and_parts_that_do_not_fit_are_refused(tm
     paths = []
     for number, document in enumerate([first, second]):
         paths.append(tmp_path / f"part{number}.json")
-        paths[-1].write_text(__import__("json").dumps(document))
+        paths[-1].write_text(json.dumps(document))
     markdown = tmp_path / "t.md"
     assert param_server.main(["--from-json", ",".join(map(str, paths)),
                               "--markdown", str(markdown)]) == 0

@@ -25,7 +25,6 @@ from ray_collective.transport.ray_transport import PostOffices
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
 
-
 def _message(destination, payload):
     return (0, destination, 7, 0, len(payload), b"header", payload)
 
