@@ -1,7 +1,7 @@
 # The commands of the README: `make demo`, `make test` and `make bench` (reruns every table and
 # plot of benchmarks/README.md's results page, both timing modes, about an hour; `make
 # bench-nodes` only its part across nodes); `make
-# ps-example` (the parameter-server example, one short run of each variant) and `make ps-bench`
+# ps-example` (the parameter-server example, one short run of six variants) and `make ps-bench`
 # (its whole table: 1000 updates x 3 trials x 1-16 workers x 9 variants, hours on 2 cores).
 # Each builds the virtual environment in .venv first, so a fresh machine needs nothing but
 # Python 3.10+.

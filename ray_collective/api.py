@@ -230,7 +230,8 @@ def get_group_handle(group_name: str = "default") -> Group:
 
     Returns:
         The :class:`~ray_collective.group.Group`: its ``name``, ``rank``, ``world_size``,
-        ``timeout`` (seconds) and ``backend``.
+        ``timeout`` (seconds) and ``membership`` (this rank's membership on its
+        backend).
 
     Raises:
         GroupNotInitializedError: this process is not a member of ``group_name``.
