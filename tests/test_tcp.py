@@ -628,3 +628,49 @@ def test_a_malformed_frame_on_a_stream_breaks_the_call_and_publishes_nothing(tmp
     rogue.close()
     for transport in transports:
         transport.close()
+
+
+class _CountingSocket:
+    """A socket that counts the reads made of it (and is otherwise the socket)."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.reads = 0
+
+    def recv_into(self, *args):
+        self.reads += 1
+        return self._sock.recv_into(*args)
+
+    def recvmsg_into(self, *args):
+        self.reads += 1
+        return self._sock.recvmsg_into(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("sender", [1, 2], ids=["same node", "other node"])
+def test_a_small_message_costs_its_receiver_one_read_of_its_socket(tmp_path, sender):
+    """Reading on until the kernel says it holds no more costs every small message a second,
+    failed read; the receiver reads once and lets poll tell it of anything more."""
+    transports = two_node_transports(tmp_path, 4)
+    receiver = transports[0]
+    _exchange_once(transports, sender, 0)
+    links = [link for link in (*receiver._links_by_fd.values(),
+                               *receiver._streams_by_fd.values()) if link.peer == sender]
+    counters = []
+    for link in links:
+        link.sock = _CountingSocket(link.sock)
+        counters.append(link.sock)
+    messages = 5
+    for seq in range(1, messages + 1):
+        stamp = _stamp(seq=seq)
+        out = np.zeros(1)
+        receive = receiver.irecv(sender, p2p_channel(0), stamp, 0, out)
+        send = transports[sender].isend(0, p2p_channel(0), stamp, 0, np.full(1, float(seq)))
+        assert transports[sender].wait([send], time.monotonic() + 5) == ()
+        assert receiver.wait([receive], time.monotonic() + 5) == ()
+        assert out[0] == seq
+    assert sum(counter.reads for counter in counters) == messages
+    for transport in transports:
+        transport.close()

@@ -185,9 +185,14 @@ class Deliveries:
              payload: np.ndarray, request) -> None:
         """Start sending ``payload`` on ``link``: its first part leaves now unless the link
         is still sending an earlier message."""
+        queue = self._queues.get(link)
+        if queue is None and payload.nbytes <= INLINE_LIMIT:
+            # A small message whose link is idle leaves whole at once: the common case of
+            # small collectives, spared the bookkeeping of a message sent part by part.
+            uds.send_inline(link, step, tag, count, header, payload, request)
+            return
         message = uds.OutgoingMessage(link, self.arena, self.reclaim, step, tag, count, header,
                                       payload, request, self.part_bytes)
-        queue = self._queues.get(link)
         if queue is not None:
             queue.append(message)
         elif not message.advance():
@@ -240,8 +245,9 @@ class RayTransport(Transport):
         self.connect_timeout = connect_timeout
         self.spin_s = spin_s
         self._listener = listener
+        self._listener_fd = listener.fileno()
         self._poll = select.poll()
-        self._poll.register(listener.fileno(), select.POLLIN)
+        self._poll.register(self._listener_fd, select.POLLIN)
         self._links_by_fd: Dict[int, uds.Link] = {}
         self._out_links: Dict[int, uds.Link] = {}
         self._arena = SendArena(f"ray_collective-{group_name}-{rank}")
@@ -481,11 +487,14 @@ class RayTransport(Transport):
     def _read_stream(self, link: tcp.StreamLink, budget: Optional[int] = None) -> None:
         """Handle what ``link`` has received: its handshake, then its frames; once it has kept
         ``budget`` bytes of parts that no receive waits for yet, only the frames already
-        whole in its buffer (the socket stays readable, and the next poll comes back to it)."""
+        whole in its buffer (the socket stays readable, and the next poll comes back to it).
+        Likewise once a read drained the kernel: reading on would only fail with ``EAGAIN``,
+        which costs a small message's receiver a tenth of its time."""
+        read = True
         try:
             while True:
                 was_open = link.open
-                frame = link.receive(budget is None or budget > 0)
+                frame = link.receive(read and (budget is None or budget > 0))
                 if link.open and not was_open:
                     self._on_stream_open(link)
                 if frame is None:
@@ -493,6 +502,7 @@ class RayTransport(Transport):
                 kept = self._on_stream_frame(link, frame)
                 if budget is not None:
                     budget -= kept
+                read = not link.drained
         except tcp.HandshakeError:
             self.refused_connections += 1
             if link.peer >= 0 and self._stream_to.get(link.peer) is link:
@@ -604,6 +614,7 @@ class RayTransport(Transport):
         self._watch_stream(link)
 
     def _read_link(self, link: uds.Link) -> None:
+        """Handle every packet ``link`` has received."""
         buffer = self._buffer
         while not link.closed:
             got = link.receive_into(buffer)
@@ -611,12 +622,21 @@ class RayTransport(Transport):
                 break
             self._on_packet(link, *got)
 
+    def _read_packet(self, link: uds.Link) -> None:
+        """Handle the next packet ``link`` has received, if any. One per ``poll``: most
+        events bring one packet, and reading on until the kernel says it holds no more would
+        cost every small message a failed read; a second packet makes the next ``poll`` return
+        at once."""
+        got = link.receive_into(self._buffer)
+        if got is not None:
+            self._on_packet(link, *got)
+
     def _progress(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for socket events and handle every one that is ready;
         returns how many sockets had events."""
         ready = self._poll.poll(timeout_s * 1000.0)
         for fd, events in ready:
-            if fd == self._listener.fileno():
+            if fd == self._listener_fd:
                 self._accept()
                 continue
             link = self._links_by_fd.get(fd)
@@ -630,7 +650,7 @@ class RayTransport(Transport):
             if events & select.POLLOUT:
                 link.flush()
             if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                self._read_link(link)
+                self._read_packet(link)
             if link.closed:
                 self._drop_link(link)
             elif link.backlogged:

@@ -206,6 +206,8 @@ class StreamLink:
             None (the frame then arrives whole, as usual). Set by the transport.
         placed: the payload of the frame :meth:`receive` returned last, when it was placed
             (that frame then ends with its call header); None otherwise.
+        drained: the last read from the socket came back shorter than asked: the kernel held
+            nothing more then.
     """
 
     def __init__(self, sock: socket.socket, rank: int, key: bytes, peer: Optional[int] = None):
@@ -231,6 +233,7 @@ class StreamLink:
         self.placed: Optional[memoryview] = None
         self._placing: Optional[Tuple[bytes, memoryview, int]] = None
         self._asked = False  # whether placer was asked about the frame at _start
+        self.drained = False
         if not self._connecting:
             self._accept_nonce = os.urandom(NONCE_BYTES)
             self._write_handshake(CHALLENGE.pack(MAGIC, self._accept_nonce))
@@ -417,6 +420,7 @@ class StreamLink:
             self.closed = True
             return False
         self._end += got
+        self.drained = got < room
         return True
 
     def own(self, payload: memoryview):

@@ -217,6 +217,15 @@ def close_quietly(fd: int) -> None:
         pass
 
 
+def send_inline(link: Link, step: int, tag: int, count: int, header: bytes,
+                payload: np.ndarray, request) -> None:
+    """Send a message of at most ``INLINE_LIMIT`` bytes as one packet, its payload inline;
+    ``request.done`` turns true once it is out."""
+    nbytes = payload.nbytes
+    frame = wire.data_frame(step, tag, count, nbytes, 0, nbytes, wire.INLINE, 0, len(header))
+    link.send((frame, header, payload), None, request)
+
+
 class OutgoingMessage:
     """A message on its way out through one link, sent part by part.
 
@@ -248,9 +257,8 @@ class OutgoingMessage:
         payload, link = self.payload, self.link
         nbytes = payload.nbytes
         if nbytes <= INLINE_LIMIT:
-            frame = wire.data_frame(self.step, self.tag, self.count, nbytes, 0, nbytes,
-                                    wire.INLINE, 0, len(self.header))
-            link.send((frame, self.header, payload), None, self.request)
+            send_inline(link, self.step, self.tag, self.count, self.header, payload,
+                        self.request)
             self.sent = nbytes
             return True
         start = self.sent

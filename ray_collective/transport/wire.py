@@ -515,9 +515,12 @@ class Inbox:
     @staticmethod
     def _target(receive: Receive, part: Part) -> np.ndarray:
         """The elements of ``receive.out`` that ``part`` fills."""
-        itemsize = receive.out.itemsize
+        out = receive.out
+        if part.part_bytes == out.nbytes:
+            return out  # a message in one part, most small ones
+        itemsize = out.itemsize
         first = part.part_offset // itemsize
-        return receive.out[first:first + part.part_bytes // itemsize]
+        return out[first:first + part.part_bytes // itemsize]
 
     def _consume(self, posted: Deque[Receive], part: Part) -> None:
         receive = posted[0]
@@ -537,7 +540,7 @@ class Inbox:
                 return
             incoming = np.frombuffer(incoming, out.dtype)
             if receive.combine is None:
-                np.copyto(target, incoming)
+                target[...] = incoming  # same dtype and length: np.copyto's checks, unneeded
             else:
                 receive.combine(target, incoming)
             del incoming
