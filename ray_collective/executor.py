@@ -75,7 +75,10 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
                                       combine if reduce else None))
         # A round whose every request completed as it was posted (small sends, messages
         # that came early) needs no wait: most rounds of a small collective are such.
-        if all(request.done for request in requests):
+        for request in requests:
+            if not request.done:
+                break
+        else:
             continue
         pending = transport.wait(requests, deadline)
         if pending:

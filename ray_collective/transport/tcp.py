@@ -53,6 +53,7 @@ MAX_FRAME_BYTES = wire.DATA_FRAME.size + MAX_HEADER_BYTES + STREAM_PART_BYTES
 """The largest frame a stream accepts; a longer length prefix is a protocol error."""
 
 LENGTH = struct.Struct("<I")
+_LENGTH_AND_DATA_FRAME = struct.Struct("<I" + wire.DATA_FRAME.format.lstrip("<"))
 SMALL_BUFFER_BYTES = LENGTH.size + wire.DATA_FRAME.size + MAX_HEADER_BYTES + (64 << 10)
 """A stream's receive buffer until a larger frame comes: a rank with streams to many peers
 (an alltoall across many nodes) keeps a quarter of a part's size per stream that carries only
@@ -168,6 +169,13 @@ def frame_pieces(step: int, tag: int, count: int, header: bytes, payload: np.nda
                  part_bytes: int = STREAM_PART_BYTES) -> List[list]:
     """The frames of one message as lists of pieces to gather (length prefix and DATA frame,
     call header, a view of the payload's part), one list per part."""
+    nbytes = payload.nbytes
+    if nbytes <= part_bytes:
+        # One part, most messages: packed at once, with no view to cut.
+        length = wire.DATA_FRAME.size + len(header) + nbytes
+        head = _LENGTH_AND_DATA_FRAME.pack(length, wire.DATA, step, tag, count, nbytes, 0,
+                                           nbytes, wire.INLINE, 0, len(header))
+        return [[head, header, memoryview(payload).cast("B") if nbytes else b""]]
     raw = payload.view(np.uint8) if payload.dtype != np.uint8 else payload
     nbytes = raw.nbytes
     view = memoryview(raw).cast("B") if nbytes else memoryview(b"")
