@@ -19,7 +19,6 @@ import os
 import time
 from typing import List, Optional
 
-
 _HEAD = 1
 
 STALL_S = 1.0

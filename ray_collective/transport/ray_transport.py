@@ -488,8 +488,8 @@ class RayTransport(Transport):
         """Handle what ``link`` has received: its handshake, then its frames; once it has kept
         ``budget`` bytes of parts that no receive waits for yet, only the frames already
         whole in its buffer (the socket stays readable, and the next poll comes back to it).
-        Likewise once a read drained the kernel: reading on would only fail with ``EAGAIN``,
-        which costs a small message's receiver a tenth of its time."""
+        Likewise once a read drained the kernel: reading on would only fail with ``EAGAIN``
+        (3 to 4 µs here, with its exception), for every small message."""
         read = True
         try:
             while True:
