@@ -67,11 +67,12 @@ def _inputs(collective, p, count, seed):
     return [rng.integers(-50, 50, length).astype(np.float64) for _ in range(p)], length
 
 
-def _run(algorithm, p, count, root, node_of, use_plan):
+def _run(algorithm, p, count, root, node_of, use_plan, oversubscribed=False):
     collective = algorithm.collective
     dtype = np.dtype(np.float64)
     combine = combiner(ReduceOp.SUM, "float64")
-    ctx = Context(dtype, combine, node_of=node_of, choose=flat_choice(dtype.itemsize))
+    ctx = Context(dtype, combine, node_of=node_of,
+                  choose=flat_choice(dtype.itemsize, oversubscribed))
     inputs, length = _inputs(collective, p, count, seed=p * 1000 + count)
     blocks = Blocks.uniform(count, p)
     bufs = [x.copy() for x in inputs]
@@ -122,6 +123,29 @@ def test_a_replayed_plan_does_exactly_what_its_algorithm_does(algorithm, p, coun
         np.testing.assert_array_equal(replayed[2][rank], live[2][rank])
         if live[3][rank] is not None:
             np.testing.assert_array_equal(replayed[3][rank], live[3][rank])
+
+
+@pytest.mark.parametrize("p", [4, 8, 9, 16])
+def test_leaders_on_crowded_machines_reduce_then_broadcast_and_every_rank_gets_the_sum(p):
+    """Where machines run more ranks than cores, the leaders of 4 nodes or more allreduce a
+    small message by reduce+broadcast: 2(L-1) messages between nodes instead of recursive
+    doubling's L·log2 L or more; 2 leaders keep their one exchange. Every rank ends with the
+    sum either way."""
+    algorithm = ALGORITHMS["allreduce"]["hierarchical"]
+    node_of = tuple(r // 2 for r in range(p))
+    leaders = len(set(node_of))
+    inputs, _ = _inputs("allreduce", p, 7, seed=p * 1000 + 7)
+    between_nodes = {}
+    for crowded in (False, True):
+        _, logs, bufs, _ = _run(algorithm, p, 7, -1, node_of, True, oversubscribed=crowded)
+        for buf in bufs:
+            np.testing.assert_array_equal(buf, np.sum(inputs, axis=0))
+        between_nodes[crowded] = sum(1 for rank, log in enumerate(logs) for op in log
+                                     if op[0] == "send" and node_of[op[1]] != node_of[rank])
+    if leaders >= 4:
+        assert between_nodes[True] == 2 * (leaders - 1) < between_nodes[False]
+    else:
+        assert between_nodes[True] == between_nodes[False] == 2
 
 
 def test_recording_touches_no_memory_for_the_call_buffers():

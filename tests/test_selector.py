@@ -87,6 +87,16 @@ def test_oversubscribed_nodes_take_the_allreduce_with_fewest_messages():
     assert select("broadcast", 2, 4, 8, None, oversubscribed=True).name == "binomial"
 
 
+def test_between_crowded_nodes_allreduce_takes_fewest_messages_from_4_ranks():
+    from ray_collective.algorithms.catalog import flat_choice
+    crowded = flat_choice(4, oversubscribed=True)
+    assert crowded("allreduce", 4, 2).name == "reduce_broadcast"
+    assert crowded("allreduce", 3, 2).name == "recursive_doubling"
+    assert crowded("allreduce", 2, 2).name == "recursive_doubling"
+    assert crowded("allreduce", 4, 1 << 20).name == "ring"
+    assert flat_choice(4)("allreduce", 4, 2).name == "recursive_doubling"
+
+
 def test_oversubscription_is_judged_from_the_shared_membership():
     from ray_collective.backends.rendezvous import Member
     from ray_collective.backends.ray_backend import _oversubscribed

@@ -42,11 +42,22 @@ _FLAT = _index(algorithm for module in (allreduce, reduce, broadcast, allgather,
                for algorithm in module.ALGORITHMS)
 
 
-def flat_choice(itemsize: int) -> Chooser:
+def flat_choice(itemsize: int, oversubscribed: bool = False) -> Chooser:
     """The ``Context.choose`` callback: the flat algorithm ``rules`` give a sub-team of a call
-    whose elements are ``itemsize`` bytes (no forcing applies inside a composite algorithm)."""
+    whose elements are ``itemsize`` bytes (no forcing applies inside a composite algorithm).
+
+    Args:
+        itemsize: bytes per element.
+        oversubscribed: some machine runs more ranks of the group than it has cores. The
+            composites choose an allreduce only for ranks on different nodes (the leaders, or
+            the i-th ranks of every node), so an allreduce is chosen by the rule between nodes.
+
+    Returns:
+        ``choose(collective, team_size, count)``, giving the catalog's algorithm.
+    """
     def choose(collective: str, team_size: int, count: int) -> Algorithm:
-        return _FLAT[collective][flat_algorithm_name(collective, count * itemsize, team_size)]
+        return _FLAT[collective][flat_algorithm_name(collective, count * itemsize, team_size,
+                                                     oversubscribed, between_nodes=True)]
     return choose
 
 

@@ -7,6 +7,8 @@ The rules, and why:
   on a shared core, and allreduce goes by binomial reduce + broadcast (2(p-1) messages instead
   of p·log2 p): measured on 2 cores at 8 B, 1.13× faster than recursive doubling at 8 ranks,
   1.2× at 16, 1.45× at 64, and even (within 3%) at 4, where recursive doubling is kept;
+  between the nodes of a hierarchical allreduce (one rank per node, each message on a stream)
+  fewer messages pay from 4 ranks (``OVERSUBSCRIBED_BETWEEN_NODES_TREE_MIN_RANKS``);
 - large messages are bandwidth-bound: ring on few ranks (one neighbour, 2(p-1)/p·n bytes),
   Rabenseifner / recursive halving+doubling on many ranks (same bytes, log rounds instead of
   2(p-1): a ring over hundreds of ranks pays hundreds of latencies); a large broadcast on many
@@ -31,6 +33,14 @@ RING_MAX_RANKS = 16
 OVERSUBSCRIBED_TREE_MIN_RANKS = 4
 """On an oversubscribed node, small allreduces above this many ranks go by reduce+broadcast."""
 
+OVERSUBSCRIBED_BETWEEN_NODES_TREE_MIN_RANKS = 3
+"""Between nodes (the leaders of a hierarchical allreduce) where machines are oversubscribed,
+small allreduces above this many ranks go by reduce+broadcast: a message there costs a stream's
+send and receive besides the wake-up. Measured at 4 leaders (4 nodes x 2 ranks on 2 cores,
+8 B, p50 beside torch): 1.67-1.94 ms against recursive doubling's 1.95-2.27 ms (three runs
+each, 2026-11-25); 0.95-1.02 ms against 0.97-1.13 ms (four runs each, alternated, another
+host, 2026-11-26). At 3 leaders both send 4 messages, and recursive doubling is kept."""
+
 BROADCAST_ROUND_BYTES = 512 * 1024
 """What one round of a broadcast is worth in bytes copied: the scale model's latency per round
 over its cost per byte (128 µs / 0.25 ns, ``benchmarks/results/scale.json``). Past
@@ -49,7 +59,7 @@ def is_power_of_two(p: int) -> bool:
 
 
 def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
-                        oversubscribed: bool = False) -> str:
+                        oversubscribed: bool = False, between_nodes: bool = False) -> str:
     """The name of the flat algorithm for ``nbytes`` per rank on ``world_size`` ranks.
 
     Args:
@@ -57,6 +67,8 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         nbytes: bytes of one rank's tensor (one block for the list collectives).
         world_size: ranks taking part.
         oversubscribed: some machine runs more ranks than it has cores.
+        between_nodes: the ranks are on different nodes, one per node (a composite
+            algorithm's phase between nodes).
 
     Returns:
         An algorithm name of the catalog.
@@ -65,7 +77,9 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
     small = nbytes < SMALL_MESSAGE_BYTES
     if collective == "allreduce":
         if small:
-            return ("reduce_broadcast" if oversubscribed and p > OVERSUBSCRIBED_TREE_MIN_RANKS
+            tree_above = (OVERSUBSCRIBED_BETWEEN_NODES_TREE_MIN_RANKS if between_nodes
+                          else OVERSUBSCRIBED_TREE_MIN_RANKS)
+            return ("reduce_broadcast" if oversubscribed and p > tree_above
                     else "recursive_doubling")
         return "ring" if p <= RING_MAX_RANKS else "rabenseifner"
     if collective == "broadcast":

@@ -186,7 +186,8 @@ class TransportMembership(Membership):
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=options.algorithm or self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
-        ctx = Context(dtype, combine, node_of=self.node_of, choose=flat_choice(dtype.itemsize),
+        ctx = Context(dtype, combine, node_of=self.node_of,
+                      choose=flat_choice(dtype.itemsize, self.oversubscribed),
                       topology=self.topology)
         length = p * count if collective not in (Collective.ALLREDUCE, Collective.REDUCE,
                                                  Collective.BROADCAST) else count
