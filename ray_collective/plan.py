@@ -192,8 +192,8 @@ def record(algorithm: Algorithm, team: Team, dtype: np.dtype, count: int,
         count: elements of the call's buffer (slot 0) -- and of alltoall's receive buffer.
         blocks: the block partition of the buffer (list collectives).
         root: the root's index in the team, or -1.
-        ctx: the context to take ``node_of``, ``choose`` and the topology from (its memory and
-            local operations are replaced by the recorder's).
+        ctx: the context to take ``node_of``, ``choose``, the topology and ``oversubscribed``
+            from (its memory and local operations are replaced by the recorder's).
 
     Returns:
         The plan.
@@ -208,7 +208,8 @@ def record(algorithm: Algorithm, team: Team, dtype: np.dtype, count: int,
     recorder = _Recorder(dtype, buffers)
     recording = Context(dtype, recorder.combine, alloc=recorder.alloc, copy=recorder.copy,
                         node_of=ctx.node_of if ctx else None, choose=ctx.choose if ctx else None,
-                        topology=ctx.topology if ctx and ctx.node_of else None)
+                        topology=ctx.topology if ctx and ctx.node_of else None,
+                        oversubscribed=ctx.oversubscribed if ctx else False)
     generator = start(algorithm, team, recording, buffers[0], blocks, root,
                       buffers[1] if alltoall else None)
     try:

@@ -72,7 +72,7 @@ def _run(algorithm, p, count, root, node_of, use_plan, oversubscribed=False):
     dtype = np.dtype(np.float64)
     combine = combiner(ReduceOp.SUM, "float64")
     ctx = Context(dtype, combine, node_of=node_of,
-                  choose=flat_choice(dtype.itemsize, oversubscribed))
+                  choose=flat_choice(dtype.itemsize, oversubscribed), oversubscribed=oversubscribed)
     inputs, length = _inputs(collective, p, count, seed=p * 1000 + count)
     blocks = Blocks.uniform(count, p)
     bufs = [x.copy() for x in inputs]
@@ -146,6 +146,21 @@ def test_leaders_on_crowded_machines_reduce_then_broadcast_and_every_rank_gets_t
         assert between_nodes[True] == 2 * (leaders - 1) < between_nodes[False]
     else:
         assert between_nodes[True] == between_nodes[False] == 2
+
+
+def test_crowded_machines_pipeline_a_broadcast_in_8_chunks_and_every_rank_gets_the_root_buffer():
+    """16 MiB down the node chain of 4 nodes x 2 ranks: 16 chunks of 1 MiB where every rank has
+    a core, 8 of 2 MiB where machines run more ranks than cores (each round a wake-up)."""
+    algorithm = ALGORITHMS["broadcast"]["hierarchical_pipeline"]
+    p, count = 8, (16 << 20) // 8
+    node_of = tuple(r // 2 for r in range(p))
+    inputs, _ = _inputs("broadcast", p, count, seed=p * 1000 + count)
+    for crowded, chunks in ((False, 16), (True, 8)):
+        _, logs, bufs, _ = _run(algorithm, p, count, 0, node_of, True, oversubscribed=crowded)
+        for buf in bufs:
+            np.testing.assert_array_equal(buf, inputs[0])
+        root_sends = [op for op in logs[0] if op[0] == "send"]
+        assert [op[3] for op in root_sends] == [count // chunks] * chunks
 
 
 def test_recording_touches_no_memory_for_the_call_buffers():

@@ -8,8 +8,9 @@
   ring allgather of those blocks: ceil(log2 p) + p - 1 rounds, about 2n elements per rank
   instead of n·log2(p) at the root. The choice for large messages.
 - **pipeline** — a chain v -> v+1 from the root, the buffer cut into k chunks
-  (``pipeline_chunks``: one per MiB, at most 16): in round t, rank v forwards chunk t - v to
-  v+1 while it takes chunk t - v + 1 from v-1, so every link of the chain is busy at once.
+  (``pipeline_chunks``: one per MiB, at most 16, or 8 where machines run more ranks than
+  cores): in round t, rank v forwards chunk t - v to v+1 while it takes chunk t - v + 1 from
+  v-1, so every link of the chain is busy at once.
   k + p - 2 rounds, n elements per rank (the last sends none). Not picked on one node; the
   hierarchical broadcast across nodes (``hierarchical.py``) runs it on a chain that visits the
   nodes one after the other, so that only the links between them cross nodes.
@@ -50,11 +51,21 @@ def scatter_allgather(team: Team, buf: np.ndarray, root: int, ctx: Context,
 PIPELINE_CHUNK_BYTES = 1 << 20
 PIPELINE_MAX_CHUNKS = 16
 
+CROWDED_PIPELINE_MAX_CHUNKS = 8
+"""The most chunks where machines run more ranks than cores: there a chain longer than the
+cores gains nothing from more links busy at once, and every round costs each rank a wake-up.
+Measured on 2 cores, 4 nodes x 2 ranks, six runs each beside torch (p50 of ray, 2026-11-26):
+64 MiB 112-121 ms with 8 chunks against 111-134 ms with 16 (medians 116 and 126) and
+134-154 ms with 64; 16 MiB 32-41 ms against 36-41 ms (medians 36 and 38); 4 chunks level
+with 8."""
 
-def pipeline_chunks(count: int, itemsize: int) -> int:
+
+def pipeline_chunks(count: int, itemsize: int, oversubscribed: bool = False) -> int:
     """Chunks of a pipelined broadcast of ``count`` elements: one per MiB, 1 to 16 (every
-    chunk costs a round, in which each rank waits for its slowest link)."""
-    return max(1, min(PIPELINE_MAX_CHUNKS, count * itemsize // PIPELINE_CHUNK_BYTES))
+    chunk costs a round, in which each rank waits for its slowest link), or 1 to 8 where
+    machines are ``oversubscribed``."""
+    most = CROWDED_PIPELINE_MAX_CHUNKS if oversubscribed else PIPELINE_MAX_CHUNKS
+    return max(1, min(most, count * itemsize // PIPELINE_CHUNK_BYTES))
 
 
 def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
@@ -65,7 +76,8 @@ def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
     v, p = chain.index, chain.size
     if p == 1:
         return
-    chunks = Blocks.even(len(buf), pipeline_chunks(len(buf), ctx.dtype.itemsize))
+    chunks = Blocks.even(len(buf), pipeline_chunks(len(buf), ctx.dtype.itemsize,
+                                                   ctx.oversubscribed))
     # Rank v takes chunk c from v-1 in round c + v - 1 and forwards it to v+1 in round c + v.
     for t in range(max(v - 1, 0), v + chunks.parts):
         ops = []
@@ -78,7 +90,8 @@ def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
 
 
 def pipeline_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
-    """k + p - 2 rounds (k chunks); every rank but the last sends the buffer once."""
+    """k + p - 2 rounds (k chunks, as on machines with a core per rank); every rank but the
+    last sends the buffer once."""
     if p == 1:
         return Cost(0, 0)
     return Cost(pipeline_chunks(count, itemsize) + p - 2, count)

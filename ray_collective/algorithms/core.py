@@ -178,16 +178,21 @@ class Context:
             composite (the hierarchical allreduce) runs on a sub-team of that size.
         topology: ``node_of`` grouped by node, when the caller has it already (a group builds
             it once); else computed from ``node_of`` on first use.
+        oversubscribed: some machine runs more ranks than it has cores (the same answer on
+            every rank): overlap between ranks then buys nothing beyond the cores, and an
+            algorithm that trades rounds for it (the pipelined broadcast) takes fewer rounds.
     """
 
-    __slots__ = ("dtype", "combine", "alloc", "copy", "node_of", "choose", "_topology")
+    __slots__ = ("dtype", "combine", "alloc", "copy", "node_of", "choose", "_topology",
+                 "oversubscribed")
 
     def __init__(self, dtype: np.dtype, combine: Callable[[np.ndarray, np.ndarray], None],
                  alloc: Optional[Callable[[int], np.ndarray]] = None,
                  copy: Optional[Callable[[np.ndarray, np.ndarray], None]] = None,
                  node_of: Optional[Sequence[int]] = None,
                  choose: Optional[Chooser] = None,
-                 topology: Optional["Topology"] = None):
+                 topology: Optional["Topology"] = None,
+                 oversubscribed: bool = False):
         self.dtype = np.dtype(dtype)
         self.combine = combine
         self.alloc = alloc if alloc is not None else (lambda count: np.empty(count, self.dtype))
@@ -195,6 +200,7 @@ class Context:
         self.node_of = tuple(node_of) if node_of is not None else None
         self.choose = choose
         self._topology = topology
+        self.oversubscribed = oversubscribed
 
     @property
     def topology(self) -> "Topology":

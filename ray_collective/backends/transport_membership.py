@@ -188,7 +188,7 @@ class TransportMembership(Membership):
                            oversubscribed=self.oversubscribed, topology=self.topology)
         ctx = Context(dtype, combine, node_of=self.node_of,
                       choose=flat_choice(dtype.itemsize, self.oversubscribed),
-                      topology=self.topology)
+                      topology=self.topology, oversubscribed=self.oversubscribed)
         length = p * count if collective not in (Collective.ALLREDUCE, Collective.REDUCE,
                                                  Collective.BROADCAST) else count
         plan = record(algorithm, Team.world(p, rank), dtype, length, blocks, options.root, ctx)
