@@ -5,8 +5,8 @@
 # machine. The three sweeps of the page time five backends in both timing modes (back to back,
 # the headline, and with a barrier before every call); the whole script takes about an hour on
 # the 2-core reference machine (an estimate: 25 minutes with four backends and one mode), and
-# step 7 across nodes about 45 minutes more (2x2, 4x2 and 4x4 on 2026-11-23, with other work
-# on the machine).
+# step 7 across nodes 17 minutes more with the join (2026-11-26, a quiet machine; 45 minutes
+# on 2026-11-23, with other work on the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
