@@ -113,9 +113,10 @@ def _leftovers(group_name: str, entries_before: set) -> dict:
     from ray.experimental import internal_kv
 
     from ray_collective.backends import rendezvous
+    from ray_collective.backends.key_value import NAMESPACE
     from ray_collective.backends.ray_backend import _runtime
     prefix = rendezvous.group_prefix(_runtime()[0], group_name)
-    keys = internal_kv._internal_kv_list(prefix.encode(), namespace=rendezvous.NAMESPACE)
+    keys = internal_kv._internal_kv_list(prefix.encode(), namespace=NAMESPACE)
     return {"kv_keys": len(keys), "group_dir_entries": len(group_dir_entries() - entries_before)}
 
 
@@ -299,7 +300,7 @@ def wait_for_post_offices(ray, count: int, timeout_s: float) -> float:
         TimeoutError: fewer were up after ``timeout_s`` seconds.
     """
     from ray_collective.backends.ray_backend import POST_OFFICE_NAME_PREFIX
-    from ray_collective.backends.rendezvous import NAMESPACE
+    from ray_collective.backends.key_value import NAMESPACE
     start = time.perf_counter()
     while True:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -30,8 +30,6 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from .backends import BACKENDS
 from .backends.base import BackendFactory, GroupCall
-from .backends.nccl import synchronize_device
-from .backends.nccl.arguments import GpuArguments
 from .declared import declare_in_actors
 from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
 from .group import Group, Work, current_registry
@@ -277,7 +275,7 @@ def register_backend(name: str, factory: BackendFactory) -> None:
         name: the backend's name (case-insensitive).
         factory: a :class:`~ray_collective.backends.base.BackendFactory`; the memberships it
             creates declare what they can run (``collectives``, ``accepts_gpu_tensors``,
-            ``multi_gpu``).
+            ``multi_gpu_arguments``).
 
     Returns:
         None.
@@ -618,18 +616,21 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 # ---------------------------------------------------------------- multi-GPU variants
 
 def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
-    """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
+    """The group of a ``*_multigpu`` call and the argument checks its membership brings."""
     group = _group(group_name)
-    if not group.membership.multi_gpu:
+    gpu = group.membership.multi_gpu_arguments()
+    if gpu is None:
         raise UnsupportedOperationError(
-            f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this "
-            f"process; group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
+            f"{name} needs a group on the 'nccl' backend (or another backend with the "
+            f"multi-GPU calls), one tensor per GPU of this process; group '{group.name}' (rank "
+            f"{group.rank}) runs on a backend without them. Use "
             f"{name.replace('_multigpu', '')} with one tensor instead.")
-    return group, GpuArguments(group.membership.devices, group.name, group.world_size)
+    return group, gpu
 
 
 def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,
-                             group_name: str, n_elements: int) -> None:
+                             group_name: str, n_elements: int, async_op: bool,
+                             timeout: Optional[float]) -> Optional[Work]:
     sending = collective is Collective.SEND
     name = "send_multigpu" if sending else "recv_multigpu"
     group, gpu = _multigpu_group(name, group_name)
@@ -641,13 +642,14 @@ def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, pee
             f"dst.data.copy_from_device(src.data, nbytes); torch: dst.copy_(src))")
     peer_index = gpu.index(peer_index, "dst_gpu_index" if sending else "src_gpu_index")
     view, count = gpu.tensor(tensor, n_elements)
-    options = _options(group, collective, None, peer=peer)
-    group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
-                          n_elements=count), False, (name, peer, 0))
+    options = _options(group, collective, timeout, peer=peer)
+    return group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
+                                 n_elements=count), async_op, (name, peer, 0))
 
 
 def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
-                       op: ReduceOp = ReduceOp.SUM) -> None:
+                       op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Allreduce across every GPU of every rank; ``tensor_list`` has one tensor per local GPU.
 
     Every GPU of the group ends with the reduction of all of them (AVG divides by the number
@@ -660,10 +662,10 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
         op: the reduction.
 
     Returns:
-        None, once the result is in place.
+        None, once the result is in place (the Work of the call with ``async_op=True``).
 
     Raises:
-        UnsupportedOperationError: the group is not on the NCCL backend.
+        UnsupportedOperationError: the group's backend has no multi-GPU calls.
         GroupNotInitializedError: no such group here.
         ArgumentTypeError, ArgumentValueError: bad arguments (one tensor per GPU, same shape and
             dtype).
@@ -673,12 +675,14 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
     op = check_reduce_op(op)
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.ALLREDUCE, None, op=op)
-    group.submit(gpu.call(options, device_tensors=views), False)
+    options = _options(group, Collective.ALLREDUCE, timeout, op=op)
+    return group.submit(gpu.call(options, device_tensors=views), async_op)
 
 
 def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
-                    group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+                    group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+                    async_op: bool = False, timeout: Optional[float] = None
+                    ) -> Optional[Work]:
     """Reduce across every GPU of every rank onto ``tensor_list[dst_tensor]`` of ``dst_rank``.
 
     Args:
@@ -702,12 +706,13 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
     dst_tensor = gpu.index(dst_tensor, "dst_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.REDUCE, None, op=op, root=dst_rank)
-    group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), False)
+    options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
+    return group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), async_op)
 
 
 def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
-                       group_name: str = "default") -> None:
+                       group_name: str = "default", *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Broadcast ``tensor_list[src_tensor]`` of ``src_rank`` to every GPU of every rank.
 
     Args:
@@ -728,12 +733,13 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
     src_rank = _check_rank(src_rank, group, "src_rank")
     src_tensor = gpu.index(src_tensor, "src_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
-    options = _options(group, Collective.BROADCAST, None, root=src_rank)
-    group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), False)
+    options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
+    return group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), async_op)
 
 
 def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
-                       group_name: str = "default") -> None:
+                       group_name: str = "default", *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Allgather the tensors of every GPU of every rank into each GPU's output list.
 
     Args:
@@ -753,12 +759,14 @@ def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: 
     inputs = gpu.tensors(input_tensor_list, "input_tensor_list")
     outputs = gpu.tensor_lists(output_tensor_lists, "output_tensor_lists", inputs,
                                "input_tensor_list")
-    options = _options(group, Collective.ALLGATHER, None)
-    group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), False)
+    options = _options(group, Collective.ALLGATHER, timeout)
+    return group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), async_op)
 
 
 def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: List[List[Any]],
-                           group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+                           group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+                           async_op: bool = False, timeout: Optional[float] = None
+                           ) -> Optional[Work]:
     """Reduce-scatter across every GPU of every rank.
 
     GPU ``i`` of rank ``r`` receives the reduction of entry ``r * k + i`` of every GPU's input
@@ -784,12 +792,13 @@ def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: Li
     inputs = gpu.tensor_lists(input_tensor_lists, "input_tensor_lists", outputs,
                               "output_tensor_list")
     check_op(op, outputs[0].dtype_name)
-    options = _options(group, Collective.REDUCESCATTER, None, op=op)
-    group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), False)
+    options = _options(group, Collective.REDUCESCATTER, timeout, op=op)
+    return group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), async_op)
 
 
 def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",
-                  n_elements: int = 0) -> None:
+                  n_elements: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None) -> Optional[Work]:
     """Send a GPU tensor to GPU ``dst_gpu_index`` of ``dst_rank``.
 
     Args:
@@ -806,12 +815,13 @@ def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: st
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index, group_name,
-                             n_elements)
+    return _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index,
+                                    group_name, n_elements, async_op, timeout)
 
 
 def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: str = "default",
-                  n_elements: int = 0) -> None:
+                  n_elements: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None) -> Optional[Work]:
     """Receive into a GPU tensor from GPU ``src_gpu_index`` of ``src_rank``.
 
     Args:
@@ -828,8 +838,8 @@ def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: st
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index, group_name,
-                             n_elements)
+    return _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index,
+                                    group_name, n_elements, async_op, timeout)
 
 
 def synchronize(gpu_id: int) -> None:
@@ -842,7 +852,8 @@ def synchronize(gpu_id: int) -> None:
         None.
 
     Raises:
-        BackendNotAvailableError: CuPy with NCCL is not available in this process.
+        BackendNotAvailableError: no GPU backend (such as 'nccl': CuPy with NCCL) can run in
+            this process.
         ValueError: ``gpu_id`` is not a visible GPU.
     """
-    synchronize_device(gpu_id)
+    BACKENDS.synchronize(gpu_id)

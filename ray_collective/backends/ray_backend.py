@@ -34,14 +34,17 @@ from ..algorithms.selector import forced_algorithms
 from ..errors import ArgumentValueError, BackendNotAvailableError, error_record
 from ..transport import tcp, uds
 from ..transport.node_state import NodeState, write_atomically
-from ..transport.ray_transport import (SPIN_S, Peer, PostOffices, RayTransport, Streams,
-                                       process_alive)
+from ..transport.engine import SPIN_S
+from ..transport.link_transport import LinkTransport, Peer
+from ..transport.post_office_carrier import PostOffices
+from ..transport.processes import process_alive
+from ..transport.stream_carrier import Streams
 from . import rendezvous
+from .key_value import NAMESPACE
 from .base import BackendFactory, Declaration, Membership
 from .post_office import POST_OFFICE_PID_FILE, PostOffice, pack_round
 from .transport_membership import TransportMembership
 
-_NAMESPACE = rendezvous.NAMESPACE
 _SOCKET_PATH_MAX = 100
 _LOG = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ def _private_dirs(path: str) -> None:
 
 
 POST_OFFICE_NAME_PREFIX = "post-office-"
-"""How the Ray actor names of post offices begin (in the namespace ``rendezvous.NAMESPACE``)."""
+"""How the Ray actor names of post offices begin (in the namespace ``key_value.NAMESPACE``)."""
 
 
 def post_office_name(group_key: bytes, node: str) -> str:
@@ -213,7 +216,7 @@ class RayPostOffices(PostOffices):
             while handle is None:
                 try:
                     handle = ray.get_actor(post_office_name(self.group_key, node),
-                                           namespace=_NAMESPACE)
+                                           namespace=NAMESPACE)
                 except ValueError:
                     if time.monotonic() > deadline:
                         self._gone.add(node)
@@ -263,7 +266,7 @@ class RayPostOffices(PostOffices):
             return True
         self._next_local_lookup = now + 1.0
         try:
-            _ray().get_actor(post_office_name(self.group_key, self.node), namespace=_NAMESPACE)
+            _ray().get_actor(post_office_name(self.group_key, self.node), namespace=NAMESPACE)
         except ValueError:
             return not self._local_seen and now < self._local_lookup_until
         self._local_seen = True
@@ -323,7 +326,7 @@ def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
 class RayMembership(TransportMembership):
     """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
 
-    def __init__(self, group_name: str, transport: RayTransport, token: str, prefix: str,
+    def __init__(self, group_name: str, transport: LinkTransport, token: str, prefix: str,
                  directory: str, members: Sequence[rendezvous.Member],
                  post_office: Optional[object], forced: Mapping[str, str]):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
@@ -377,7 +380,7 @@ class RayMembership(TransportMembership):
 def _shut_post_office(group_key: bytes, node: str) -> None:
     ray = _ray()
     try:
-        handle = ray.get_actor(post_office_name(group_key, node), namespace=_NAMESPACE)
+        handle = ray.get_actor(post_office_name(group_key, node), namespace=NAMESPACE)
     except ValueError:
         return
     try:
@@ -464,9 +467,9 @@ class RayBackendFactory(BackendFactory):
         # Polling without sleep answers small messages fastest, but only a rank with a core of
         # its own may do it: on a crowded machine it would take the core a peer needs.
         spin_s = 0.0 if _ranks_over_cores(members)[node] else SPIN_S
-        transport = RayTransport(rank, group_name, group_key, peers, endpoint["listener"], state,
-                                 post_offices, connect_timeout=timeout, spin_s=spin_s,
-                                 streams=streams)
+        transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
+                                  state, post_offices, connect_timeout=timeout, spin_s=spin_s,
+                                  streams=streams)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced)
 
@@ -509,7 +512,7 @@ def _start_post_office(directory: str, group_name: str, group_key: bytes, world_
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(PostOffice).options(
-        name=post_office_name(group_key, node), namespace=_NAMESPACE, num_cpus=0,
+        name=post_office_name(group_key, node), namespace=NAMESPACE, num_cpus=0,
         max_concurrency=1, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
     return actor.remote(directory, group_name, group_key, world_size, local_pids, timeout)
