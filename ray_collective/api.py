@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from .backends import BACKENDS
 from .backends.base import BackendFactory, GroupCall
 from .declared import declare_in_actors
@@ -82,6 +84,50 @@ def _options(group: Group, collective: Collective, timeout: Optional[float],
 def _submit(group: Group, options: CallOptions, async_op: bool,
             seq_key: Tuple[str, int, int] = ("", -1, 0), **tensors) -> Optional[Work]:
     return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op, seq_key)
+
+
+# ---------------------------------------------------------------- calls of a known shape
+#
+# A program calls the same collective on arrays of the same shape again and again. Everything
+# the API checks about such a call depends only on its shape (the numpy dtype, shape and
+# strides, the op, the root, the group), so the checks run at a shape's first call, and its
+# later calls go straight to the group with a runner the backend prepared for the shape
+# (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
+# Only blocking calls with the group's own deadline on writable numpy arrays take it.
+
+_ALLREDUCE, _REDUCE, _BROADCAST = "allreduce", "reduce", "broadcast"
+
+
+def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
+    """What identifies a call's shape for the known-shape path, or None when the call cannot
+    take it (not a plain numpy array, an op or root of another type)."""
+    if (type(tensor) is not np.ndarray or type(op) is not ReduceOp
+            or type(root) is not int):
+        return None
+    # Enum members hash in Python code; a member's id stands for it (each is a singleton).
+    return (collective, id(op), root, tensor.dtype, tensor.shape, tensor.strides)
+
+
+def _run_known_shape(group_name: Any, key: Optional[Tuple], tensor: Any) -> bool:
+    """Run the call through its shape's runner if its shape was learnt; False when it was not
+    (or the array is read-only, or asynchronous calls are queued): nothing was done then."""
+    if key is None or type(group_name) is not str:
+        return False
+    group = current_registry().find(group_name)
+    if group is None:
+        return False
+    runner = group.shape_runners.get(key)
+    if runner is None or (tensor is not None and not tensor.flags.writeable):
+        return False
+    return group.run_shape(runner, tensor)
+
+
+def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
+                      view: Optional[TensorView]) -> None:
+    """A blocking call by the full path; once it has run, its shape is learnt."""
+    group.submit(lambda seq: GroupCall(options, seq, tensor=view), False)
+    if key is not None and (view is None or view.array.flags.writeable):
+        group.learn_shape(key, options, view)
 
 
 # ---------------------------------------------------------------- groups
@@ -340,12 +386,18 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
         ArgumentTypeError, ArgumentValueError, GroupNotInitializedError, CollectiveError: as
             every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _ALLREDUCE, tensor, op, -1)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     op = check_reduce_op(op)
     view = _view(group, tensor, True, "tensor")
     check_op(op, view.dtype_name)
-    return _submit(group, _options(group, Collective.ALLREDUCE, timeout, op=op), async_op,
-                   tensor=view)
+    options = _options(group, Collective.ALLREDUCE, timeout, op=op)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
@@ -366,13 +418,19 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
         ArgumentTypeError, ArgumentValueError: bad arguments (including dst_rank out of range).
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _REDUCE, tensor, op, dst_rank)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     op = check_reduce_op(op)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
     view = _view(group, tensor, group.rank == dst_rank, "tensor")
     check_op(op, view.dtype_name)
-    return _submit(group, _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank),
-                   async_op, tensor=view)
+    options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
@@ -392,11 +450,17 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
         ArgumentTypeError, ArgumentValueError: bad arguments (including src_rank out of range).
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _BROADCAST, tensor, ReduceOp.SUM, src_rank)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
     view = _view(group, tensor, group.rank != src_rank, "tensor")
-    return _submit(group, _options(group, Collective.BROADCAST, timeout, root=src_rank),
-                   async_op, tensor=view)
+    options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", *,
@@ -550,8 +614,17 @@ def barrier(group_name: str = "default", *, async_op: bool = False,
     Raises:
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _BARRIER_KEY
+    if _run_known_shape(group_name, known, None):
+        return None
     group = _group(group_name)
-    return _submit(group, _options(group, Collective.BARRIER, timeout), async_op)
+    options = _options(group, Collective.BARRIER, timeout)
+    if known is None:
+        return _submit(group, options, async_op)
+    return _submit_and_learn(group, options, known, None)
+
+
+_BARRIER_KEY = ("barrier",)
 
 
 def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: str, tag: int,

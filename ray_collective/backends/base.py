@@ -68,6 +68,25 @@ class Membership(ABC):
         """
         return None
 
+    def shape_runner(self, options: CallOptions, view: Optional[TensorView]
+                     ) -> Optional[Callable[[int, Any], None]]:
+        """How to run the later calls of one shape without building a call each time.
+
+        Asked once per call shape, after a call with ``options`` on a tensor like ``view``
+        (None for a barrier) passed every check of the API; the group then runs each later
+        call of the same shape (numpy array, dtype, shape, strides, root, op) as
+        ``runner(seq, array)``, with the same failure handling as :meth:`run`. The default
+        offers none: every call goes through :meth:`run`.
+
+        Args:
+            options: the calls' options.
+            view: the first call's tensor.
+
+        Returns:
+            ``runner(seq, array)``, or None.
+        """
+        return None
+
     @abstractmethod
     def run(self, call: GroupCall) -> None:
         """Run ``call`` to completion.

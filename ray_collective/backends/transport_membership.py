@@ -90,6 +90,10 @@ def _layout(collective: Collective, rank: int, root: int) -> str:
     return "in place"
 
 
+def _nothing_to_run(seq: int, array) -> None:
+    return None
+
+
 def _concatenate(views: Sequence[TensorView]) -> np.ndarray:
     return np.concatenate([v.array for v in views])
 
@@ -159,6 +163,28 @@ class TransportMembership(Membership):
                 del self._prepared[next(iter(self._prepared))]
             self._prepared[key] = prepared
         return prepared
+
+    def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
+        prepared = self.prepared(options, view)
+        if prepared.layout != "in place" or prepared.tag != COLLECTIVE_TAG:
+            return None
+        plan, template, combine = prepared.plan, prepared.template, prepared.combine
+        if not plan.steps and self.world_size == 1:
+            # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
+            return _nothing_to_run
+        transport, timeout, what = self.transport, options.timeout, options.collective.value
+        average, dtype_name, world_size = prepared.average, "", self.world_size
+        if view is not None:
+            dtype_name = view.dtype_name
+
+        def run(seq: int, array) -> None:
+            flat = None if array is None else array.reshape(-1)
+            run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
+                     combine, timeout, what)
+            if average:
+                finalize_average(flat, dtype_name, world_size)
+
+        return run
 
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
