@@ -14,8 +14,16 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 
+RANKS_SHOWN = 32
+"""A message lists at most this many ranks (the lowest) and says how many there are in all:
+a timeout in a group of thousands must not make a message of megabytes."""
+
+
 def _ranks(ranks: Iterable[int]) -> str:
-    return "[" + ", ".join(str(r) for r in sorted(set(ranks))) + "]"
+    listed = sorted(set(ranks))
+    shown = ", ".join(str(r) for r in listed[:RANKS_SHOWN])
+    more = f", ... ({len(listed)} ranks in all)" if len(listed) > RANKS_SHOWN else ""
+    return f"[{shown}{more}]"
 
 
 class CollectiveError(RuntimeError):

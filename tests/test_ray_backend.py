@@ -12,6 +12,7 @@ import pytest
 import ray_collective as col
 from helpers import numpy_reduce, process_resources, rank_data, run_in, start_members
 from contract import CASES, check_every_collective, every_collective
+from ray_collective.types import MAX_GROUP_NAME_BYTES
 
 
 def join(rank, group, world_size, timeout=60.0):
@@ -405,7 +406,7 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
 
 
 
-ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * 300]
+ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * MAX_GROUP_NAME_BYTES]
 
 
 def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, members):

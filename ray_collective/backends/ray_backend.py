@@ -114,9 +114,13 @@ _JOB_FILE = "job"
 
 def _finished_jobs() -> set:
     """Ids of the jobs of this Ray cluster that have finished (empty if Ray cannot say)."""
+    # Through the process's own connection to Ray's control store: ray._private.state's
+    # job_table() opens a second one in a worker (an eventfd, an epoll and a timer
+    # descriptor, kept for the life of the process).
     try:
-        from ray._private.state import state
-        return {job["JobID"] for job in state.job_table() if job["IsDead"]}
+        from ray._private.worker import global_worker
+        jobs = global_worker.gcs_client.get_all_job_info()
+        return {job_id.hex() for job_id, job in jobs.items() if job.is_dead}
     except Exception:  # noqa: BLE001 - a private API of Ray: without it, nothing is swept
         return set()
 
