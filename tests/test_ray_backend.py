@@ -104,8 +104,9 @@ def test_ray_util_collective_runs_on_this_backend(ray_session, members):
 
 def _group_dirs(ray):
     from ray._private.worker import global_worker
-    root = os.path.join(global_worker.node.get_session_dir_path(), "rc")
-    return set(os.listdir(root)) if os.path.isdir(root) else set()
+    from ray_collective.backends.private_dirs import session_directory
+    root = session_directory(global_worker.node.get_session_dir_path())
+    return set(os.listdir(root)) if root is not None and os.path.isdir(root) else set()
 
 
 def _group_keys(ray, group):
