@@ -100,9 +100,10 @@ def _latency_row(collective: str, nbytes: int, durations: Sequence[Sequence[floa
 
 def group_dir_entries() -> set:
     """Every file and directory under this machine's group directories now."""
-    from ray_collective.backends.ray_backend import _group_dirs_base, _runtime
+    from ray_collective.backends.private_dirs import session_directory
+    from ray_collective.backends.ray_backend import _runtime
     entries = set()
-    for root, dirs, files in os.walk(_group_dirs_base(_runtime()[2])):
+    for root, dirs, files in os.walk(session_directory(_runtime()[2]) or os.devnull):
         entries.update(os.path.join(root, name) for name in dirs + files)
     return entries
 

@@ -142,7 +142,7 @@ def init_collective_group(world_size: int, rank: int,
     """Join this process to a collective group; returns once every rank has joined.
 
     Args:
-        world_size: number of ranks in the group (>= 1).
+        world_size: number of ranks in the group, 1 to 65536 (``types.MAX_WORLD_SIZE``).
         rank: this process's rank, in [0, world_size).
         backend: ``"ray"`` (CPU; ``"gloo"`` is an alias), ``"nccl"`` (GPU), the name of a
             backend added with :func:`register_backend` (in this process), or a backend
@@ -150,13 +150,16 @@ def init_collective_group(world_size: int, rank: int,
         group_name: the group's name, unique within this process.
         gloo_timeout: accepted for compatibility with ``ray.util.collective``: the default
             deadline in milliseconds, used when ``timeout`` is not given.
-        timeout: the default deadline of every call on this group, in seconds (default 1800).
+        timeout: the default deadline of every call on this group, in seconds (default 1800;
+            one past a year, ``types.MAX_TIMEOUT_S``, is taken as a year).
 
     Returns:
         None.
 
     Raises:
-        ValueError: world_size < 1, rank out of range, empty group name, bad timeout.
+        ValueError: world_size not in 1..65536 (``types.MAX_WORLD_SIZE``), rank out of range,
+            a group name that is empty, longer than 256 bytes of UTF-8 or holds a control
+            character, a timeout that is not a positive number.
         GroupAlreadyInitializedError: this process already has a group of that name.
         BackendNotAvailableError: the backend cannot run in this process.
         CollectiveTimeoutError: the other ranks did not join in time.
@@ -191,7 +194,8 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
     Raises:
         TypeError: an element of ``actors`` is not a Ray actor handle.
         ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
-            the number of actors, bad timeout or name.
+            the number of actors or over 65536, bad timeout or name (as for
+            :func:`init_collective_group`).
         BackendNotAvailableError: Ray is not initialized, or the backend cannot run in the
             actors (raised from the actor that failed).
         GroupAlreadyInitializedError: this driver already declared a group of that name.

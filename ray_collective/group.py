@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 from .backends.base import BackendFactory, GroupCall, Membership
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
-from .types import CallOptions, Collective, ReduceOp
+from .types import MAX_TIMEOUT_S, CallOptions, Collective, ReduceOp
 
 # Distinct call options a group keeps (they differ by collective, op, root, peer, tag and a
 # per-call timeout); past this the cache starts over, so odd timeouts cannot grow it forever.
@@ -45,15 +45,15 @@ class Work:
         """Block until the call completes.
 
         Args:
-            timeout: seconds to wait at most; None waits until the call itself finishes or hits
-                its own deadline.
+            timeout: seconds to wait at most (past ``MAX_TIMEOUT_S``, a year, that long);
+                None waits until the call itself finishes or hits its own deadline.
 
         Raises:
             TimeoutError: ``timeout`` passed first; the call goes on running.
             CollectiveError: the call failed (the same error a blocking call would raise).
         """
         try:
-            self._future.result(timeout)
+            self._future.result(None if timeout is None else min(timeout, MAX_TIMEOUT_S))
         except FutureTimeout:
             if self._future.done():
                 raise  # the call itself timed out (CollectiveTimeoutError is a TimeoutError)

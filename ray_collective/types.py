@@ -76,6 +76,22 @@ A dead peer is reported through its own error long before this; the deadline onl
 rank that is alive but never makes the call.
 """
 
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""The longest deadline a call keeps, in seconds (one year): a longer one, however large, is
+taken as this. It means "no practical limit", and stays within what the system calls that
+wait can express (a socket timeout or a lock wait past about 9.2e9 s overflows, a ``poll``
+past 24.8 days)."""
+
+MAX_WORLD_SIZE = 65536
+"""The most ranks a group may have. A joining rank keeps nothing per rank until its peers have
+arrived; once they have, every rank keeps an entry per peer and its node a 16-byte word pair
+per rank (1 MiB at this size), and the rendezvous lists one key per rank. The largest groups
+run here had 400 ranks on one machine and 256 on 8 nodes."""
+
+MAX_GROUP_NAME_BYTES = 256
+"""The longest group name, in bytes of UTF-8. The name travels in every message's header and
+in the keys of Ray's key-value store; it is never part of a file name (those are digests)."""
+
 
 @dataclass(frozen=True)
 class CallOptions:

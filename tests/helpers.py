@@ -1,9 +1,15 @@
 """What the tests share besides fixtures: reference results computed by numpy alone, and the
 plain member actors the Ray tests form groups around (and how to run code inside them)."""
 
+import contextlib
+import errno
+import json
 import os
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -91,3 +97,53 @@ def run_benchmark(module, *arguments, timeout=300):
                                env=environment, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
+
+
+NOBODY = 65534
+"""The uid and gid of the unprivileged user the security tests become (``nobody``)."""
+
+
+def attempts_as(uid, gid, attempts):
+    """Run each ``(label, function)`` of ``attempts`` in a child process that has dropped to
+    ``uid``/``gid``; returns ``{label: errno name or "allowed"}``."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        # Only system calls from here on: the parent has threads, so this child must not
+        # import or take locks they may have held.
+        outcome = {}
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            for label, attempt in attempts:
+                try:
+                    attempt()
+                    outcome[label] = "allowed"
+                except OSError as err:
+                    outcome[label] = errno.errorcode.get(err.errno, str(err.errno))
+            os.write(write_end, json.dumps(outcome).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 30)
+        assert ready, "the unprivileged child did not answer"
+        answer = os.read(read_end, 1 << 16)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    return json.loads(answer)
+
+
+@contextlib.contextmanager
+def writable_by_everyone():
+    """A fresh directory every user may make entries in, with the sticky bit (as /tmp): where
+    another user can plant what the library must refuse. Removed afterwards, whatever is in it."""
+    path = tempfile.mkdtemp(prefix="ray-collective-test-", dir="/tmp")
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -12,6 +12,7 @@ import pytest
 import ray_collective as col
 from helpers import numpy_reduce, process_resources, rank_data, run_in, start_members
 from contract import CASES, check_every_collective, every_collective
+from ray_collective.types import MAX_GROUP_NAME_BYTES
 
 
 def join(rank, group, world_size, timeout=60.0):
@@ -103,8 +104,9 @@ def test_ray_util_collective_runs_on_this_backend(ray_session, members):
 
 def _group_dirs(ray):
     from ray._private.worker import global_worker
-    root = os.path.join(global_worker.node.get_session_dir_path(), "rc")
-    return set(os.listdir(root)) if os.path.isdir(root) else set()
+    from ray_collective.backends.private_dirs import session_directory
+    root = session_directory(global_worker.node.get_session_dir_path())
+    return set(os.listdir(root)) if root is not None and os.path.isdir(root) else set()
 
 
 def _group_keys(ray, group):
@@ -405,7 +407,7 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
 
 
 
-ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * 300]
+ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * MAX_GROUP_NAME_BYTES]
 
 
 def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, members):

@@ -169,9 +169,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                 # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
-                                         [r for r in range(world_size) if r not in present],
-                                         timeout)
-        time.sleep(next(pauses))
+                                         [r for r in range(world_size)
+                                          if r not in present and r != me.rank], timeout)
+        time.sleep(max(0.0, min(next(pauses), deadline - time.monotonic())))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
