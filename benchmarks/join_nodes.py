@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ray_collective.backends.ray_backend import CROSS_NODE_TRANSPORTS, CROSS_NODE_VARIABLE
+from ray_collective.backends.ray.environment import CROSS_NODE_TRANSPORTS, CROSS_NODE_VARIABLE
 
 from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 

@@ -100,8 +100,8 @@ def _latency_row(collective: str, nbytes: int, durations: Sequence[Sequence[floa
 
 def group_dir_entries() -> set:
     """Every file and directory under this machine's group directories now."""
-    from ray_collective.backends.private_dirs import session_directory
-    from ray_collective.backends.ray_backend import _runtime
+    from ray_collective.backends.ray.private_dirs import session_directory
+    from ray_collective.backends.ray.environment import runtime as _runtime
     entries = set()
     for root, dirs, files in os.walk(session_directory(_runtime()[2]) or os.devnull):
         entries.update(os.path.join(root, name) for name in dirs + files)
@@ -113,9 +113,9 @@ def _leftovers(group_name: str, entries_before: set) -> dict:
     appeared under the group directories since ``entries_before``."""
     from ray.experimental import internal_kv
 
-    from ray_collective.backends import rendezvous
+    from ray_collective.backends.ray import rendezvous
     from ray_collective.backends.key_value import NAMESPACE
-    from ray_collective.backends.ray_backend import _runtime
+    from ray_collective.backends.ray.environment import runtime as _runtime
     prefix = rendezvous.group_prefix(_runtime()[0], group_name)
     keys = internal_kv._internal_kv_list(prefix.encode(), namespace=NAMESPACE)
     return {"kv_keys": len(keys), "group_dir_entries": len(group_dir_entries() - entries_before)}
@@ -300,7 +300,7 @@ def wait_for_post_offices(ray, count: int, timeout_s: float) -> float:
     Raises:
         TimeoutError: fewer were up after ``timeout_s`` seconds.
     """
-    from ray_collective.backends.ray_backend import POST_OFFICE_NAME_PREFIX
+    from ray_collective.backends.ray.post_offices import POST_OFFICE_NAME_PREFIX
     from ray_collective.backends.key_value import NAMESPACE
     start = time.perf_counter()
     while True:

@@ -215,7 +215,7 @@ class BackendNotAvailableError(CollectiveError):
 class InsecureDirectoryError(BackendNotAvailableError):
     """A directory the ``ray`` backend would keep a group's sockets in could be taken over by
     another local user (it belongs to someone else, others may write to it, it is a symbolic
-    link); the backend refuses to use it (``backends.private_dirs``).
+    link); the backend refuses to use it (``backends.ray.private_dirs``).
 
     Attributes:
         group_name: the group.

@@ -40,7 +40,8 @@ from ray.cluster_utils import Cluster
 
 import ray_collective as col
 from ray_collective.algorithms.selector import select
-from ray_collective.backends.ray_backend import CROSS_NODE_VARIABLE, POST_OFFICE_LOOKUP_S
+from ray_collective.backends.ray.environment import CROSS_NODE_VARIABLE
+from ray_collective.backends.ray.post_offices import POST_OFFICE_LOOKUP_S
 from ray_collective.backends.key_value import NAMESPACE
 from ray_collective.transport import handshake, tcp
 from helpers import Member, numpy_reduce, rank_data, run_in

@@ -1,6 +1,6 @@
 """The object-store path between nodes without Ray: a round's messages packed into the
 arguments of one ``deliver`` task and unpacked by the post office, and the ``ray`` transport
-over real post offices (``backends.post_office.PostOffice``), each a thread of this process
+over real post offices (``backends.ray.post_office.PostOffice``), each a thread of this process
 standing in for the actor, with the ranks split between two pretend nodes: every collective
 against numpy, small rounds (payloads cut into parts of the task's message) and large ones
 (whole arrays, as Ray's object store carries them).
@@ -16,7 +16,7 @@ import pytest
 
 from test_ray_backend import check_every_collective, every_collective
 from test_tcp import KEY, StreamFactory, pretend_nodes, two_node_transports
-from ray_collective.backends.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
+from ray_collective.backends.ray.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
                                                  PostOffice, pack_round, unpack_round)
 from ray_collective.testing import run_ranks
 from ray_collective.transport import uds

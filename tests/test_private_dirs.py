@@ -1,4 +1,4 @@
-"""Where the ``ray`` backend keeps a group's sockets on a node (``backends.private_dirs``), and
+"""Where the ``ray`` backend keeps a group's sockets on a node (``backends.ray.private_dirs``), and
 how it refuses a directory another local user could take over: each attack is played as uid
 65534 in a directory where that user may write, as ``/tmp`` and ``/dev/shm`` are (no Ray)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import ray_collective as col
 from helpers import NOBODY, attempts_as, writable_by_everyone
-from ray_collective.backends import private_dirs
+from ray_collective.backends.ray import private_dirs
 from ray_collective.types import MAX_WORLD_SIZE
 
 SESSION = "/tmp/ray/session_2026-11-26_00-00-00_000000_1"

@@ -104,7 +104,7 @@ def test_ray_util_collective_runs_on_this_backend(ray_session, members):
 
 def _group_dirs(ray):
     from ray._private.worker import global_worker
-    from ray_collective.backends.private_dirs import session_directory
+    from ray_collective.backends.ray.private_dirs import session_directory
     root = session_directory(global_worker.node.get_session_dir_path())
     return set(os.listdir(root)) if root is not None and os.path.isdir(root) else set()
 
@@ -390,7 +390,7 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
     import json
     import subprocess
     import sys
-    from ray_collective.backends import rendezvous
+    from ray_collective.backends.ray import rendezvous
     address = ray_session.get_runtime_context().gcs_address
     script = os.path.join(os.path.dirname(__file__), "abandoned_job.py")
     finished = subprocess.run([sys.executable, script, address], capture_output=True,
@@ -413,7 +413,7 @@ ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * MAX_GROUP_NAME_BYT
 def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, members):
     """Names that contain the key separator, climb directories, use unicode or run long are
     all separate groups, used alternately on the same actors, and leave no key behind."""
-    from ray_collective.backends import rendezvous
+    from ray_collective.backends.ray import rendezvous
     actors = members[:2]
     for name in ODD_NAMES:
         col.declare_collective_group(actors, group_name=name)
@@ -442,7 +442,7 @@ def _churn(rank, group, calls):
 def test_churn_leaves_descriptors_memory_keys_and_directories_where_they_were(
         ray_session, members):
     """200 create/destroy cycles with calls in each, then 10,000 small allreduces."""
-    from ray_collective.backends import rendezvous
+    from ray_collective.backends.ray import rendezvous
     actors = members[:2]
     job = ray_session.get_runtime_context().get_job_id()
     kv = rendezvous.KeyValue()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ray_collective.backends import rendezvous
+from ray_collective.backends.ray import rendezvous
 
 
 class MemoryKeyValue(rendezvous.KeyValue):

@@ -18,7 +18,7 @@ import pytest
 
 import ray_collective as col
 from helpers import NOBODY, attempts_as, process_resources, run_in, writable_by_everyone
-from ray_collective.backends.private_dirs import DIRECTORY_VARIABLE
+from ray_collective.backends.ray.private_dirs import DIRECTORY_VARIABLE
 from ray_collective.transport import wire
 
 LARGE = 1 << 18

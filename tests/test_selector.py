@@ -98,8 +98,8 @@ def test_between_crowded_nodes_allreduce_takes_fewest_messages_from_4_ranks():
 
 
 def test_oversubscription_is_judged_from_the_shared_membership():
-    from ray_collective.backends.rendezvous import Member
-    from ray_collective.backends.ray_backend import _oversubscribed
+    from ray_collective.backends.ray.rendezvous import Member
+    from ray_collective.backends.ray.machines import oversubscribed as _oversubscribed
     two_cores = [Member(r, "a", 100 + r, 2) for r in range(2)]
     assert not _oversubscribed(two_cores)
     assert _oversubscribed(two_cores + [Member(2, "a", 102, 2)])
@@ -107,8 +107,8 @@ def test_oversubscription_is_judged_from_the_shared_membership():
 
 
 def test_ray_nodes_at_one_address_share_its_cores():
-    from ray_collective.backends.rendezvous import Member
-    from ray_collective.backends.ray_backend import _ranks_over_cores
+    from ray_collective.backends.ray.rendezvous import Member
+    from ray_collective.backends.ray.machines import ranks_over_cores as _ranks_over_cores
     # Two ranks on each of two Ray nodes: apart, each node has a core per rank; at one address
     # (a local Cluster) four ranks share two cores, and no rank may spin.
     apart = [Member(r, "ab"[r // 2], 100 + r, 2, "streams", f"10.0.0.{r // 2}")

@@ -18,7 +18,7 @@ from ..errors import ArgumentTypeError, ArgumentValueError, BackendNotAvailableE
 from ..types import BACKEND_ALIASES, Backend
 from .base import BackendFactory
 from .nccl import NcclBackendFactory
-from .ray_backend import RayBackendFactory
+from .ray import RayBackendFactory
 
 
 class BackendRegistry:

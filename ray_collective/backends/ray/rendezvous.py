@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from urllib.parse import quote
 
-from ..errors import CollectiveTimeoutError
-from ..transport.processes import process_alive
-from .key_value import KeyValue
+from ...errors import CollectiveTimeoutError
+from ...transport.processes import process_alive
+from ..key_value import KeyValue
 
 @dataclass(frozen=True)
 class Member:

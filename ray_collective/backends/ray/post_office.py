@@ -29,11 +29,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..transport import uds, wire
-from ..transport.node_state import NodeState, write_atomically
-from ..transport.post_office_carrier import RemoteMessage
-from ..transport.processes import process_alive
-from ..transport.shm import SendArena
+from ...transport import uds, wire
+from ...transport.node_state import NodeState, write_atomically
+from ...transport.post_office_carrier import RemoteMessage
+from ...transport.processes import process_alive
+from ...transport.shm import SendArena
 
 POST_OFFICE_PID_FILE = "post-office.pid"
 """In a node's group directory: the process id of the node's post office."""

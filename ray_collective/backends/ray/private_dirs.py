@@ -42,9 +42,9 @@ import shutil
 import stat
 from typing import Iterable, Optional, Tuple
 
-from ..errors import ArgumentValueError, InsecureDirectoryError
-from ..transport.node_state import write_atomically
-from ..types import MAX_WORLD_SIZE
+from ...errors import ArgumentValueError, InsecureDirectoryError
+from ...transport.node_state import write_atomically
+from ...types import MAX_WORLD_SIZE
 
 DIRECTORY_VARIABLE = "RAY_COLLECTIVE_DIR"
 """Names the directory in which ``ray_collective-<uid>`` is made, instead of the defaults."""

@@ -1,0 +1,180 @@
+"""Joining a ``ray`` group: :class:`RayBackendFactory`.
+
+Inside each member process (a group declared from the driver runs the same code in each actor,
+``ray_collective.declared``):
+
+1. find the incarnation's token and the group's private directory on this node (made and
+   checked by ``private_dirs``: ``/dev/shm/ray_collective-<uid>/...``, mode 0700), and listen
+   on ``<rank>.sock`` there;
+2. register in Ray's key-value store and wait for every rank (``rendezvous``);
+3. if the group spans nodes: with streams (``RAY_COLLECTIVE_CROSS_NODE=streams``, the
+   default), listen on the node's address for streams from other nodes and publish where;
+   and the lowest rank of each node starts that node's post office (``post_offices``), the
+   only process the library adds. With streams it carries no message, only what must reach a
+   node's state page from another node (an abort, which ranks are dead or stalled); with
+   ``object_store`` it carries the messages too;
+4. build the rank's transport (``transport.link_transport``) and membership (``membership``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import Dict, Optional, Tuple
+
+from ...algorithms.selector import forced_algorithms
+from ...errors import BackendNotAvailableError
+from ...transport import tcp, uds
+from ...transport.engine import SPIN_S
+from ...transport.link_transport import LinkTransport, Peer
+from ...transport.node_state import NodeState
+from ...transport.stream_carrier import Streams
+from ..base import BackendFactory, Declaration, Membership
+from . import private_dirs, rendezvous
+from .environment import (STREAMS, cross_node_transport, finished_jobs, ray_module,
+                          runtime)
+from .machines import ranks_over_cores
+from .membership import RayMembership
+from .post_offices import RayPostOffices, shut_post_office, start_post_office
+
+
+def sweep_finished_jobs(session_dir: str) -> None:
+    """Remove the keys and this machine's group directories of jobs that have finished.
+
+    Members that die with their job (a driver that exits without destroying its groups) never
+    leave; whoever opens the next incarnation of any group cleans up after them.
+    """
+    finished = finished_jobs()
+    if not finished:
+        return
+    rendezvous.sweep_finished_jobs(rendezvous.KeyValue(), finished)
+    private_dirs.remove_finished_groups(session_dir, finished)
+
+
+class RayBackendFactory(BackendFactory):
+    """Joins ranks to ``ray`` groups.
+
+    Args:
+        token: the incarnation to join (set by the driver for declared groups); None lets rank
+            0 open a new incarnation and the others follow it.
+    """
+
+    name = "ray"
+
+    def __init__(self, token: Optional[str] = None):
+        self.token = token
+
+    def available(self) -> bool:
+        return hasattr(os, "memfd_create")
+
+    def create(self, group_name: str, world_size: int, rank: int,
+               timeout: float) -> Membership:
+        if not self.available():
+            raise BackendNotAvailableError(
+                f"group '{group_name}', rank {rank}: the 'ray' backend needs Linux (memfd and "
+                f"Unix sockets with descriptor passing)")
+        forced = forced_algorithms()
+        cross_node = cross_node_transport(group_name, rank)
+        job_id, node, session = runtime()
+        kv = rendezvous.KeyValue()
+        prefix = rendezvous.group_prefix(job_id, group_name)
+        token = self.token
+        if token is None and rank == 0:
+            sweep_finished_jobs(session)
+            token = rendezvous.open_incarnation(kv, prefix)
+        endpoint: Dict[str, object] = {}
+
+        def listen_under(current: str) -> None:
+            if "listener" in endpoint:
+                endpoint["listener"].close()
+            directory = private_dirs.node_directory(session, job_id, group_name, current, node,
+                                                    rank)
+            path = os.path.join(directory, f"{rank}.sock")
+            if os.path.exists(path):
+                os.unlink(path)
+            endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
+
+        me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
+                               cross_node, ray_module().util.get_node_ip_address())
+        try:
+            token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
+                                             listen_under, token)
+        except BaseException:
+            if "listener" in endpoint:
+                endpoint["listener"].close()
+            raise
+        directory = endpoint["directory"]
+        group_key = bytes.fromhex(token)
+        peers = [Peer(m.node, m.pid, os.path.join(directory, f"{m.rank}.sock"))
+                 for m in members]
+        state = NodeState(directory, group_name, world_size)
+        nodes = {m.node for m in members}
+        post_offices, post_office, streams = None, None, None
+        if len(nodes) > 1:
+            # Every member must agree, and each asked for what it can do: one asking for the
+            # object store (by choice, or for TLS) takes the whole group there.
+            if all(m.cross_node == STREAMS for m in members):
+                streams = _listen_for_streams(kv, prefix, token, rank, me.host, world_size,
+                                              timeout)
+            post_offices = RayPostOffices(
+                group_key, node, sorted(nodes - {node}), timeout, directory,
+                functools.partial(rendezvous.broken_by, kv, prefix, token))
+            local = {m.rank: m.pid for m in members if m.node == node}
+            if rank == min(local):
+                post_office = start_post_office(directory, group_name, group_key, world_size,
+                                                 node, local, timeout)
+        # Polling without sleep answers small messages fastest, but only a rank with a core of
+        # its own may do it: on a crowded machine it would take the core a peer needs.
+        spin_s = 0.0 if ranks_over_cores(members)[node] else SPIN_S
+        transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
+                                  state, post_offices, connect_timeout=timeout, spin_s=spin_s,
+                                  streams=streams)
+        return RayMembership(group_name, transport, token, prefix, directory, members,
+                             post_office, forced)
+
+    def prepare_declaration(self, group_name: str) -> Declaration:
+        # The driver opens the incarnation, so that the members join the same one whatever
+        # their order, and removes it after them whatever they did.
+        job_id, _, session = runtime()
+        sweep_finished_jobs(session)
+        token = rendezvous.open_incarnation(rendezvous.KeyValue(),
+                                            rendezvous.group_prefix(job_id, group_name))
+        return Declaration(RayBackendFactory(token),
+                           functools.partial(_remove_incarnation, group_name, token))
+
+
+def _listen_for_streams(kv: rendezvous.KeyValue, prefix: str, token: str, rank: int,
+                        host: str, world_size: int, timeout: float) -> Streams:
+    """Listen on ``host`` (this node's address as Ray knows it), publish where, and return the
+    way to the other members' listeners (read from the store on a rank's first connection to
+    them)."""
+    listener = tcp.listen(host, world_size + 16)
+    try:
+        rendezvous.publish_stream_endpoint(kv, prefix, token, rank, host,
+                                           listener.getsockname()[1])
+    except BaseException:
+        listener.close()
+        raise
+    known: Dict[int, Tuple[str, int]] = {}
+
+    def address(peer: int) -> Tuple[str, int]:
+        if peer not in known:
+            known.update(rendezvous.wait_for_stream_endpoint(kv, prefix, token, peer, timeout))
+        return known[peer]
+
+    return Streams(listener, address)
+
+
+def _remove_incarnation(group_name: str, token: str) -> None:
+    """Remove what a group leaves outside its members: keys, post offices, this node's files."""
+    job_id, _, session = runtime()
+    kv = rendezvous.KeyValue()
+    prefix = rendezvous.group_prefix(job_id, group_name)
+    nodes = {member.node for member in rendezvous.registered_members(kv, prefix, token)}
+    for node in nodes:
+        shut_post_office(bytes.fromhex(token), node)
+    rendezvous.close_incarnation(kv, prefix, token)
+    root = private_dirs.group_root(session, job_id, group_name, token)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
