@@ -1,0 +1,651 @@
+/* The executor: one rank's part of a call, the whole recorded plan, run by rc_progress without
+ * Python (the module releases the GIL around it).
+ *
+ * Rounds: the plan's steps run in order. A round posts its messages at once: each send is
+ * queued on its peer's link and framed into the ring as room allows (parts of at most
+ * part_max bytes), each receive takes the frames of its peer in posting order, checking every
+ * part against what it expects (the packed call header byte for byte, the step, the element
+ * count, the message's bytes and the part's offset) and copying or reducing the part straight
+ * out of the ring into its place. A round is over when all its receives have their bytes and
+ * all its sends are out of the caller's memory; then the local steps up to the next round run.
+ * Frames of another tag (point-to-point channels) met on the way are copied aside (the link's
+ * stash) for the receive that will want them.
+ *
+ * Eager sends over bounded rings: a send whose ring is full would make a plan that relies on
+ * buffered sends deadlock. So when a pass over everything pending makes no progress, and a
+ * short grace (DETACH_GRACE_NS) brought none either, the sends of the round that still read
+ * the caller's memory are detached: their remaining bytes are copied into overflow memory of
+ * the node and the sends count as done; the link keeps framing them into the ring as room
+ * appears. A call is DONE only when every queued byte is in a ring (nothing is left for a later
+ * call to push), so a rank never leaves data behind a peer waits for.
+ *
+ * Waiting: after a pass without progress the rank spins (spin_ns, polling), then sleeps on its
+ * doorbell (shm.c) until a peer publishes a frame or frees room, the slice ends, or an alarm
+ * (rc_wake_all) rings. Before it sleeps it looks at the first frame of every ring it reads: one
+ * of this call's tag and sequence number with another header is a mismatch even if no receive
+ * from that peer is posted (ranks that disagree about the root disagree about who sends).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "node.h"
+
+#define DETACH_GRACE_NS 1000000
+#define MIN_RING_BYTES 1024
+
+enum { PASS_IDLE = -1, PASS_PROGRESS = -2 }; /* besides the rc_status values */
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
+                 uint64_t part_bytes, int64_t spin_ns)
+{
+    memset(node, 0, sizeof *node);
+    node->dirfd = dirfd;
+    if (world < 1 || rank < 0 || rank >= world || ring_bytes < MIN_RING_BYTES
+            || ring_bytes % (2 * RC_LINE) != 0 || part_bytes < 16 || spin_ns < 0) {
+        snprintf(node->error, sizeof node->error,
+                 "need 0 <= rank < world_size, ring_bytes a multiple of %d and at least %d, "
+                 "part_bytes at least 16, spin_ns >= 0", 2 * RC_LINE, MIN_RING_BYTES);
+        return RC_INVALID;
+    }
+    node->rank = rank;
+    node->world = world;
+    node->ring_bytes = ring_bytes;
+    node->part_bytes = part_bytes;
+    node->spin_ns = spin_ns;
+    node->doorbell_bytes = (size_t)RC_LINE * (1 + (size_t)world);
+    void *map = NULL;
+    const char *failed = rc_map_file(dirfd, "doorbell", node->doorbell_bytes, &map);
+    if (failed != NULL) {
+        snprintf(node->error, sizeof node->error, "doorbell: %s", failed);
+        return RC_OS_ERROR;
+    }
+    node->doorbell = map;
+    node->seen_alarm = atomic_load(&node->doorbell->alarm);
+    node->links = calloc((size_t)world, sizeof *node->links);
+    node->senders = malloc(sizeof(int) * (size_t)world);
+    node->receiving = malloc(sizeof(int) * (size_t)world);
+    node->blocked = calloc((size_t)world, sizeof *node->blocked);
+    node->peer_use = calloc((size_t)world, 1);
+    if (!node->links || !node->senders || !node->receiving || !node->blocked || !node->peer_use) {
+        errno = ENOMEM;
+        snprintf(node->error, sizeof node->error, "out of memory");
+        return RC_OS_ERROR;
+    }
+    return RC_OK;
+}
+
+static void recycle(rc_node *node, rc_outgoing *out)
+{
+    free(out->owned);
+    out->owned = NULL;
+    out->next = node->spare;
+    node->spare = out;
+}
+
+void rc_call_end(rc_node *node)
+{
+    for (int i = 0; i < node->n_senders; i++) {
+        rc_link *link = node->links[node->senders[i]];
+        while (link->queue != NULL) {
+            rc_outgoing *out = link->queue;
+            link->queue = out->next;
+            recycle(node, out);
+        }
+        link->queue_last = NULL;
+        link->sending = 0;
+    }
+    node->n_senders = 0;
+    node->call.active = 0;
+    node->call.round = NULL;
+    node->call.left = node->call.attached = 0;
+}
+
+void rc_node_close(rc_node *node)
+{
+    rc_call_end(node);
+    for (int peer = 0; node->links != NULL && peer < node->world; peer++) {
+        rc_link *link = node->links[peer];
+        if (link == NULL)
+            continue;
+        rc_ring_close(&link->out);
+        rc_ring_close(&link->in);
+        while (link->stash != NULL) {
+            rc_stashed *next = link->stash->next;
+            free(link->stash);
+            link->stash = next;
+        }
+        free(link);
+    }
+    while (node->spare != NULL) {
+        rc_outgoing *next = node->spare->next;
+        free(node->spare);
+        node->spare = next;
+    }
+    if (node->doorbell != NULL)
+        munmap(node->doorbell, node->doorbell_bytes);
+    if (node->dirfd >= 0)
+        close(node->dirfd);
+    rc_call *call = &node->call;
+    free(call->code);
+    free(call->slots);
+    free(call->header);
+    free(call->progress);
+    free(node->mismatch.header);
+    free(node->links);
+    free(node->senders);
+    free(node->receiving);
+    free(node->blocked);
+    free(node->peer_use);
+    memset(node, 0, sizeof *node);
+    node->dirfd = -1;
+}
+
+static rc_link *link_to(rc_node *node, int peer)
+{
+    if (node->links[peer] == NULL)
+        node->links[peer] = calloc(1, sizeof(rc_link));
+    return node->links[peer];
+}
+
+/* Opens the rings of every peer the call names that this rank has not used yet. */
+static int open_rings(rc_node *node)
+{
+    for (int peer = 0; peer < node->world; peer++) {
+        uint8_t use = node->peer_use[peer];
+        if (use == 0)
+            continue;
+        rc_link *link = link_to(node, peer);
+        if (link == NULL) {
+            errno = ENOMEM;
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_OS_ERROR;
+        }
+        const char *failed = NULL;
+        int src = node->rank, dst = peer;
+        if ((use & RC_USE_SEND) && link->out.control == NULL)
+            failed = rc_ring_open(&link->out, node->dirfd, src, dst, node->ring_bytes, 1);
+        if (failed == NULL && (use & RC_USE_RECEIVE) && link->in.control == NULL) {
+            src = peer;
+            dst = node->rank;
+            failed = rc_ring_open(&link->in, node->dirfd, src, dst, node->ring_bytes, 0);
+            if (failed == NULL)
+                node->receiving[node->n_receiving++] = peer;
+        }
+        if (failed != NULL) {
+            snprintf(node->error, sizeof node->error, "ring-%d-%d: %s", src, dst, failed);
+            return RC_OS_ERROR;
+        }
+    }
+    return RC_OK;
+}
+
+int rc_call_start(rc_node *node)
+{
+    rc_call *call = &node->call;
+    int64_t biggest = rc_program_check(node);
+    if (biggest < 0)
+        return RC_INVALID;
+    uint64_t half = node->ring_bytes / 2, payload = rc_payload_offset(call->header_len);
+    if (payload + 16 > half) {
+        snprintf(node->error, sizeof node->error,
+                 "ring_bytes %llu is too small for frames with a call header of %u bytes",
+                 (unsigned long long)node->ring_bytes, call->header_len);
+        return RC_INVALID;
+    }
+    uint64_t part = node->part_bytes < half - payload ? node->part_bytes : half - payload;
+    call->part_max = part & ~(uint64_t)15; /* a multiple of every itemsize */
+    int opened = open_rings(node);
+    if (opened != RC_OK)
+        return opened;
+    if (biggest > call->progress_capacity) {
+        int64_t *progress = realloc(call->progress, sizeof(int64_t) * (size_t)biggest);
+        if (progress == NULL) {
+            errno = ENOMEM;
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_OS_ERROR;
+        }
+        call->progress = progress;
+        call->progress_capacity = biggest;
+    }
+    call->pc = 1;
+    call->steps_left = call->code[0];
+    call->round = NULL;
+    call->left = call->attached = 0;
+    call->detach_armed = 0;
+    call->active = 1;
+    return RC_OK;
+}
+
+static int fail_mismatch(rc_node *node, int peer, const char *reason, const rc_frame *frame,
+                         const unsigned char *header, const int64_t *message)
+{
+    rc_mismatch *m = &node->mismatch;
+    free(m->header);
+    memset(m, 0, sizeof *m);
+    m->peer = peer;
+    m->reason = reason;
+    m->expected_step = message ? message[2] : -1;
+    m->expected_count = message ? message[5] - message[4] : -1;
+    if (frame != NULL) {
+        m->step = frame->step;
+        m->tag = frame->tag;
+        m->count = frame->count;
+        m->nbytes = frame->nbytes;
+        m->part_offset = frame->part_offset;
+        m->part_bytes = frame->part_bytes;
+        m->header = malloc(frame->header_len ? frame->header_len : 1);
+        if (m->header != NULL) {
+            m->header_len = frame->header_len;
+            memcpy(m->header, header, frame->header_len);
+        }
+    }
+    return RC_MISMATCH;
+}
+
+static int queue_send(rc_node *node, int64_t index, const int64_t *message)
+{
+    rc_call *call = &node->call;
+    rc_outgoing *out = node->spare; /* the pool grows to the most sends queued at once */
+    if (out != NULL)
+        node->spare = out->next;
+    else if ((out = malloc(sizeof *out)) == NULL)
+        return -1;
+    int peer = (int)message[1];
+    int64_t count = message[5] - message[4];
+    rc_link *link = node->links[peer];
+    *out = (rc_outgoing){NULL, call->slots[message[3]].base + message[4] * call->itemsize, NULL,
+                         message[2], count, count * call->itemsize, 0, index, 0};
+    if (link->queue_last != NULL)
+        link->queue_last->next = out;
+    else
+        link->queue = out;
+    link->queue_last = out;
+    if (!link->sending) {
+        link->sending = 1;
+        node->senders[node->n_senders++] = peer;
+    }
+    call->attached++;
+    return 0;
+}
+
+/* Frames what the link's queue holds into its ring while there is room. */
+static int pump(rc_node *node, int peer, rc_link *link)
+{
+    rc_call *call = &node->call;
+    int moved = 0;
+    uint64_t payload_at = rc_payload_offset(call->header_len);
+    while (link->queue != NULL) {
+        rc_outgoing *out = link->queue;
+        uint64_t part = (uint64_t)(out->nbytes - out->framed);
+        part = part < call->part_max ? part : call->part_max;
+        uint64_t bytes = rc_frame_bytes(call->header_len, part);
+        unsigned char *at = rc_ring_reserve(&link->out, bytes);
+        if (at == NULL)
+            break;
+        rc_frame *frame = (rc_frame *)at;
+        *frame = (rc_frame){RC_FRAME_DATA, call->header_len, bytes, out->step, call->tag,
+                            out->count, out->nbytes, out->framed, (int64_t)part};
+        memcpy(at + sizeof(rc_frame), call->header, call->header_len);
+        memcpy(at + payload_at, out->data, part);
+        rc_ring_publish(&link->out, bytes);
+        rc_bell_ring(node->doorbell, peer);
+        moved = 1;
+        out->data += part;
+        out->framed += (int64_t)part;
+        out->started = 1;
+        if (out->framed == out->nbytes) {
+            link->queue = out->next;
+            if (link->queue == NULL)
+                link->queue_last = NULL;
+            if (out->message >= 0) {
+                call->progress[out->message] = -1;
+                call->left--;
+                call->attached--;
+            }
+            recycle(node, out);
+        }
+    }
+    return moved;
+}
+
+static int pump_all(rc_node *node)
+{
+    int moved = 0;
+    for (int i = 0; i < node->n_senders;) {
+        int peer = node->senders[i];
+        rc_link *link = node->links[peer];
+        moved |= pump(node, peer, link);
+        if (link->queue == NULL) {
+            link->sending = 0;
+            node->senders[i] = node->senders[--node->n_senders];
+        } else {
+            i++;
+        }
+    }
+    return moved;
+}
+
+/* Copies a frame of another tag out of the ring, for a later receive. */
+static int stash(rc_node *node, int peer, rc_link *link, const rc_frame *frame,
+                 const unsigned char *at)
+{
+    rc_stashed *kept = malloc(sizeof *kept + frame->frame_bytes);
+    if (kept == NULL) {
+        snprintf(node->error, sizeof node->error, "out of memory");
+        return RC_FAILED;
+    }
+    kept->next = NULL;
+    kept->bytes = frame->frame_bytes;
+    memcpy(kept->frame, at, frame->frame_bytes);
+    memcpy(kept->frame, frame, sizeof *frame); /* the head as checked */
+    if (link->stash_last != NULL)
+        link->stash_last->next = kept;
+    else
+        link->stash = kept;
+    link->stash_last = kept;
+    rc_ring_release(&link->in, frame->frame_bytes);
+    rc_bell_ring(node->doorbell, peer);
+    return PASS_PROGRESS;
+}
+
+/* The next frame of the call's tag from the link: from the stash, else from the ring (frames
+ * of other tags stashed on the way). Returns 1 (and *kept when it came from the stash), 0 when
+ * there is none yet, or an rc_status. */
+static int next_frame(rc_node *node, int peer, rc_link *link, rc_frame *frame,
+                      const unsigned char **at, rc_stashed ***kept)
+{
+    int64_t tag = node->call.tag;
+    for (rc_stashed **p = &link->stash; *p != NULL; p = &(*p)->next) {
+        if (((rc_frame *)(*p)->frame)->tag == tag) {
+            memcpy(frame, (*p)->frame, sizeof *frame);
+            *at = (*p)->frame;
+            *kept = p;
+            return 1;
+        }
+    }
+    *kept = NULL;
+    for (;;) {
+        int found = rc_ring_peek(&link->in, frame, at);
+        if (found < 0)
+            return fail_mismatch(node, peer, "a malformed frame", NULL, NULL, NULL);
+        if (found == 0 || frame->tag == tag)
+            return found;
+        int stashed = stash(node, peer, link, frame, *at);
+        if (stashed != PASS_PROGRESS)
+            return stashed;
+    }
+}
+
+/* Takes what has arrived for receive `index` of the round. */
+static int receive(rc_node *node, int64_t index, const int64_t *message)
+{
+    rc_call *call = &node->call;
+    int peer = (int)message[1];
+    rc_link *link = node->links[peer];
+    int64_t count = message[5] - message[4], nbytes = count * call->itemsize;
+    int moved = 0;
+    while (call->progress[index] >= 0) {
+        rc_frame frame;
+        const unsigned char *at;
+        rc_stashed **kept;
+        int found = next_frame(node, peer, link, &frame, &at, &kept);
+        if (found != 1)
+            return found == 0 ? (moved ? PASS_PROGRESS : PASS_IDLE) : found;
+        const unsigned char *header = at + sizeof(rc_frame);
+        if (frame.header_len != call->header_len
+                || memcmp(header, call->header, call->header_len) != 0)
+            return fail_mismatch(node, peer, "header", &frame, header, message);
+        if (frame.step != message[2] || frame.count != count)
+            return fail_mismatch(node, peer, frame.step != message[2] ? "step" : "count", &frame,
+                                 header, message);
+        int64_t received = call->progress[index], part = frame.part_bytes;
+        if (frame.nbytes != nbytes || frame.part_offset != received || part % call->itemsize
+                || part > nbytes - received || (part == 0 && nbytes != 0))
+            return fail_mismatch(node, peer, "part", &frame, header, message);
+        unsigned char *target = call->slots[message[3]].base + message[4] * call->itemsize
+                                + received;
+        const unsigned char *payload = at + rc_payload_offset(frame.header_len);
+        if (message[0] & RC_MESSAGE_REDUCE)
+            call->kernel(target, payload, part / call->itemsize, 1, 1);
+        else
+            memcpy(target, payload, (size_t)part);
+        if (kept != NULL) {
+            rc_stashed *used = *kept;
+            *kept = used->next;
+            if (link->stash_last == used) {
+                link->stash_last = NULL;
+                for (rc_stashed *p = link->stash; p != NULL; p = p->next)
+                    link->stash_last = p;
+            }
+            free(used);
+        } else {
+            rc_ring_release(&link->in, frame.frame_bytes);
+            rc_bell_ring(node->doorbell, peer);
+        }
+        moved = 1;
+        received += part;
+        if (received == nbytes) {
+            call->progress[index] = -1;
+            call->left--;
+        } else {
+            call->progress[index] = received;
+        }
+    }
+    return PASS_PROGRESS;
+}
+
+static int post_round(rc_node *node)
+{
+    rc_call *call = &node->call;
+    const int64_t *record = call->code + call->pc;
+    call->round = record + 2;
+    call->round_size = call->left = record[1];
+    call->pc += rc_step_words(record);
+    call->steps_left--;
+    for (int64_t m = 0; m < call->round_size; m++) {
+        const int64_t *message = call->round + m * RC_MESSAGE_WORDS;
+        call->progress[m] = 0;
+        if ((message[0] & RC_MESSAGE_SEND) && queue_send(node, m, message) != 0) {
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_FAILED;
+        }
+    }
+    return PASS_PROGRESS;
+}
+
+/* One pass over everything pending; returns PASS_IDLE, PASS_PROGRESS or an rc_status. */
+static int pass(rc_node *node)
+{
+    rc_call *call = &node->call;
+    int moved = 0;
+    for (;;) {
+        moved |= pump_all(node);
+        if (call->round != NULL) {
+            uint64_t stamp = ++node->pass;
+            for (int64_t m = 0; m < call->round_size; m++) {
+                const int64_t *message = call->round + m * RC_MESSAGE_WORDS;
+                int peer = (int)message[1];
+                if (call->progress[m] < 0 || (message[0] & RC_MESSAGE_SEND)
+                        || node->blocked[peer] == stamp)
+                    continue;
+                int got = receive(node, m, message);
+                if (got >= 0)
+                    return got;
+                moved |= got == PASS_PROGRESS;
+                if (call->progress[m] >= 0)
+                    node->blocked[peer] = stamp; /* later receives from it wait their turn */
+            }
+            if (call->left != 0)
+                return moved ? PASS_PROGRESS : PASS_IDLE;
+            call->round = NULL;
+        }
+        while (call->steps_left > 0 && call->code[call->pc] == RC_STEP_LOCAL) {
+            if (rc_program_local(call, call->code + call->pc) != 0) {
+                snprintf(node->error, sizeof node->error, "out of memory");
+                return RC_FAILED;
+            }
+            call->pc += rc_step_words(call->code + call->pc);
+            call->steps_left--;
+        }
+        if (call->steps_left == 0)
+            return node->n_senders == 0 ? RC_DONE : moved ? PASS_PROGRESS : PASS_IDLE;
+        if (post_round(node) == RC_FAILED)
+            return RC_FAILED;
+        moved = 1;
+    }
+}
+
+/* Copies what the round's sends have not framed yet into overflow memory. */
+static int detach(rc_node *node)
+{
+    rc_call *call = &node->call;
+    for (int i = 0; i < node->n_senders; i++) {
+        for (rc_outgoing *out = node->links[node->senders[i]]->queue; out; out = out->next) {
+            if (out->message < 0)
+                continue;
+            size_t rest = (size_t)(out->nbytes - out->framed);
+            if (rest != 0) {
+                out->owned = malloc(rest);
+                if (out->owned == NULL) {
+                    snprintf(node->error, sizeof node->error, "out of memory");
+                    return RC_FAILED;
+                }
+                memcpy(out->owned, out->data, rest);
+                out->data = out->owned;
+            }
+            call->progress[out->message] = -1;
+            call->left--;
+            call->attached--;
+            out->message = -1;
+        }
+    }
+    return PASS_PROGRESS;
+}
+
+/* A first frame of this call's tag and number whose header differs from ours. */
+static int early_mismatch(rc_node *node)
+{
+    rc_call *call = &node->call;
+    const uint32_t end = RC_HEADER_SEQ_OFFSET + 8;
+    if (call->header_len < end)
+        return PASS_IDLE;
+    for (int i = 0; i < node->n_receiving; i++) {
+        int peer = node->receiving[i];
+        rc_link *link = node->links[peer];
+        rc_frame frame;
+        const unsigned char *at;
+        int found = rc_ring_peek(&link->in, &frame, &at);
+        if (found < 0)
+            return fail_mismatch(node, peer, "a malformed frame", NULL, NULL, NULL);
+        const unsigned char *header = at + sizeof(rc_frame);
+        if (found == 1 && frame.tag == call->tag && frame.header_len >= end
+                && memcmp(header + RC_HEADER_SEQ_OFFSET, call->header + RC_HEADER_SEQ_OFFSET,
+                          8) == 0
+                && (frame.header_len != call->header_len
+                    || memcmp(header, call->header, call->header_len) != 0))
+            return fail_mismatch(node, peer, "header", &frame, header, NULL);
+    }
+    return PASS_IDLE;
+}
+
+static int alarmed(rc_node *node)
+{
+    uint32_t alarm = atomic_load_explicit(&node->doorbell->alarm, memory_order_acquire);
+    if (alarm == node->seen_alarm)
+        return 0;
+    node->seen_alarm = alarm;
+    return 1;
+}
+
+/* What a pass's result means for rc_progress: a status to return, or -1 to go on. */
+static int settle(rc_node *node, int result)
+{
+    if (result == RC_DONE)
+        node->call.active = 0;
+    if (result == RC_MISMATCH || result == RC_FAILED)
+        rc_call_end(node);
+    return result >= 0 ? result : -1;
+}
+
+int rc_progress(rc_node *node, int64_t slice_ns)
+{
+    rc_call *call = &node->call;
+    int64_t deadline = now_ns() + slice_ns, spin_until = 0;
+    int result = PASS_IDLE;
+    for (;;) {
+        if (result == PASS_PROGRESS) {
+            spin_until = 0;
+            call->detach_armed = 0;
+        }
+        if (alarmed(node))
+            return RC_PENDING;
+        result = pass(node);
+        if (result == PASS_PROGRESS)
+            continue;
+        if (settle(node, result) >= 0)
+            return result;
+        int64_t now = now_ns();
+        if (now >= deadline)
+            return RC_PENDING;
+        if (node->spin_ns > 0) {
+            if (spin_until == 0)
+                spin_until = now + node->spin_ns;
+            if (now < spin_until) {
+                cpu_relax();
+                continue;
+            }
+        }
+        int64_t timeout = deadline - now;
+        if (call->attached > 0) {
+            if (call->detach_armed) {
+                result = detach(node);
+                if (settle(node, result) >= 0)
+                    return result;
+                continue;
+            }
+            call->detach_armed = 1;
+            timeout = timeout < DETACH_GRACE_NS ? timeout : DETACH_GRACE_NS;
+        }
+        result = early_mismatch(node);
+        if (settle(node, result) >= 0)
+            return result;
+        uint32_t armed = rc_bell_arm(node->doorbell, node->rank);
+        int alarm = alarmed(node);
+        result = alarm ? PASS_IDLE : pass(node);
+        if (!alarm && result == PASS_IDLE)
+            rc_bell_wait(node->doorbell, node->rank, armed, timeout);
+        rc_bell_disarm(node->doorbell, node->rank);
+        if (alarm)
+            return RC_PENDING;
+        if (settle(node, result) >= 0)
+            return result;
+        spin_until = 0;
+    }
+}
+
+void rc_wake_all(rc_node *node)
+{
+    rc_alarm(node->doorbell, node->world);
+}
