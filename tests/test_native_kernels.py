@@ -35,6 +35,11 @@ def wire(name):
 
 def specials(name):
     """Values that break naive kernels, as wire arrays."""
+    with np.errstate(all="ignore"):  # inf * 1j and the like are meant
+        return _specials(name)
+
+
+def _specials(name):
     if name == "bool":
         return np.array([0, 1], np.uint8).view(np.bool_)
     if name == "bfloat16":

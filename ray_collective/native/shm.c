@@ -15,10 +15,10 @@
  * wraps: a PAD frame fills the rest of the ring and the next frame starts at offset 0. No frame
  * exceeds half the capacity, so a frame always fits once the ring is empty.
  *
- * Memory: tmpfs gives a page only when it is first touched. A producer that finds its ring
- * empty and would cross out of the first page restarts at offset 0 (behind a PAD), so a pair
- * that trades small messages touches one page however large its ring; large messages use as
- * much of the ring as they keep in flight.
+ * Memory: tmpfs gives a page only when it is first touched. A producer whose next frame would
+ * cross out of the first page restarts at offset 0 (behind a PAD) whenever the frames still in
+ * flight leave room there, so a pair that trades small messages touches one page however large
+ * its ring; large messages use as much of the ring as they keep in flight.
  *
  * Wake-ups, without lost ones: a waiter reads its futex word, sets its sleeping flag, fences
  * (seq_cst), re-checks what it waits for, and only then waits on the word (FUTEX_WAIT on a
@@ -43,7 +43,7 @@
 #include <unistd.h>
 
 /* A producer keeps appending while its frames stay within the first page of the ring's file,
- * and restarts at offset 0 from an empty ring when they would not. */
+ * and restarts at offset 0 when they would not and the frames in flight leave room there. */
 #define RESTART_BEYOND (4096 - RC_RING_DATA_OFFSET)
 
 const char *rc_map_file(int dirfd, const char *name, size_t size, void **map)
@@ -128,12 +128,13 @@ unsigned char *rc_ring_reserve(rc_ring *ring, uint64_t frame_bytes)
 {
     uint64_t capacity = ring->capacity, position = ring->position;
     uint64_t tail = atomic_load_explicit(&ring->control->tail, memory_order_acquire);
-    uint64_t offset = position % capacity, skip = 0;
+    uint64_t offset = position % capacity, used = position - tail, skip = 0;
     if (offset + frame_bytes > capacity)
-        skip = capacity - offset;
-    else if (offset + frame_bytes > RESTART_BEYOND && frame_bytes <= offset && tail == position)
-        skip = capacity - offset;
-    if (position + skip + frame_bytes - tail > capacity)
+        skip = capacity - offset; /* wrap */
+    else if (offset + frame_bytes > RESTART_BEYOND && used + frame_bytes <= offset)
+        skip = capacity - offset; /* back to the first page, which the frames in flight leave
+                                     free (they lie just before offset) */
+    if (used + skip + frame_bytes > capacity)
         return NULL;
     if (skip != 0) {
         rc_frame *pad = (rc_frame *)(ring->data + offset);
