@@ -27,8 +27,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   ``plan.slots(buf, recvbuf)`` (writable, C-contiguous, aligned, of the dtype code's item
   size); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
   every message; ``dtype_code`` and ``op_code`` from :mod:`.codes` (``NO_OP`` where nothing is
-  reduced); ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives; a
-  point-to-point tag otherwise). The node holds the slots' buffers until the call ends (DONE,
+  reduced); ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives: any
+  negative tag is a channel whose call numbers all ranks share; a point-to-point tag >= 0
+  otherwise). The node holds the slots' buffers until the call ends (DONE,
   MISMATCH) or is abandoned. Raises ValueError (malformed code, a place outside its slot, a
   peer outside the world, a dtype/op without a kernel, a ring too small for the header),
   OSError (a ring file), RuntimeError (a call is running already).
