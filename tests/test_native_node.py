@@ -304,6 +304,26 @@ def second_rank_allreduce(directory):
         return finish(second, allreduce(1))
 
 
+def test_a_sleeping_rank_is_woken_by_its_peer_not_by_the_end_of_its_slice():
+    """Rank 0 has been through a whole slice without its peer (so it went to sleep) and waits
+    again with a slice of HANG seconds: rank 1's message must wake it, and the call ends DONE
+    long before the slice would."""
+    with node_directory() as directory, node(directory, 0) as sleeper:
+        sleeper.start(*allreduce(0))
+        assert sleeper.progress(0.05) == _core.PENDING
+        waiting = threading.Event()
+
+        def sleep_for_the_peer():
+            waiting.set()
+            started = time.monotonic()
+            return sleeper.progress(HANG), time.monotonic() - started
+        woken = in_thread(sleep_for_the_peer)
+        assert waiting.wait(HANG)
+        assert second_rank_allreduce(directory) == _core.DONE
+        status, slept = woken()
+        assert status == _core.DONE and slept < HANG / 2
+
+
 def test_wake_all_returns_a_sleeper_at_once_and_only_once():
     with node_directory() as directory, node(directory, 0) as sleeper, \
             node(directory, 1) as waker:

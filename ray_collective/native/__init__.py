@@ -63,13 +63,16 @@ API).
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 try:
-    from . import _core
+    _core = importlib.import_module(f"{__name__}._core")
 except ImportError as err:  # not built: the pure-Python engine stays the only one
     _core = None
-    _IMPORT_ERROR: Optional[str] = f"{type(err).__name__}: {err}"
+    _IMPORT_ERROR: Optional[str] = (
+        f"{type(err).__name__}: {err} (the extension is built by 'pip install' where a C "
+        f"compiler and the Python headers are present; reinstall once they are)")
 else:
     _IMPORT_ERROR = None
 
