@@ -1,7 +1,7 @@
 """The native core alone against MPICH: allreduce on one node, processes, no Ray.
 
 ``python -m benchmarks.native_pingpong [--ranks 2,4,8] [--bytes 8] [--large-bytes 1M,16M]
-[--spin-ns 0,20000] [--iters 2000] [--warmup 200] [--repeats 3] [--json PATH]``
+[--spin-ns 0,2000,20000] [--iters 2000] [--warmup 200] [--repeats 3] [--json PATH]``
 
 Every rank is a spawned process with its own ``native.Node`` over one tmpfs directory; it runs
 the allreduce the selector picks (float32 SUM, ``oversubscribed`` when the ranks outnumber the
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] = None) -> None:
     parser.add_argument("--ranks", default="2,4,8")
     parser.add_argument("--bytes", default="8")
     parser.add_argument("--large-bytes", default="1M,16M")
-    parser.add_argument("--spin-ns", default="0,20000")
+    parser.add_argument("--spin-ns", default="0,2000,20000")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)

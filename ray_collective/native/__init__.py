@@ -17,7 +17,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   PermissionError) shared by the ranks of one group on one node, which all pass the same
   ``world_size``, ``ring_bytes`` (data bytes per ring: a multiple of 128, at least 1024) and
   ``part_bytes`` (the largest part a message is cut into, at least 16); ``spin_ns`` is how long
-  a waiting rank polls before it sleeps (0: sleep at once, for crowded nodes). It creates or
+  a waiting rank polls, yielding its core between polls, before it sleeps (0: sleep at once). It creates or
   opens ``doorbell`` there (64 bytes per rank, plus 64) and, at the first call that needs them,
   ``ring-<src>-<dst>`` (128 + ring_bytes, of which tmpfs backs only the pages touched). Files
   are refused (PermissionError) when they are symlinks, not this user's or open to others;

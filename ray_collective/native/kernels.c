@@ -195,17 +195,15 @@ FUSED KERNEL(fused_loop_complex128, complex128,
                            __builtin_fma(x.re, y.im, x.im * y.re)}))
 
 /* numpy takes its scalar loop, which does not fuse, for one element reduced in place. */
-static void fused_product_complex64(void *acc, const void *in, int64_t n, int64_t acc_step,
-                                    int64_t in_step)
-{
-    (n == 1 ? product_complex64 : fused_loop_complex64)(acc, in, n, acc_step, in_step);
-}
+#define FUSED_PRODUCT(SUFFIX)                                                               \
+    static void fused_product_##SUFFIX(void *acc, const void *in, int64_t n,                \
+                                       int64_t acc_step, int64_t in_step)                   \
+    {                                                                                       \
+        (n == 1 ? product_##SUFFIX : fused_loop_##SUFFIX)(acc, in, n, acc_step, in_step);   \
+    }
 
-static void fused_product_complex128(void *acc, const void *in, int64_t n, int64_t acc_step,
-                                     int64_t in_step)
-{
-    (n == 1 ? product_complex128 : fused_loop_complex128)(acc, in, n, acc_step, in_step);
-}
+FUSED_PRODUCT(complex64)
+FUSED_PRODUCT(complex128)
 
 #define ROW(SUFFIX) {sum_##SUFFIX, product_##SUFFIX, min_##SUFFIX, max_##SUFFIX, NULL}
 

@@ -5,7 +5,7 @@ private directory::
     with ProcessRanks(4) as ranks, node_directory() as directory:
         results = ranks.run(body, [(directory, rank, ...) for rank in range(4)], timeout=60)
 
-Workers are spawned once (fresh interpreters: nothing inherited from the caller's threads) and
+Needs the extension (``native.available()``). Workers are spawned once (fresh interpreters: nothing inherited from the caller's threads) and
 reused. A world of p ranks takes p idle workers: every rank of a world blocks until all of them
 run, so no worker can take a second rank of the same world. ``body`` must be a module-level
 function (it is pickled by name) and should bound its own waits, so that a failed world ends
@@ -22,6 +22,8 @@ import time
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
+
+from . import _core
 
 SHARED_MEMORY = "/dev/shm"
 
@@ -55,7 +57,6 @@ def run_calls(directory: str, rank: int, world_size: int, ring_bytes: int, part_
     Returns:
         The outcome of every call run.
     """
-    from . import _core
     outcomes = []
     with _core.Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns) as node:
         for call in calls:
