@@ -57,8 +57,9 @@ message larger than the ring that the peer receives only after a collective in w
 not hear from this rank) waits for it, as MPI's large sends do.
 
 Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
-``program.c`` (the plan code), ``executor.c`` (running a call, waiting), ``module.c`` (this
-API).
+``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
+``executor.c`` (a call's messages and local steps), ``progress.c`` (waiting), ``module.c``
+(this API).
 """
 
 from __future__ import annotations

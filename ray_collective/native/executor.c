@@ -1,5 +1,6 @@
-/* The executor: one rank's part of a call, the whole recorded plan, run by rc_progress without
- * Python (the module releases the GIL around it).
+/* The executor: the messages and local steps of one rank's call, one pass at a time (rc_pass;
+ * progress.c decides when to pass again and when to wait). No Python: the module releases the
+ * GIL around it.
  *
  * Rounds: the plan's steps run in order. A round posts its messages at once: each send is
  * queued on its peer's link and framed into the ring as room allows (parts of at most
@@ -12,231 +13,24 @@
  * stash) for the receive that will want them.
  *
  * Eager sends over bounded rings: a send whose ring is full would make a plan that relies on
- * buffered sends deadlock. So when a pass over everything pending makes no progress, and a
- * short grace (DETACH_GRACE_NS) brought none either, the sends of the round that still read
- * the caller's memory are detached: their remaining bytes are copied into overflow memory of
- * the node and the sends count as done; the link keeps framing them into the ring as room
- * appears. A call is DONE only when every queued byte is in a ring (nothing is left for a later
- * call to push), so a rank never leaves data behind a peer waits for.
+ * buffered sends deadlock. So when waiting brought no progress (progress.c), the sends of the
+ * round that still read the caller's memory are detached (rc_detach): their remaining bytes are
+ * copied into overflow memory of the node and the sends count as done; the link keeps framing
+ * them into the ring as room appears. A call is DONE only when every queued byte is in a ring
+ * (nothing is left for a later call to push), so a rank never leaves data behind a peer waits
+ * for.
  *
- * Waiting: after a pass without progress the rank polls for spin_ns, yielding its core between
- * polls (sched_yield), then sleeps on its doorbell (shm.c) until a peer publishes a frame or
- * frees room, the slice ends, or an alarm
- * (rc_wake_all) rings. Before a collective call (tag < 0) sleeps it looks at the first frame of
- * every ring it has opened to read: one of this tag and call number with another header is a
- * mismatch even if no receive from that peer is posted (ranks that disagree about the root
- * disagree about who sends). Rings of peers this rank never received from are not opened for
- * that: such a disagreement shows as a timeout instead.
- *
- * Why yield rather than pause between polls: where ranks outnumber cores, a rank that spins on
- * the core its peer needs delays the peer by the whole spin. Measured on the shared 2-core
- * machine (8-byte allreduce, 2 ranks, p50): a pause loop of 20 us made a call 48 us (2 us:
- * 11 us), against 7 us sleeping at once; polls separated by sched_yield made it 1.3-5 us.
+ * Early mismatches (rc_early_mismatch, before a collective call, tag < 0, sleeps): the first
+ * frame of every ring this rank has opened to read, if it has this tag and call number but
+ * another header, is a mismatch even when no receive from that peer is posted (ranks that
+ * disagree about the root disagree about who sends). Rings of peers this rank never received
+ * from are not opened for that: such a disagreement shows as a timeout instead.
  */
-#define _GNU_SOURCE
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sched.h>
-#include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "node.h"
-
-#define DETACH_GRACE_NS 1000000
-#define MIN_RING_BYTES 1024
-
-enum { PASS_IDLE = -1, PASS_PROGRESS = -2 }; /* besides the rc_status values */
-
-static int64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
-                 uint64_t part_bytes, int64_t spin_ns)
-{
-    memset(node, 0, sizeof *node);
-    node->dirfd = dirfd;
-    if (world < 1 || rank < 0 || rank >= world || ring_bytes < MIN_RING_BYTES
-            || ring_bytes % (2 * RC_LINE) != 0 || part_bytes < 16 || spin_ns < 0) {
-        snprintf(node->error, sizeof node->error,
-                 "need 0 <= rank < world_size, ring_bytes a multiple of %d and at least %d, "
-                 "part_bytes at least 16, spin_ns >= 0", 2 * RC_LINE, MIN_RING_BYTES);
-        return RC_INVALID;
-    }
-    node->rank = rank;
-    node->world = world;
-    node->ring_bytes = ring_bytes;
-    node->part_bytes = part_bytes;
-    node->spin_ns = spin_ns;
-    node->doorbell_bytes = (size_t)RC_LINE * (1 + (size_t)world);
-    void *map = NULL;
-    const char *failed = rc_map_file(dirfd, "doorbell", node->doorbell_bytes, &map);
-    if (failed != NULL) {
-        snprintf(node->error, sizeof node->error, "doorbell: %s", failed);
-        return RC_OS_ERROR;
-    }
-    node->doorbell = map;
-    node->seen_alarm = atomic_load(&node->doorbell->alarm);
-    node->links = calloc((size_t)world, sizeof *node->links);
-    node->senders = malloc(sizeof(int) * (size_t)world);
-    node->receiving = malloc(sizeof(int) * (size_t)world);
-    node->blocked = calloc((size_t)world, sizeof *node->blocked);
-    node->peer_use = calloc((size_t)world, 1);
-    if (!node->links || !node->senders || !node->receiving || !node->blocked || !node->peer_use) {
-        errno = ENOMEM;
-        snprintf(node->error, sizeof node->error, "out of memory");
-        return RC_OS_ERROR;
-    }
-    return RC_OK;
-}
-
-static void recycle(rc_node *node, rc_outgoing *out)
-{
-    free(out->owned);
-    out->owned = NULL;
-    out->next = node->spare;
-    node->spare = out;
-}
-
-void rc_call_end(rc_node *node)
-{
-    for (int i = 0; i < node->n_senders; i++) {
-        rc_link *link = node->links[node->senders[i]];
-        while (link->queue != NULL) {
-            rc_outgoing *out = link->queue;
-            link->queue = out->next;
-            recycle(node, out);
-        }
-        link->queue_last = NULL;
-        link->sending = 0;
-    }
-    node->n_senders = 0;
-    node->call.active = 0;
-    node->call.round = NULL;
-    node->call.left = node->call.attached = 0;
-}
-
-void rc_node_close(rc_node *node)
-{
-    rc_call_end(node);
-    for (int peer = 0; node->links != NULL && peer < node->world; peer++) {
-        rc_link *link = node->links[peer];
-        if (link == NULL)
-            continue;
-        rc_ring_close(&link->out);
-        rc_ring_close(&link->in);
-        while (link->stash != NULL) {
-            rc_stashed *next = link->stash->next;
-            free(link->stash);
-            link->stash = next;
-        }
-        free(link);
-    }
-    while (node->spare != NULL) {
-        rc_outgoing *next = node->spare->next;
-        free(node->spare);
-        node->spare = next;
-    }
-    if (node->doorbell != NULL)
-        munmap(node->doorbell, node->doorbell_bytes);
-    if (node->dirfd >= 0)
-        close(node->dirfd);
-    rc_call *call = &node->call;
-    free(call->code);
-    free(call->slots);
-    free(call->header);
-    free(call->progress);
-    free(node->mismatch.header);
-    free(node->links);
-    free(node->senders);
-    free(node->receiving);
-    free(node->blocked);
-    free(node->peer_use);
-    memset(node, 0, sizeof *node);
-    node->dirfd = -1;
-}
-
-static rc_link *link_to(rc_node *node, int peer)
-{
-    if (node->links[peer] == NULL)
-        node->links[peer] = calloc(1, sizeof(rc_link));
-    return node->links[peer];
-}
-
-/* Opens the rings of every peer the call names that this rank has not used yet. */
-static int open_rings(rc_node *node)
-{
-    for (int peer = 0; peer < node->world; peer++) {
-        uint8_t use = node->peer_use[peer];
-        if (use == 0)
-            continue;
-        rc_link *link = link_to(node, peer);
-        if (link == NULL) {
-            errno = ENOMEM;
-            snprintf(node->error, sizeof node->error, "out of memory");
-            return RC_OS_ERROR;
-        }
-        const char *failed = NULL;
-        int src = node->rank, dst = peer;
-        if ((use & RC_USE_SEND) && link->out.control == NULL)
-            failed = rc_ring_open(&link->out, node->dirfd, src, dst, node->ring_bytes, 1);
-        if (failed == NULL && (use & RC_USE_RECEIVE) && link->in.control == NULL) {
-            src = peer;
-            dst = node->rank;
-            failed = rc_ring_open(&link->in, node->dirfd, src, dst, node->ring_bytes, 0);
-            if (failed == NULL)
-                node->receiving[node->n_receiving++] = peer;
-        }
-        if (failed != NULL) {
-            snprintf(node->error, sizeof node->error, "ring-%d-%d: %s", src, dst, failed);
-            return RC_OS_ERROR;
-        }
-    }
-    return RC_OK;
-}
-
-int rc_call_start(rc_node *node)
-{
-    rc_call *call = &node->call;
-    int64_t biggest = rc_program_check(node);
-    if (biggest < 0)
-        return RC_INVALID;
-    uint64_t half = node->ring_bytes / 2, payload = rc_payload_offset(call->header_len);
-    if (payload + 16 > half) {
-        snprintf(node->error, sizeof node->error,
-                 "ring_bytes %llu is too small for frames with a call header of %u bytes",
-                 (unsigned long long)node->ring_bytes, call->header_len);
-        return RC_INVALID;
-    }
-    uint64_t part = node->part_bytes < half - payload ? node->part_bytes : half - payload;
-    call->part_max = part & ~(uint64_t)15; /* a multiple of every itemsize */
-    int opened = open_rings(node);
-    if (opened != RC_OK)
-        return opened;
-    if (biggest > call->progress_capacity) {
-        int64_t *progress = realloc(call->progress, sizeof(int64_t) * (size_t)biggest);
-        if (progress == NULL) {
-            errno = ENOMEM;
-            snprintf(node->error, sizeof node->error, "out of memory");
-            return RC_OS_ERROR;
-        }
-        call->progress = progress;
-        call->progress_capacity = biggest;
-    }
-    call->pc = 1;
-    call->steps_left = call->code[0];
-    call->round = NULL;
-    call->left = call->attached = 0;
-    call->detach_armed = 0;
-    call->active = 1;
-    return RC_OK;
-}
 
 static int fail_mismatch(rc_node *node, int peer, const char *reason, const rc_frame *frame,
                          const unsigned char *header, const int64_t *message)
@@ -324,7 +118,7 @@ static int pump(rc_node *node, int peer, rc_link *link)
                 call->left--;
                 call->attached--;
             }
-            recycle(node, out);
+            rc_outgoing_recycle(node, out);
         }
     }
     return moved;
@@ -367,7 +161,7 @@ static int stash(rc_node *node, int peer, rc_link *link, const rc_frame *frame,
     link->stash_last = kept;
     rc_ring_release(&link->in, frame->frame_bytes);
     rc_bell_ring(node->doorbell, peer);
-    return PASS_PROGRESS;
+    return RC_PASS_PROGRESS;
 }
 
 /* The next frame of the call's tag from the link: from the stash, else from the ring (frames
@@ -393,7 +187,7 @@ static int next_frame(rc_node *node, int peer, rc_link *link, rc_frame *frame,
         if (found == 0 || frame->tag == tag)
             return found;
         int stashed = stash(node, peer, link, frame, *at);
-        if (stashed != PASS_PROGRESS)
+        if (stashed != RC_PASS_PROGRESS)
             return stashed;
     }
 }
@@ -412,7 +206,7 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
         rc_stashed **kept;
         int found = next_frame(node, peer, link, &frame, &at, &kept);
         if (found != 1)
-            return found == 0 ? (moved ? PASS_PROGRESS : PASS_IDLE) : found;
+            return found == 0 ? (moved ? RC_PASS_PROGRESS : RC_PASS_IDLE) : found;
         const unsigned char *header = at + sizeof(rc_frame);
         if (frame.header_len != call->header_len
                 || memcmp(header, call->header, call->header_len) != 0)
@@ -453,7 +247,7 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             call->progress[index] = received;
         }
     }
-    return PASS_PROGRESS;
+    return RC_PASS_PROGRESS;
 }
 
 static int post_round(rc_node *node)
@@ -472,11 +266,11 @@ static int post_round(rc_node *node)
             return RC_FAILED;
         }
     }
-    return PASS_PROGRESS;
+    return RC_PASS_PROGRESS;
 }
 
-/* One pass over everything pending; returns PASS_IDLE, PASS_PROGRESS or an rc_status. */
-static int pass(rc_node *node)
+/* One pass over everything pending; returns RC_PASS_IDLE, RC_PASS_PROGRESS or an rc_status. */
+int rc_pass(rc_node *node)
 {
     rc_call *call = &node->call;
     int moved = 0;
@@ -493,12 +287,12 @@ static int pass(rc_node *node)
                 int got = receive(node, m, message);
                 if (got >= 0)
                     return got;
-                moved |= got == PASS_PROGRESS;
+                moved |= got == RC_PASS_PROGRESS;
                 if (call->progress[m] >= 0)
                     node->blocked[peer] = stamp; /* later receives from it wait their turn */
             }
             if (call->left != 0)
-                return moved ? PASS_PROGRESS : PASS_IDLE;
+                return moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
             call->round = NULL;
         }
         while (call->steps_left > 0 && call->code[call->pc] == RC_STEP_LOCAL) {
@@ -510,7 +304,7 @@ static int pass(rc_node *node)
             call->steps_left--;
         }
         if (call->steps_left == 0)
-            return node->n_senders == 0 ? RC_DONE : moved ? PASS_PROGRESS : PASS_IDLE;
+            return node->n_senders == 0 ? RC_DONE : moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
         if (post_round(node) == RC_FAILED)
             return RC_FAILED;
         moved = 1;
@@ -518,7 +312,7 @@ static int pass(rc_node *node)
 }
 
 /* Copies what the round's sends have not framed yet into overflow memory. */
-static int detach(rc_node *node)
+int rc_detach(rc_node *node)
 {
     rc_call *call = &node->call;
     for (int i = 0; i < node->n_senders; i++) {
@@ -541,17 +335,17 @@ static int detach(rc_node *node)
             out->message = -1;
         }
     }
-    return PASS_PROGRESS;
+    return RC_PASS_PROGRESS;
 }
 
 /* A first frame of this call's tag and number whose header differs from ours. */
-static int early_mismatch(rc_node *node)
+int rc_early_mismatch(rc_node *node)
 {
     rc_call *call = &node->call;
     const uint32_t end = RC_HEADER_SEQ_OFFSET + 8;
     /* Only collective numbers are shared by every rank; point-to-point ones count per peer. */
     if (call->tag >= 0 || call->header_len < end)
-        return PASS_IDLE;
+        return RC_PASS_IDLE;
     for (int i = 0; i < node->n_receiving; i++) {
         int peer = node->receiving[i];
         rc_link *link = node->links[peer];
@@ -568,85 +362,5 @@ static int early_mismatch(rc_node *node)
                     || memcmp(header, call->header, call->header_len) != 0))
             return fail_mismatch(node, peer, "header", &frame, header, NULL);
     }
-    return PASS_IDLE;
-}
-
-static int alarmed(rc_node *node)
-{
-    uint32_t alarm = atomic_load_explicit(&node->doorbell->alarm, memory_order_acquire);
-    if (alarm == node->seen_alarm)
-        return 0;
-    node->seen_alarm = alarm;
-    return 1;
-}
-
-/* What a pass's result means for rc_progress: a status to return, or -1 to go on. */
-static int settle(rc_node *node, int result)
-{
-    if (result == RC_DONE)
-        node->call.active = 0;
-    if (result == RC_MISMATCH || result == RC_FAILED)
-        rc_call_end(node);
-    return result >= 0 ? result : -1;
-}
-
-int rc_progress(rc_node *node, int64_t slice_ns)
-{
-    rc_call *call = &node->call;
-    int64_t deadline = now_ns() + slice_ns, spin_until = 0;
-    int result = PASS_IDLE;
-    for (;;) {
-        if (result == PASS_PROGRESS) {
-            spin_until = 0;
-            call->detach_armed = 0;
-        }
-        if (alarmed(node))
-            return RC_PENDING;
-        result = pass(node);
-        if (result == PASS_PROGRESS)
-            continue;
-        if (settle(node, result) >= 0)
-            return result;
-        int64_t now = now_ns();
-        if (now >= deadline)
-            return RC_PENDING;
-        if (node->spin_ns > 0) {
-            if (spin_until == 0)
-                spin_until = now + node->spin_ns;
-            if (now < spin_until) {
-                sched_yield();
-                continue;
-            }
-        }
-        int64_t timeout = deadline - now;
-        if (call->attached > 0) {
-            if (call->detach_armed) {
-                result = detach(node);
-                if (settle(node, result) >= 0)
-                    return result;
-                continue;
-            }
-            call->detach_armed = 1;
-            timeout = timeout < DETACH_GRACE_NS ? timeout : DETACH_GRACE_NS;
-        }
-        result = early_mismatch(node);
-        if (settle(node, result) >= 0)
-            return result;
-        uint32_t armed = rc_bell_arm(node->doorbell, node->rank);
-        int alarm = alarmed(node);
-        result = alarm ? PASS_IDLE : pass(node);
-        if (!alarm && result == PASS_IDLE)
-            rc_bell_wait(node->doorbell, node->rank, armed, timeout);
-        rc_bell_disarm(node->doorbell, node->rank);
-        if (alarm)
-            return RC_PENDING;
-        if (settle(node, result) >= 0)
-            return result;
-        spin_until = 0;
-    }
-}
-
-void rc_wake_all(rc_node *node)
-{
-    rc_alarm(node->doorbell, node->world);
+    return RC_PASS_IDLE;
 }

@@ -1,6 +1,6 @@
 /* One rank's native node: its shared memory, its links to peers and the call it runs (the
- * plan code's format is in program.c, the executor in executor.c, the Python face in
- * module.c). Plain C, no Python. */
+ * node in node.c, the plan code's format in program.c, the executor in executor.c, waiting in
+ * progress.c, the Python face in module.c). Plain C, no Python. */
 #ifndef RC_NODE_H
 #define RC_NODE_H
 
@@ -106,18 +106,31 @@ typedef struct rc_node {
 enum { RC_USE_SEND = 1, RC_USE_RECEIVE = 2 };
 enum { RC_OK = 0, RC_INVALID = 1, RC_OS_ERROR = 2 }; /* errors: the text is node->error */
 
-/* executor.c. Opening: the caller has opened `dirfd`, which the node then owns. */
+/* node.c. Opening: the caller has opened `dirfd`, which the node then owns. */
 int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
                  uint64_t part_bytes, int64_t spin_ns);
 void rc_node_close(rc_node *node);
 /* Starts the call the caller has put in node->call (code, slots, header, dtype, kernel, tag):
  * checks it, opens the rings it needs. */
 int rc_call_start(rc_node *node);
-/* Runs the call for at most slice_ns; returns an rc_status. */
-int rc_progress(rc_node *node, int64_t slice_ns);
 /* Forgets the call (a failed one): drops its queued sends and its round. */
 void rc_call_end(rc_node *node);
 void rc_wake_all(rc_node *node);
+/* Returns a finished outgoing record to the node's pool. */
+void rc_outgoing_recycle(rc_node *node, rc_outgoing *out);
+
+/* progress.c: runs the call for at most slice_ns; returns an rc_status. */
+int rc_progress(rc_node *node, int64_t slice_ns);
+
+/* executor.c: what a pass returns besides the rc_status values. */
+enum { RC_PASS_IDLE = -1, RC_PASS_PROGRESS = -2 };
+/* One pass over everything pending. */
+int rc_pass(rc_node *node);
+/* Copies what the round's sends have not framed yet into overflow memory; they count as done. */
+int rc_detach(rc_node *node);
+/* RC_MISMATCH if a ring holds a frame of this call number with another header, else
+ * RC_PASS_IDLE. */
+int rc_early_mismatch(rc_node *node);
 
 /* program.c: checks the call's code against its slots, the node's rank and world and the
  * call's kernel; marks the peers it names in node->peer_use and returns the largest round.
