@@ -70,7 +70,7 @@ static int queue_send(rc_node *node, int64_t index, const int64_t *message)
     int64_t count = message[5] - message[4];
     rc_link *link = node->links[peer];
     *out = (rc_outgoing){NULL, call->slots[message[3]].base + message[4] * call->itemsize, NULL,
-                         message[2], count, count * call->itemsize, 0, index, 0};
+                         message[2], count, count * call->itemsize, 0, index};
     if (link->queue_last != NULL)
         link->queue_last->next = out;
     else
@@ -107,8 +107,7 @@ static int pump(rc_node *node, int peer, rc_link *link)
         rc_bell_ring(node->doorbell, peer);
         moved = 1;
         out->data += part;
-        out->framed += (int64_t)part;
-        out->started = 1;
+        out->framed += (int64_t)part; /* a message of 0 bytes goes as one frame of 0 */
         if (out->framed == out->nbytes) {
             link->queue = out->next;
             if (link->queue == NULL)
@@ -151,7 +150,6 @@ static int stash(rc_node *node, int peer, rc_link *link, const rc_frame *frame,
         return RC_FAILED;
     }
     kept->next = NULL;
-    kept->bytes = frame->frame_bytes;
     memcpy(kept->frame, at, frame->frame_bytes);
     memcpy(kept->frame, frame, sizeof *frame); /* the head as checked */
     if (link->stash_last != NULL)

@@ -214,7 +214,6 @@ static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
         failed = -1;
     }
     if (!failed) {
-        call->dtype = dtype;
         call->itemsize = rc_itemsize(dtype);
         call->kernel = op == RC_OP_NONE ? NULL : rc_kernel_for(dtype, op);
         call->tag = tag;

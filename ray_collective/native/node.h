@@ -30,13 +30,11 @@ typedef struct rc_outgoing {
     unsigned char *owned;      /* the overflow copy, or NULL */
     int64_t step, count, nbytes, framed; /* framed: bytes already in the ring */
     int64_t message;           /* its index in the current round, -1 once detached */
-    int started;               /* a first frame went out (a message of 0 bytes takes one) */
 } rc_outgoing;
 
 /* A frame taken out of a ring early because it belongs to another tag (channel). */
 typedef struct rc_stashed {
     struct rc_stashed *next;
-    uint64_t bytes;
     unsigned char frame[];
 } rc_stashed;
 
@@ -70,7 +68,7 @@ typedef struct {
     rc_slot *slots;
     int n_slots;
     int64_t slot_capacity;
-    int dtype, itemsize;
+    int itemsize;
     rc_kernel kernel;
     unsigned char *header;
     uint32_t header_len;
