@@ -178,8 +178,9 @@ def main(argv: Sequence[str] = None) -> None:
                        "algorithm": results[0].get("algorithm", "")}
                 rows.append(row)
                 print(f"{world} ranks {nbytes:>9} B  {name:<18} p50 {p50:9.1f} us  "
-                      f"(repeats {row['p50_us_per_repeat']})  cpu/call {row['cpu_us_per_call']:8.1f}"
-                      f" us  x MPICH {row['ratio_to_mpich']:.2f}", flush=True)
+                      f"(repeats {row['p50_us_per_repeat']})  cpu/call "
+                      f"{row['cpu_us_per_call']:8.1f} us  x MPICH {row['ratio_to_mpich']:.2f}",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},

@@ -12,17 +12,19 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     node.wake_all()                        # every rank of the node returns PENDING once, now
     node.close()                           # also a context manager
     combine(dtype_code, op_code, acc, incoming)   # the reduction kernel alone
+    itemsize(dtype_code)                          # bytes per element (0: unknown code)
 
 - ``Node(...)``: ``directory`` is a private directory (this user's, mode 0700, else
   PermissionError) shared by the ranks of one group on one node, which all pass the same
   ``world_size``, ``ring_bytes`` (data bytes per ring: a multiple of 128, at least 1024) and
-  ``part_bytes`` (the largest part a message is cut into, at least 16); ``spin_ns`` is how long
-  a waiting rank polls, yielding its core between polls, before it sleeps (0: sleep at once). It creates or
-  opens ``doorbell`` there (64 bytes per rank, plus 64) and, at the first call that needs them,
-  ``ring-<src>-<dst>`` (128 + ring_bytes, of which tmpfs backs only the pages touched). Files
-  are refused (PermissionError) when they are symlinks, not this user's or open to others;
-  ValueError for bad sizes, OSError when a file cannot be made. Read-only attributes: ``rank``,
-  ``world_size``, ``ring_bytes``, ``part_bytes``, ``spin_ns``, ``active`` (a call is running).
+  ``part_bytes`` (the largest part a message is cut into, at least 16); ``spin_ns`` is how
+  long a waiting rank polls, yielding its core between polls, before it sleeps (0: sleep at
+  once). It creates or opens ``doorbell`` there (64 bytes per rank, plus 64) and, at the first
+  call that names a peer, ``ring-<src>-<dst>`` (128 + ring_bytes, of which tmpfs backs only the
+  pages touched). A file that is a symlink is refused with OSError (ELOOP), one of another
+  user or open to group or others with PermissionError, one of another size with OSError
+  (EINVAL); ValueError for bad parameters. Read-only attributes: ``rank``, ``world_size``,
+  ``ring_bytes``, ``part_bytes``, ``spin_ns``, ``active`` (a call is running).
 - ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
   ``plan.slots(buf, recvbuf)`` (writable, C-contiguous, aligned, of the dtype code's item
   size); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
@@ -35,8 +37,8 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   OSError (a ring file), RuntimeError (a call is running already).
 - ``progress(slice_s)`` runs the call, GIL released, for at most about ``slice_s`` seconds:
   ``DONE`` (the results are in the slots; every byte this rank sent is in a ring), ``PENDING``
-  (call again: it resumes where it stopped; also returned at once, once, after a ``wake_all``
-  by any rank of the node since the last return), ``MISMATCH`` (a message differs from what
+  (call again: it resumes where it stopped; also returned at once, once per ``wake_all`` by
+  any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
   this rank expects; the call is over). MemoryError if overflow memory runs out.
 - ``mismatch_details()``: ``peer``; ``reason`` (``"header"``, ``"step"``, ``"count"``,
   ``"part"`` or ``"a malformed frame"``); what the message said: ``header`` (its packed call

@@ -17,9 +17,10 @@
  *   RC_PRODUCT_FUSED computes the same with fused multiply-adds, fma(ar, br, -(ai*bi)) and
  *   fma(ar, bi, ai*br), which is what numpy's SIMD loops do on CPUs with FMA (codes.py probes
  *   numpy to pick one), except for a single element, which numpy reduces in place with its
- *   plain scalar loop (so a message's one-element last part is not fused either); MIN and MAX return the first operand if it has a NaN component, else
- *   the second if it has one, else the lexicographically smaller (larger), the first when
- *   they are equal, as numpy does.
+ *   plain scalar loop (so a message's one-element last part is not fused either); MIN and
+ *   MAX return the first operand if it has a NaN component, else the second if it has one,
+ *   else the lexicographically smaller (larger), the first when they are equal, as numpy
+ *   does.
  * NaN payloads: where a result is NaN, ours is NaN too, but after SUM or PRODUCT its payload
  * bits may differ from numpy's, which are not stable themselves (numpy's vector loop and its
  * scalar tail pick different operands' payloads within one array). MIN and MAX return an

@@ -5,11 +5,12 @@ private directory::
     with ProcessRanks(4) as ranks, node_directory() as directory:
         results = ranks.run(body, [(directory, rank, ...) for rank in range(4)], timeout=60)
 
-Needs the extension (``native.available()``). Workers are spawned once (fresh interpreters: nothing inherited from the caller's threads) and
-reused. A world of p ranks takes p idle workers: every rank of a world blocks until all of them
-run, so no worker can take a second rank of the same world. ``body`` must be a module-level
-function (it is pickled by name) and should bound its own waits, so that a failed world ends
-with an error rather than a stuck worker.
+Needs the extension (``native.available()``). Workers are spawned once (fresh interpreters:
+nothing inherited from the caller's threads) and reused. A world of p ranks takes p idle
+workers: every rank of a world blocks until all of them run, so no worker can take a second
+rank of the same world. ``body`` must be a module-level function (it is pickled by name) and
+should bound its own waits, so that a failed world ends with an error rather than a stuck
+worker.
 """
 
 from __future__ import annotations
