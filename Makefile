@@ -17,7 +17,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP_BASE): $(BIN)/python setup.cfg pyproject.toml
+# The native core (ray_collective/native/*.c) is built by the same install: a changed source
+# reinstalls, which rebuilds it.
+NATIVE_SOURCES := $(wildcard ray_collective/native/*.c ray_collective/native/*.h)
+
+$(STAMP_BASE): $(BIN)/python setup.cfg setup.py pyproject.toml $(NATIVE_SOURCES)
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 

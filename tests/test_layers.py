@@ -149,7 +149,7 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 LAYERS = (
     ("types", "errors", "tensors", "validation"),
     ("algorithms", "transport"),
-    ("plan", "executor", "sim"),
+    ("plan", "executor", "sim", "native"),
     ("backends",),
     ("group",),
     ("declared",),

@@ -1,0 +1,90 @@
+"""The native core of the data path on one node: a C extension that runs a whole recorded plan
+over shared memory with the GIL released.
+
+Importing this package never fails: :func:`available` says whether the extension was built and
+imports, :func:`import_error` why not. The extension, ``ray_collective.native._core``::
+
+    node = Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns)
+    node.start(code, slots, header, dtype_code, op_code, tag=-1)
+    status = node.progress(slice_s)        # DONE, PENDING or MISMATCH
+    node.mismatch_details()                # after MISMATCH: a dict, else None
+    node.abandon()                         # forget a failed or unfinished call
+    node.wake_all()                        # every rank of the node returns PENDING once, now
+    node.close()                           # also a context manager
+    combine(dtype_code, op_code, acc, incoming)   # the reduction kernel alone
+    itemsize(dtype_code)                          # bytes per element (0: unknown code)
+
+- ``Node(...)``: ``directory`` is a private directory (this user's, mode 0700, else
+  PermissionError) shared by the ranks of one group on one node, which all pass the same
+  ``world_size``, ``ring_bytes`` (data bytes per ring: a multiple of 128, at least 1024) and
+  ``part_bytes`` (the largest part a message is cut into, at least 16); ``spin_ns`` is how
+  long a waiting rank polls, yielding its core between polls, before it sleeps (0: sleep at
+  once). It creates or opens ``doorbell`` there (64 bytes per rank, plus 64) and, at the first
+  call that names a peer, ``ring-<src>-<dst>`` (128 + ring_bytes, of which tmpfs backs only the
+  pages touched). A file that is a symlink is refused with OSError (ELOOP), one of another
+  user or open to group or others with PermissionError, one of another size with OSError
+  (EINVAL); ValueError for bad parameters. Read-only attributes: ``rank``, ``world_size``,
+  ``ring_bytes``, ``part_bytes``, ``spin_ns``, ``active`` (a call is running).
+- ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
+  ``plan.slots(buf, recvbuf)`` (writable, C-contiguous, aligned, of the dtype code's item
+  size); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
+  every message; ``dtype_code`` and ``op_code`` from :mod:`.codes` (``NO_OP`` where nothing is
+  reduced); ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives: any
+  negative tag is a channel whose call numbers all ranks share; a point-to-point tag >= 0
+  otherwise). The node holds the slots' buffers until the call ends (DONE,
+  MISMATCH) or is abandoned. Raises ValueError (malformed code, a place outside its slot, a
+  peer outside the world, a dtype/op without a kernel, a ring too small for the header),
+  OSError (a ring file), RuntimeError (a call is running already).
+- ``progress(slice_s)`` runs the call, GIL released, for at most about ``slice_s`` seconds:
+  ``DONE`` (the results are in the slots; every byte this rank sent is in a ring), ``PENDING``
+  (call again: it resumes where it stopped; also returned at once, once per ``wake_all`` by
+  any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
+  this rank expects; the call is over). MemoryError if overflow memory runs out.
+- ``mismatch_details()``: ``peer``; ``reason`` (``"header"``, ``"step"``, ``"count"``,
+  ``"part"`` or ``"a malformed frame"``); what the message said: ``header`` (its packed call
+  header, for ``wire.mismatch``), ``step``, ``count``, ``nbytes``, ``part_offset``,
+  ``part_bytes``, ``tag``; and ``expected_step``, ``expected_count`` of the receive (-1 when
+  the message was found at the head of a ring before any receive from that peer: same call
+  number, other header).
+- Constants ``DONE``, ``PENDING``, ``MISMATCH``, and ``HEADER_SEQ_OFFSET`` (where the packed
+  header holds the call number; ``wire.CallHeader.SEQ_OFFSET``).
+
+Semantics kept from ``executor.run_plan``: messages between two ranks on one tag are matched in
+posting order; each part's header, step, element count, message size and offset are checked
+against the receive. Sends are eager: a send completes once its bytes are in the ring or copied
+aside (see ``executor.c``), so any plan runs whatever ``ring_bytes``. One difference from the
+Python transport: a call ends only when every byte it sent is in a ring, so a send whose
+receiver never posts a receive from this rank and never drains its ring (a point-to-point
+message larger than the ring that the peer receives only after a collective in which it does
+not hear from this rank) waits for it, as MPI's large sends do.
+
+Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
+``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
+``executor.c`` (a call's messages and local steps), ``progress.c`` (waiting), ``module.c``
+(this API).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+try:
+    _core = importlib.import_module(f"{__name__}._core")
+except ImportError as err:  # not built: the pure-Python engine stays the only one
+    _core = None
+    _IMPORT_ERROR: Optional[str] = (
+        f"{type(err).__name__}: {err} (the extension is built by 'pip install' where a C "
+        f"compiler and the Python headers are present; reinstall once they are)")
+else:
+    _IMPORT_ERROR = None
+
+
+def available() -> bool:
+    """Whether the native core was built and imports."""
+    return _core is not None
+
+
+def import_error() -> Optional[str]:
+    """Why the native core did not import, or None when it did."""
+    return _IMPORT_ERROR

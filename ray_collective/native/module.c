@@ -1,0 +1,461 @@
+/* ray_collective.native._core: the Python face of the native core (the API is documented in
+ * ray_collective/native/__init__.py). Arguments are checked here, with the GIL held; the call
+ * itself runs in executor.c with the GIL released, on the buffers this object holds from
+ * start() until the call is done, has failed or is abandoned. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "node.h"
+
+typedef struct {
+    PyObject_HEAD
+    rc_node node;
+    int opened, busy;
+    Py_buffer *views; /* the slots of the running call */
+    int n_views;
+    int64_t views_capacity;
+} NodeObject;
+
+static void release_views(NodeObject *self)
+{
+    for (int i = 0; i < self->n_views; i++)
+        PyBuffer_Release(&self->views[i]);
+    self->n_views = 0;
+}
+
+static PyObject *node_error(NodeObject *self, int kind)
+{
+    if (kind == RC_INVALID) {
+        PyErr_SetString(PyExc_ValueError, self->node.error);
+    } else {
+        PyObject *args = Py_BuildValue("(is)", errno, self->node.error);
+        if (args != NULL) {
+            PyErr_SetObject(PyExc_OSError, args); /* picks the subclass, PermissionError... */
+            Py_DECREF(args);
+        }
+    }
+    return NULL;
+}
+
+static int Node_init(NodeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"directory", "rank", "world_size", "ring_bytes", "part_bytes",
+                               "spin_ns", NULL};
+    PyObject *path = NULL;
+    int rank, world;
+    unsigned long long ring_bytes, part_bytes;
+    long long spin_ns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&iiKKL", keywords, PyUnicode_FSConverter,
+                                     &path, &rank, &world, &ring_bytes, &part_bytes, &spin_ns))
+        return -1;
+    if (self->opened) {
+        Py_DECREF(path);
+        PyErr_SetString(PyExc_RuntimeError, "this Node is open already");
+        return -1;
+    }
+    int fd = open(PyBytes_AS_STRING(path), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        if (fd >= 0)
+            close(fd);
+        Py_DECREF(path);
+        return -1;
+    }
+    if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+        PyErr_Format(PyExc_PermissionError, "%s: refused, the directory of a node must belong "
+                     "to this user with mode 0700", PyBytes_AS_STRING(path));
+        close(fd);
+        Py_DECREF(path);
+        return -1;
+    }
+    Py_DECREF(path);
+    int opened = rc_node_open(&self->node, fd, rank, world, ring_bytes, part_bytes, spin_ns);
+    if (opened != RC_OK) {
+        node_error(self, opened);
+        rc_node_close(&self->node);
+        return -1;
+    }
+    self->opened = 1;
+    return 0;
+}
+
+static int check_usable(NodeObject *self)
+{
+    if (!self->opened) {
+        PyErr_SetString(PyExc_ValueError, "the Node is closed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in this Node's progress()");
+        return -1;
+    }
+    return 0;
+}
+
+static int is_int64(const Py_buffer *view)
+{
+    const char *format = view->format ? view->format : "B";
+    if (*format == '@' || *format == '=' || *format == '<')
+        format++;
+    return view->itemsize == 8 && (strcmp(format, "q") == 0 || strcmp(format, "l") == 0);
+}
+
+static int grow(void **array, size_t item, int64_t *capacity, int64_t wanted)
+{
+    if (wanted <= *capacity)
+        return 0;
+    void *bigger = realloc(*array, item * (size_t)wanted);
+    if (bigger == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *array = bigger;
+    *capacity = wanted;
+    return 0;
+}
+
+static int take_code(rc_call *call, PyObject *code)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(code, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+        return -1;
+    int ok = is_int64(&view);
+    if (!ok)
+        PyErr_SetString(PyExc_TypeError, "the plan code must be a contiguous int64 array");
+    else
+        ok = grow((void **)&call->code, 8, &call->code_capacity, view.len / 8) == 0;
+    if (ok) {
+        memcpy(call->code, view.buf, (size_t)view.len);
+        call->code_len = view.len / 8;
+    }
+    PyBuffer_Release(&view);
+    return ok ? 0 : -1;
+}
+
+static int take_slots(NodeObject *self, PyObject *slots)
+{
+    rc_call *call = &self->node.call;
+    PyObject *items = PySequence_Fast(slots, "slots must be a sequence of arrays");
+    if (items == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    if (n > INT32_MAX || grow((void **)&call->slots, sizeof(rc_slot), &call->slot_capacity, n)
+            || grow((void **)&self->views, sizeof(Py_buffer), &self->views_capacity, n)) {
+        Py_DECREF(items);
+        return -1;
+    }
+    int alignment = call->itemsize < 8 ? call->itemsize : 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer *view = &self->views[i];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, i), view,
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+            break;
+        self->n_views++;
+        if (view->itemsize != call->itemsize || (uintptr_t)view->buf % alignment != 0) {
+            PyErr_Format(PyExc_ValueError, "slot %zd has %zd-byte elements at address %p; the "
+                         "call's dtype has %d-byte elements, aligned", i, view->itemsize,
+                         view->buf, call->itemsize);
+            break;
+        }
+        call->slots[i].base = view->buf;
+        call->slots[i].count = view->len / view->itemsize;
+    }
+    Py_DECREF(items);
+    if (self->n_views != n) {
+        release_views(self);
+        return -1;
+    }
+    call->n_slots = (int)n;
+    return 0;
+}
+
+static int take_header(rc_call *call, const Py_buffer *header)
+{
+    if (header->len > UINT32_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError, "the call header is too long");
+        return -1;
+    }
+    if (grow((void **)&call->header, 1, &call->header_capacity, header->len ? header->len : 1))
+        return -1;
+    memcpy(call->header, header->buf, (size_t)header->len);
+    call->header_len = (uint32_t)header->len;
+    return 0;
+}
+
+static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"code", "slots", "header", "dtype_code", "op_code", "tag", NULL};
+    PyObject *code, *slots;
+    Py_buffer header;
+    int dtype, op;
+    long long tag = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*ii|L", keywords, &code, &slots, &header,
+                                     &dtype, &op, &tag))
+        return NULL;
+    rc_call *call = &self->node.call;
+    int failed = check_usable(self);
+    if (!failed && call->active) {
+        PyErr_SetString(PyExc_RuntimeError, "a call is running on this Node: progress() it to "
+                        "the end or abandon() it first");
+        failed = -1;
+    }
+    if (!failed && (rc_itemsize(dtype) == 0 || (op != RC_OP_NONE
+                                                && rc_kernel_for(dtype, op) == NULL))) {
+        PyErr_Format(PyExc_ValueError, "no reduction for dtype code %d and op code %d", dtype,
+                     op);
+        failed = -1;
+    }
+    if (!failed) {
+        call->itemsize = rc_itemsize(dtype);
+        call->kernel = op == RC_OP_NONE ? NULL : rc_kernel_for(dtype, op);
+        call->tag = tag;
+        failed = take_header(call, &header) || take_code(call, code) || take_slots(self, slots);
+    }
+    PyBuffer_Release(&header);
+    if (failed)
+        return NULL;
+    free(self->node.mismatch.header);
+    memset(&self->node.mismatch, 0, sizeof self->node.mismatch);
+    int started = rc_call_start(&self->node);
+    if (started != RC_OK) {
+        release_views(self);
+        return node_error(self, started);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Node_progress(NodeObject *self, PyObject *args)
+{
+    double slice_s;
+    if (!PyArg_ParseTuple(args, "d", &slice_s) || check_usable(self) != 0)
+        return NULL;
+    if (!self->node.call.active) {
+        PyErr_SetString(PyExc_RuntimeError, "no call is running on this Node (start() one)");
+        return NULL;
+    }
+    if (!(slice_s >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "slice_s must be at least 0");
+        return NULL;
+    }
+    int64_t slice_ns = slice_s < 1e9 ? (int64_t)(slice_s * 1e9) : (int64_t)1e18;
+    int status;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = rc_progress(&self->node, slice_ns);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (status != RC_PENDING)
+        release_views(self);
+    if (status == RC_FAILED) {
+        PyErr_SetString(PyExc_MemoryError, self->node.error);
+        return NULL;
+    }
+    return PyLong_FromLong(status);
+}
+
+static PyObject *Node_mismatch_details(NodeObject *self, PyObject *unused)
+{
+    const rc_mismatch *m = &self->node.mismatch;
+    if (m->reason == NULL)
+        Py_RETURN_NONE;
+    return Py_BuildValue(
+        "{s:i,s:s,s:y#,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "peer", m->peer, "reason", m->reason,
+        "header", m->header ? (const char *)m->header : "", (Py_ssize_t)m->header_len,
+        "step", (long long)m->step, "tag", (long long)m->tag, "count", (long long)m->count,
+        "nbytes", (long long)m->nbytes, "part_offset", (long long)m->part_offset,
+        "part_bytes", (long long)m->part_bytes, "expected_step", (long long)m->expected_step,
+        "expected_count", (long long)m->expected_count);
+}
+
+static PyObject *Node_abandon(NodeObject *self, PyObject *unused)
+{
+    if (check_usable(self) != 0)
+        return NULL;
+    rc_call_end(&self->node);
+    release_views(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Node_wake_all(NodeObject *self, PyObject *unused)
+{
+    if (!self->opened) {
+        PyErr_SetString(PyExc_ValueError, "the Node is closed");
+        return NULL;
+    }
+    rc_wake_all(&self->node);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Node_close(NodeObject *self, PyObject *unused)
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "another thread is in this Node's progress()");
+        return NULL;
+    }
+    if (self->opened) {
+        release_views(self);
+        rc_node_close(&self->node);
+        self->opened = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Node_enter(PyObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *Node_exit(NodeObject *self, PyObject *args)
+{
+    return Node_close(self, NULL);
+}
+
+static PyObject *Node_active(NodeObject *self, void *unused)
+{
+    return PyBool_FromLong(self->opened && self->node.call.active);
+}
+
+static void Node_dealloc(NodeObject *self)
+{
+    if (self->opened) {
+        release_views(self);
+        rc_node_close(&self->node);
+    }
+    free(self->views);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Node_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))Node_start, METH_VARARGS | METH_KEYWORDS,
+     "start(code, slots, header, dtype_code, op_code, tag=-1): begin a call (see the package "
+     "docstring)"},
+    {"progress", (PyCFunction)Node_progress, METH_VARARGS,
+     "progress(slice_s) -> DONE, PENDING or MISMATCH: run the call for at most slice_s seconds"},
+    {"mismatch_details", (PyCFunction)Node_mismatch_details, METH_NOARGS,
+     "what the frame that ended the last call with MISMATCH said, or None"},
+    {"abandon", (PyCFunction)Node_abandon, METH_NOARGS, "forget the running call"},
+    {"wake_all", (PyCFunction)Node_wake_all, METH_NOARGS,
+     "make every rank of the node return PENDING from progress() once, at once"},
+    {"close", (PyCFunction)Node_close, METH_NOARGS, "unmap everything and close the directory"},
+    {"__enter__", Node_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Node_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Node_members[] = {
+    {"rank", T_INT, offsetof(NodeObject, node.rank), READONLY, "this rank"},
+    {"world_size", T_INT, offsetof(NodeObject, node.world), READONLY, "ranks on the node"},
+    {"ring_bytes", T_ULONGLONG, offsetof(NodeObject, node.ring_bytes), READONLY,
+     "data bytes of each ring"},
+    {"part_bytes", T_ULONGLONG, offsetof(NodeObject, node.part_bytes), READONLY,
+     "the largest part of a message"},
+    {"spin_ns", T_LONGLONG, offsetof(NodeObject, node.spin_ns), READONLY,
+     "how long a waiting rank polls before it sleeps"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Node_getset[] = {
+    {"active", (getter)Node_active, NULL, "whether a call is running", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject NodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ray_collective.native._core.Node",
+    .tp_basicsize = sizeof(NodeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns): one rank's "
+              "shared memory and executor on a node (see the package docstring)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Node_init,
+    .tp_dealloc = (destructor)Node_dealloc,
+    .tp_methods = Node_methods,
+    .tp_members = Node_members,
+    .tp_getset = Node_getset,
+};
+
+static PyObject *core_combine(PyObject *module, PyObject *args)
+{
+    int dtype, op;
+    PyObject *acc_object, *incoming_object;
+    if (!PyArg_ParseTuple(args, "iiOO", &dtype, &op, &acc_object, &incoming_object))
+        return NULL;
+    rc_kernel kernel = rc_kernel_for(dtype, op);
+    int itemsize = rc_itemsize(dtype), alignment = itemsize < 8 ? itemsize : 8;
+    if (kernel == NULL) {
+        PyErr_Format(PyExc_ValueError, "no reduction for dtype code %d and op code %d", dtype,
+                     op);
+        return NULL;
+    }
+    Py_buffer acc, incoming;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT;
+    if (PyObject_GetBuffer(acc_object, &acc, flags | PyBUF_WRITABLE) != 0)
+        return NULL;
+    if (PyObject_GetBuffer(incoming_object, &incoming, flags) != 0) {
+        PyBuffer_Release(&acc);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (acc.len != incoming.len || acc.itemsize != itemsize || incoming.itemsize != itemsize)
+        PyErr_Format(PyExc_ValueError, "cannot combine %zd bytes of %zd-byte elements with %zd "
+                     "bytes of %zd-byte elements as %d-byte elements", acc.len, acc.itemsize,
+                     incoming.len, incoming.itemsize, itemsize);
+    else if ((uintptr_t)acc.buf % alignment != 0 || (uintptr_t)incoming.buf % alignment != 0)
+        PyErr_SetString(PyExc_ValueError, "unaligned elements");
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        kernel(acc.buf, incoming.buf, acc.len / itemsize, 1, 1);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&acc);
+    PyBuffer_Release(&incoming);
+    return result;
+}
+
+static PyObject *core_itemsize(PyObject *module, PyObject *args)
+{
+    int dtype;
+    if (!PyArg_ParseTuple(args, "i", &dtype))
+        return NULL;
+    return PyLong_FromLong(rc_itemsize(dtype));
+}
+
+static PyMethodDef core_methods[] = {
+    {"combine", core_combine, METH_VARARGS,
+     "combine(dtype_code, op_code, acc, incoming): acc = op(acc, incoming), element-wise"},
+    {"itemsize", core_itemsize, METH_VARARGS,
+     "itemsize(dtype_code): bytes per element of the dtype code (0: unknown)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "ray_collective.native._core",
+    "The native core of ray_collective (see ray_collective.native).", -1, core_methods,
+};
+
+PyMODINIT_FUNC PyInit__core(void)
+{
+    if (PyType_Ready(&NodeType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&core_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Node", (PyObject *)&NodeType) < 0
+            || PyModule_AddIntConstant(module, "DONE", RC_DONE) < 0
+            || PyModule_AddIntConstant(module, "PENDING", RC_PENDING) < 0
+            || PyModule_AddIntConstant(module, "MISMATCH", RC_MISMATCH) < 0
+            || PyModule_AddIntConstant(module, "HEADER_SEQ_OFFSET", RC_HEADER_SEQ_OFFSET) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,200 @@
+/* A rank's node: its doorbell and links, opened once; the rings of a peer, opened at the first
+ * call that names the peer; a call's start (checking its code, choosing its part size) and its
+ * end; the alarm. The call itself runs in executor.c and progress.c. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "node.h"
+
+#define MIN_RING_BYTES 1024
+
+int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
+                 uint64_t part_bytes, int64_t spin_ns)
+{
+    memset(node, 0, sizeof *node);
+    node->dirfd = dirfd;
+    if (world < 1 || rank < 0 || rank >= world || ring_bytes < MIN_RING_BYTES
+            || ring_bytes % (2 * RC_LINE) != 0 || part_bytes < 16 || spin_ns < 0) {
+        snprintf(node->error, sizeof node->error,
+                 "need 0 <= rank < world_size, ring_bytes a multiple of %d and at least %d, "
+                 "part_bytes at least 16, spin_ns >= 0", 2 * RC_LINE, MIN_RING_BYTES);
+        return RC_INVALID;
+    }
+    node->rank = rank;
+    node->world = world;
+    node->ring_bytes = ring_bytes;
+    node->part_bytes = part_bytes;
+    node->spin_ns = spin_ns;
+    node->doorbell_bytes = (size_t)RC_LINE * (1 + (size_t)world);
+    void *map = NULL;
+    const char *failed = rc_map_file(dirfd, "doorbell", node->doorbell_bytes, &map);
+    if (failed != NULL) {
+        snprintf(node->error, sizeof node->error, "doorbell: %s", failed);
+        return RC_OS_ERROR;
+    }
+    node->doorbell = map;
+    node->seen_alarm = atomic_load(&node->doorbell->alarm);
+    node->links = calloc((size_t)world, sizeof *node->links);
+    node->senders = malloc(sizeof(int) * (size_t)world);
+    node->receiving = malloc(sizeof(int) * (size_t)world);
+    node->blocked = calloc((size_t)world, sizeof *node->blocked);
+    node->peer_use = calloc((size_t)world, 1);
+    if (!node->links || !node->senders || !node->receiving || !node->blocked || !node->peer_use) {
+        errno = ENOMEM;
+        snprintf(node->error, sizeof node->error, "out of memory");
+        return RC_OS_ERROR;
+    }
+    return RC_OK;
+}
+
+void rc_outgoing_recycle(rc_node *node, rc_outgoing *out)
+{
+    free(out->owned);
+    out->owned = NULL;
+    out->next = node->spare;
+    node->spare = out;
+}
+
+void rc_call_end(rc_node *node)
+{
+    for (int i = 0; i < node->n_senders; i++) {
+        rc_link *link = node->links[node->senders[i]];
+        while (link->queue != NULL) {
+            rc_outgoing *out = link->queue;
+            link->queue = out->next;
+            rc_outgoing_recycle(node, out);
+        }
+        link->queue_last = NULL;
+        link->sending = 0;
+    }
+    node->n_senders = 0;
+    node->call.active = 0;
+    node->call.round = NULL;
+    node->call.left = node->call.attached = 0;
+}
+
+void rc_node_close(rc_node *node)
+{
+    rc_call_end(node);
+    for (int peer = 0; node->links != NULL && peer < node->world; peer++) {
+        rc_link *link = node->links[peer];
+        if (link == NULL)
+            continue;
+        rc_ring_close(&link->out);
+        rc_ring_close(&link->in);
+        while (link->stash != NULL) {
+            rc_stashed *next = link->stash->next;
+            free(link->stash);
+            link->stash = next;
+        }
+        free(link);
+    }
+    while (node->spare != NULL) {
+        rc_outgoing *next = node->spare->next;
+        free(node->spare);
+        node->spare = next;
+    }
+    if (node->doorbell != NULL)
+        munmap(node->doorbell, node->doorbell_bytes);
+    if (node->dirfd >= 0)
+        close(node->dirfd);
+    rc_call *call = &node->call;
+    free(call->code);
+    free(call->slots);
+    free(call->header);
+    free(call->progress);
+    free(node->mismatch.header);
+    free(node->links);
+    free(node->senders);
+    free(node->receiving);
+    free(node->blocked);
+    free(node->peer_use);
+    memset(node, 0, sizeof *node);
+    node->dirfd = -1;
+}
+
+static rc_link *link_to(rc_node *node, int peer)
+{
+    if (node->links[peer] == NULL)
+        node->links[peer] = calloc(1, sizeof(rc_link));
+    return node->links[peer];
+}
+
+/* Opens the rings of every peer the call names that this rank has not used yet. */
+static int open_rings(rc_node *node)
+{
+    for (int peer = 0; peer < node->world; peer++) {
+        uint8_t use = node->peer_use[peer];
+        if (use == 0)
+            continue;
+        rc_link *link = link_to(node, peer);
+        if (link == NULL) {
+            errno = ENOMEM;
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_OS_ERROR;
+        }
+        const char *failed = NULL;
+        int src = node->rank, dst = peer;
+        if ((use & RC_USE_SEND) && link->out.control == NULL)
+            failed = rc_ring_open(&link->out, node->dirfd, src, dst, node->ring_bytes, 1);
+        if (failed == NULL && (use & RC_USE_RECEIVE) && link->in.control == NULL) {
+            src = peer;
+            dst = node->rank;
+            failed = rc_ring_open(&link->in, node->dirfd, src, dst, node->ring_bytes, 0);
+            if (failed == NULL)
+                node->receiving[node->n_receiving++] = peer;
+        }
+        if (failed != NULL) {
+            snprintf(node->error, sizeof node->error, "ring-%d-%d: %s", src, dst, failed);
+            return RC_OS_ERROR;
+        }
+    }
+    return RC_OK;
+}
+
+int rc_call_start(rc_node *node)
+{
+    rc_call *call = &node->call;
+    int64_t biggest = rc_program_check(node);
+    if (biggest < 0)
+        return RC_INVALID;
+    uint64_t half = node->ring_bytes / 2, payload = rc_payload_offset(call->header_len);
+    if (payload + 16 > half) {
+        snprintf(node->error, sizeof node->error,
+                 "ring_bytes %llu is too small for frames with a call header of %u bytes",
+                 (unsigned long long)node->ring_bytes, call->header_len);
+        return RC_INVALID;
+    }
+    uint64_t part = node->part_bytes < half - payload ? node->part_bytes : half - payload;
+    call->part_max = part & ~(uint64_t)15; /* a multiple of every itemsize */
+    int opened = open_rings(node);
+    if (opened != RC_OK)
+        return opened;
+    if (biggest > call->progress_capacity) {
+        int64_t *progress = realloc(call->progress, sizeof(int64_t) * (size_t)biggest);
+        if (progress == NULL) {
+            errno = ENOMEM;
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_OS_ERROR;
+        }
+        call->progress = progress;
+        call->progress_capacity = biggest;
+    }
+    call->pc = 1;
+    call->steps_left = call->code[0];
+    call->round = NULL;
+    call->left = call->attached = 0;
+    call->detach_armed = 0;
+    call->active = 1;
+    return RC_OK;
+}
+
+void rc_wake_all(rc_node *node)
+{
+    rc_alarm(node->doorbell, node->world);
+}

@@ -1,0 +1,143 @@
+/* One rank's native node: its shared memory, its links to peers and the call it runs (the
+ * node in node.c, the plan code's format in program.c, the executor in executor.c, waiting in
+ * progress.c, the Python face in module.c). Plain C, no Python. */
+#ifndef RC_NODE_H
+#define RC_NODE_H
+
+#include <stdint.h>
+
+#include "kernels.h"
+#include "shm.h"
+
+/* What rc_progress returns; RC_FAILED (out of memory, text in node->error) ends the call. */
+enum rc_status { RC_DONE = 0, RC_PENDING = 1, RC_MISMATCH = 2, RC_FAILED = 3 };
+
+/* Plan code records (encode_plan in codes.py writes them). */
+enum { RC_STEP_ROUND = 1, RC_STEP_LOCAL = 2 };
+enum { RC_LOCAL_COPY = 0, RC_LOCAL_COMBINE = 1 };
+enum { RC_MESSAGE_SEND = 1, RC_MESSAGE_REDUCE = 2 };
+#define RC_MESSAGE_WORDS 6 /* flags, peer, step, slot, start, stop */
+#define RC_MAX_DIMS 8
+
+/* Where the packed call header (wire.CallHeader.pack) holds the call's sequence number. */
+#define RC_HEADER_SEQ_OFFSET 10
+
+/* A message on its way to a peer: in the caller's memory until its round is over, or in an
+ * owned overflow copy once detached. */
+typedef struct rc_outgoing {
+    struct rc_outgoing *next;
+    const unsigned char *data; /* the next byte to frame */
+    unsigned char *owned;      /* the overflow copy, or NULL */
+    int64_t step, count, nbytes, framed; /* framed: bytes already in the ring */
+    int64_t message;           /* its index in the current round, -1 once detached */
+} rc_outgoing;
+
+/* A frame taken out of a ring early because it belongs to another tag (channel). */
+typedef struct rc_stashed {
+    struct rc_stashed *next;
+    unsigned char frame[];
+} rc_stashed;
+
+typedef struct {
+    rc_ring out, in;
+    rc_outgoing *queue, *queue_last;
+    rc_stashed *stash, *stash_last;
+    int sending; /* listed in node->senders */
+} rc_link;
+
+typedef struct {
+    int peer;
+    const char *reason;
+    int64_t step, tag, count, nbytes, part_offset, part_bytes;
+    int64_t expected_step, expected_count;
+    uint32_t header_len;
+    unsigned char *header;
+} rc_mismatch;
+
+/* One of the call's arrays: the caller's buffers, then scratch memory. */
+typedef struct {
+    unsigned char *base;
+    int64_t count; /* elements */
+} rc_slot;
+
+typedef struct {
+    int active;
+    int64_t *code, code_len, code_capacity;
+    int64_t pc;          /* the next step record */
+    int64_t steps_left;
+    rc_slot *slots;
+    int n_slots;
+    int64_t slot_capacity;
+    int itemsize;
+    rc_kernel kernel;
+    unsigned char *header;
+    uint32_t header_len;
+    int64_t header_capacity;
+    int64_t tag;
+    uint64_t part_max;
+    const int64_t *round; /* the current round's message records, or NULL */
+    int64_t round_size, left;
+    int64_t *progress;    /* per message of the round: bytes received, -1 once done */
+    int64_t progress_capacity;
+    int64_t attached;     /* sends of the round still reading the caller's memory */
+    int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
+} rc_call;
+
+typedef struct rc_node {
+    int dirfd, rank, world;
+    uint64_t ring_bytes, part_bytes;
+    int64_t spin_ns;
+    rc_doorbell *doorbell;
+    size_t doorbell_bytes;
+    uint32_t seen_alarm;
+    rc_link **links;
+    int *senders, n_senders;    /* peers with messages queued */
+    int *receiving, n_receiving; /* peers whose inbound ring is open */
+    uint64_t *blocked, pass;    /* per peer: the pass in which a receive from it waited */
+    uint8_t *peer_use;          /* per peer, while a call starts: RC_USE_* bits */
+    rc_outgoing *spare;         /* finished outgoing records, for reuse */
+    rc_call call;
+    rc_mismatch mismatch;
+    char error[256];            /* why the last start or open failed */
+} rc_node;
+
+enum { RC_USE_SEND = 1, RC_USE_RECEIVE = 2 };
+enum { RC_OK = 0, RC_INVALID = 1, RC_OS_ERROR = 2 }; /* errors: the text is node->error */
+
+/* node.c. Opening: the caller has opened `dirfd`, which the node then owns. */
+int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
+                 uint64_t part_bytes, int64_t spin_ns);
+void rc_node_close(rc_node *node);
+/* Starts the call the caller has put in node->call (code, slots, header, dtype, kernel, tag):
+ * checks it, opens the rings it needs. */
+int rc_call_start(rc_node *node);
+/* Forgets the call (a failed one): drops its queued sends and its round. */
+void rc_call_end(rc_node *node);
+void rc_wake_all(rc_node *node);
+/* Returns a finished outgoing record to the node's pool. */
+void rc_outgoing_recycle(rc_node *node, rc_outgoing *out);
+
+/* progress.c: runs the call for at most slice_ns; returns an rc_status. */
+int rc_progress(rc_node *node, int64_t slice_ns);
+
+/* executor.c: what a pass returns besides the rc_status values. */
+enum { RC_PASS_IDLE = -1, RC_PASS_PROGRESS = -2 };
+/* One pass over everything pending. */
+int rc_pass(rc_node *node);
+/* Copies what the round's sends have not framed yet into overflow memory; they count as done. */
+int rc_detach(rc_node *node);
+/* RC_MISMATCH if a ring holds a frame of this call number with another header, else
+ * RC_PASS_IDLE. */
+int rc_early_mismatch(rc_node *node);
+
+/* program.c: checks the call's code against its slots, the node's rank and world and the
+ * call's kernel; marks the peers it names in node->peer_use and returns the largest round.
+ * Returns -1 (reason in node->error) if the code is malformed or names memory or ranks
+ * outside the call's. */
+int64_t rc_program_check(rc_node *node);
+/* Words of the step record at `record`, which rc_program_check has accepted. */
+int64_t rc_step_words(const int64_t *record);
+/* Runs a LOCAL record; returns 0, or -1 if out of memory. */
+int rc_program_local(rc_call *call, const int64_t *record);
+
+#endif

@@ -1,0 +1,230 @@
+/* The plan code: a recorded plan (ray_collective.plan.Plan) as int64 words, written by
+ * codes.encode_plan, checked here before a call runs anything, and its local steps.
+ *
+ * Layout: code[0] is the number of steps, then one record per step:
+ *   ROUND  RC_STEP_ROUND, n, then n messages of RC_MESSAGE_WORDS words: flags
+ *          (RC_MESSAGE_SEND, RC_MESSAGE_REDUCE), peer, step, slot, start, stop (elements);
+ *   LOCAL  RC_STEP_LOCAL, kind (RC_LOCAL_COPY or RC_LOCAL_COMBINE), the target place, the
+ *          source place; a place is slot, offset, ndim, shape[ndim], strides[ndim] (elements,
+ *          strides possibly negative), a contiguous Place being ndim 1, stride 1.
+ * The check refuses any code that is malformed or names memory outside the call's slots, a
+ * rank outside the world (or this rank), or a reduction in a call without an op: whatever the
+ * caller passes, the executor then touches only the slots' memory.
+ *
+ * A local operation whose source and target overlap in one slot reads the source as it was
+ * before the operation (as numpy's copyto and ufuncs do), through a temporary copy.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "node.h"
+
+typedef struct {
+    int slot, ndim;
+    int64_t offset, shape[RC_MAX_DIMS], strides[RC_MAX_DIMS];
+    int64_t size, lowest, highest; /* elements, and the extreme element indices it touches */
+} rc_view;
+
+#define FAIL(...) do { snprintf(node->error, sizeof node->error, __VA_ARGS__); return -1; } \
+    while (0)
+
+/* Reads the place at code[*at] into *view, checking it against the slots. */
+static int read_place(rc_node *node, int64_t *at, rc_view *view)
+{
+    const rc_call *call = &node->call;
+    const int64_t *code = call->code;
+    int64_t p = *at, len = call->code_len;
+    if (len - p < 3)
+        FAIL("plan code ends inside a place");
+    if (code[p] < 0 || code[p] >= call->n_slots)
+        FAIL("a local step names slot %lld of %d", (long long)code[p], call->n_slots);
+    if (code[p + 2] < 1 || code[p + 2] > RC_MAX_DIMS || (len - p - 3) / 2 < code[p + 2])
+        FAIL("a local step's place has %lld dimensions", (long long)code[p + 2]);
+    view->slot = (int)code[p];
+    view->offset = code[p + 1];
+    view->ndim = (int)code[p + 2];
+    view->size = 1;
+    view->lowest = view->highest = view->offset;
+    for (int i = 0; i < view->ndim; i++) {
+        int64_t extent = code[p + 3 + i], stride = code[p + 3 + view->ndim + i], reach;
+        if (extent < 0)
+            FAIL("a local step's place has a negative extent");
+        view->shape[i] = extent;
+        view->strides[i] = stride;
+        if (extent == 0)
+            view->size = 0;
+        else if (__builtin_mul_overflow(extent - 1, stride, &reach)
+                 || __builtin_add_overflow(reach > 0 ? view->highest : view->lowest, reach,
+                                           reach > 0 ? &view->highest : &view->lowest)
+                 || __builtin_mul_overflow(view->size, extent, &view->size))
+            FAIL("a local step's place overflows");
+    }
+    if (view->size != 0 && (view->lowest < 0 || view->highest >= call->slots[view->slot].count))
+        FAIL("a local step reaches elements %lld..%lld of slot %d, which has %lld",
+             (long long)view->lowest, (long long)view->highest, view->slot,
+             (long long)call->slots[view->slot].count);
+    *at = p + 3 + 2 * (int64_t)view->ndim;
+    return 0;
+}
+
+static int check_round(rc_node *node, int64_t at, int64_t n)
+{
+    const rc_call *call = &node->call;
+    for (int64_t m = 0; m < n; m++) {
+        const int64_t *message = call->code + at + 2 + m * RC_MESSAGE_WORDS;
+        int64_t flags = message[0], peer = message[1], slot = message[3];
+        if (flags != 0 && flags != RC_MESSAGE_SEND && flags != RC_MESSAGE_REDUCE)
+            FAIL("a message has flags %lld", (long long)flags);
+        if (peer < 0 || peer >= node->world || peer == node->rank)
+            FAIL("a message names rank %lld (this is rank %d of %d)", (long long)peer,
+                 node->rank, node->world);
+        if (slot < 0 || slot >= call->n_slots)
+            FAIL("a message names slot %lld of %d", (long long)slot, call->n_slots);
+        if (message[4] < 0 || message[4] > message[5] || message[5] > call->slots[slot].count)
+            FAIL("a message names elements %lld..%lld of slot %lld, which has %lld",
+                 (long long)message[4], (long long)message[5], (long long)slot,
+                 (long long)call->slots[slot].count);
+        if ((flags & RC_MESSAGE_REDUCE) && call->kernel == NULL)
+            FAIL("a receive reduces in a call without a reduce op");
+        node->peer_use[peer] |= (flags & RC_MESSAGE_SEND) ? RC_USE_SEND : RC_USE_RECEIVE;
+    }
+    return 0;
+}
+
+int64_t rc_program_check(rc_node *node)
+{
+    const rc_call *call = &node->call;
+    const int64_t *code = call->code;
+    int64_t len = call->code_len, at = 1, biggest = 0;
+    memset(node->peer_use, 0, (size_t)node->world);
+    if (len < 1 || code[0] < 0)
+        FAIL("plan code without a step count");
+    for (int64_t s = 0; s < code[0]; s++) {
+        if (len - at < 2)
+            FAIL("plan code ends before step %lld", (long long)s);
+        if (code[at] == RC_STEP_ROUND) {
+            int64_t n = code[at + 1];
+            if (n < 0 || n > (len - at - 2) / RC_MESSAGE_WORDS)
+                FAIL("step %lld is a round of %lld messages", (long long)s, (long long)n);
+            if (check_round(node, at, n) != 0)
+                return -1;
+            at += 2 + n * RC_MESSAGE_WORDS;
+            biggest = n > biggest ? n : biggest;
+        } else if (code[at] == RC_STEP_LOCAL) {
+            int64_t kind = code[at + 1];
+            rc_view target, source;
+            if (kind != RC_LOCAL_COPY && kind != RC_LOCAL_COMBINE)
+                FAIL("step %lld is a local step of kind %lld", (long long)s, (long long)kind);
+            if (kind == RC_LOCAL_COMBINE && call->kernel == NULL)
+                FAIL("a local step combines in a call without a reduce op");
+            at += 2;
+            if (read_place(node, &at, &target) != 0 || read_place(node, &at, &source) != 0)
+                return -1;
+            if (target.ndim != source.ndim
+                    || memcmp(target.shape, source.shape, sizeof(int64_t) * target.ndim) != 0)
+                FAIL("step %lld's target and source differ in shape", (long long)s);
+        } else {
+            FAIL("step %lld has kind %lld", (long long)s, (long long)code[at]);
+        }
+    }
+    if (at != len)
+        FAIL("plan code has %lld words after its steps", (long long)(len - at));
+    return biggest;
+}
+
+int64_t rc_step_words(const int64_t *record)
+{
+    if (record[0] == RC_STEP_ROUND)
+        return 2 + record[1] * RC_MESSAGE_WORDS;
+    int64_t target_ndim = record[4];
+    int64_t source_ndim = record[2 + 3 + 2 * target_ndim + 2];
+    return 2 + 3 + 2 * target_ndim + 3 + 2 * source_ndim;
+}
+
+/* A place already checked by rc_program_check. */
+static const int64_t *view_of(const int64_t *p, rc_view *view)
+{
+    view->slot = (int)p[0];
+    view->offset = p[1];
+    view->ndim = (int)p[2];
+    view->size = 1;
+    view->lowest = view->highest = view->offset;
+    for (int i = 0; i < view->ndim; i++) {
+        view->shape[i] = p[3 + i];
+        view->strides[i] = p[3 + view->ndim + i];
+        view->size *= view->shape[i];
+        int64_t reach = (view->shape[i] - 1) * view->strides[i];
+        if (reach > 0)
+            view->highest += reach;
+        else
+            view->lowest += reach;
+    }
+    return p + 3 + 2 * view->ndim;
+}
+
+static void copy_strided(unsigned char *to, int64_t to_step, const unsigned char *from,
+                         int64_t from_step, int64_t n, int itemsize)
+{
+    if (to_step == 1 && from_step == 1) {
+        memmove(to, from, (size_t)(n * itemsize));
+        return;
+    }
+    int64_t to_bytes = to_step * itemsize, from_bytes = from_step * itemsize;
+    for (int64_t i = 0; i < n; i++, to += to_bytes, from += from_bytes) {
+        switch (itemsize) { /* fixed sizes, so that each copy is one move */
+        case 1: memcpy(to, from, 1); break;
+        case 2: memcpy(to, from, 2); break;
+        case 4: memcpy(to, from, 4); break;
+        case 8: memcpy(to, from, 8); break;
+        default: memcpy(to, from, 16); break;
+        }
+    }
+}
+
+/* Applies the local operation over every dimension, the innermost by the kernel or a copy. */
+static void apply(const rc_call *call, int64_t kind, unsigned char *to, const int64_t *to_steps,
+                  const unsigned char *from, const int64_t *from_steps, const int64_t *shape,
+                  int ndim)
+{
+    if (ndim == 1) {
+        if (kind == RC_LOCAL_COMBINE)
+            call->kernel(to, from, shape[0], to_steps[0], from_steps[0]);
+        else
+            copy_strided(to, to_steps[0], from, from_steps[0], shape[0], call->itemsize);
+        return;
+    }
+    int64_t to_bytes = to_steps[0] * call->itemsize, from_bytes = from_steps[0] * call->itemsize;
+    for (int64_t i = 0; i < shape[0]; i++)
+        apply(call, kind, to + i * to_bytes, to_steps + 1, from + i * from_bytes, from_steps + 1,
+              shape + 1, ndim - 1);
+}
+
+int rc_program_local(rc_call *call, const int64_t *record)
+{
+    rc_view target, source;
+    int64_t kind = record[1];
+    view_of(view_of(record + 2, &target), &source);
+    if (target.size == 0)
+        return 0;
+    unsigned char *to = call->slots[target.slot].base + target.offset * call->itemsize;
+    const unsigned char *from = call->slots[source.slot].base + source.offset * call->itemsize;
+    unsigned char *copy = NULL;
+    int64_t copy_steps[RC_MAX_DIMS];
+    if (target.slot == source.slot && target.lowest <= source.highest
+            && source.lowest <= target.highest) {
+        copy = malloc((size_t)(source.size * call->itemsize));
+        if (copy == NULL)
+            return -1;
+        copy_steps[source.ndim - 1] = 1;
+        for (int i = source.ndim - 1; i > 0; i--)
+            copy_steps[i - 1] = copy_steps[i] * source.shape[i];
+        apply(call, RC_LOCAL_COPY, copy, copy_steps, from, source.strides, source.shape,
+              source.ndim);
+        from = copy;
+    }
+    apply(call, kind, to, target.strides, from, copy ? copy_steps : source.strides, target.shape,
+          target.ndim);
+    free(copy);
+    return 0;
+}

@@ -1,0 +1,495 @@
+"""One native Node's behaviour around a call: mismatches, slices and wake-ups, dead peers,
+buffered sends, channels, the memory a ring touches, and hostile files and arguments.
+
+Ranks are Nodes in threads of this process (progress releases the GIL), or a spawned process
+where a rank must die. Ordering between ranks goes through events and the calls themselves,
+never through sleeps; the only time bounds are generous ceilings that a hang would break.
+"""
+
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ray_collective import native
+from ray_collective.algorithms.catalog import ALGORITHMS
+from ray_collective.algorithms.core import Blocks, Team
+from ray_collective.plan import Local, Message, Place, Plan, StridedPlace, point_to_point, record
+from ray_collective.transport import wire
+from ray_collective.transport.wire import CallHeader, HeaderTemplate
+from ray_collective.types import ReduceOp
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"native core not built: {native.import_error()}")
+
+if native.available():
+    from ray_collective.native import _core
+    from ray_collective.native.codes import NO_OP, dtype_code, encode_plan, op_code
+    from ray_collective.native.processes import Call, node_directory
+
+HANG = 30.0
+"""Seconds after which a test that waits for something declares it hung."""
+
+
+def node(directory, rank, world=2, ring_bytes=1 << 16, part_bytes=4096, spin_ns=0):
+    return _core.Node(directory, rank, world, ring_bytes, part_bytes, spin_ns)
+
+
+def stamp(collective="allreduce", algorithm="recursive_doubling", count=4, seq=0, root=-1,
+          op="SUM", dtype="float64"):
+    header = CallHeader("g", 0, 0, collective, algorithm, dtype, count, (count,), root, op)
+    return HeaderTemplate(header).stamp(seq)
+
+
+def allreduce(rank, p=2, count=4, seq=0, op=ReduceOp.SUM, value=None):
+    """Rank ``rank``'s call of a float64 allreduce by recursive doubling."""
+    plan = record(ALGORITHMS["allreduce"]["recursive_doubling"], Team.world(p, rank),
+                  np.float64, count)
+    data = np.full(count, rank + 1.0 if value is None else value)
+    return Call(encode_plan(plan), plan.slots(data), stamp(count=count, seq=seq, op=op.name)
+                .packed, dtype_code("float64"), op_code(op, "float64"))
+
+
+def finish(node_, call_=None, slice_s=0.05):
+    """Start ``call_`` (unless None) and progress it until it is not PENDING."""
+    if call_ is not None:
+        node_.start(*call_)
+    deadline = time.monotonic() + HANG
+    status = node_.progress(slice_s)
+    while status == _core.PENDING:
+        assert time.monotonic() < deadline, "the call hung"
+        status = node_.progress(slice_s)
+    return status
+
+
+def in_thread(function, *args):
+    """Run ``function`` in a thread; returns a getter of its result (or its exception)."""
+    result = {}
+
+    def main():
+        try:
+            result["value"] = function(*args)
+        except BaseException as err:  # handed to the test
+            result["error"] = err
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+
+    def get():
+        thread.join(HANG)
+        assert not thread.is_alive(), "the thread hung"
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+    return get
+
+
+def both(directory, calls, **node_args):
+    """Run one call on each of two Nodes at once; their statuses, slots and details."""
+    def rank_main(rank):
+        with node(directory, rank, **node_args) as n:
+            status = finish(n, calls[rank])
+            return status, calls[rank].slots, n.mismatch_details()
+    other = in_thread(rank_main, 1)
+    return [rank_main(0), other()]
+
+
+# ------------------------------------------------------------------------------ calls
+
+def test_two_ranks_allreduce_and_consecutive_calls_reuse_the_rings():
+    with node_directory() as directory:
+        for seq in range(3):
+            results = both(directory, [allreduce(0, seq=seq), allreduce(1, seq=seq)])
+            for status, slots, details in results:
+                assert status == _core.DONE and details is None
+                np.testing.assert_array_equal(slots[0], np.full(4, 3.0))
+
+
+def test_world_size_one_and_an_empty_plan_are_done_at_once():
+    with node_directory() as directory, node(directory, 0, world=1) as alone:
+        empty = Plan(None, [], [], np.dtype(np.float32))
+        alone.start(encode_plan(empty), empty.slots(None), b"", dtype_code("float32"), NO_OP)
+        assert alone.active and alone.progress(0) == _core.DONE and not alone.active
+        call = allreduce(0, p=1)
+        assert finish(alone, call) == _core.DONE
+        np.testing.assert_array_equal(call.slots[0], np.ones(4))
+
+
+def test_local_steps_copy_and_combine_strided_and_overlapping_places():
+    """A reversed 2-D copy between slots, a strided combine, and a copy onto an overlapping
+    part of its own slot (numpy reads the source as it was; so must we)."""
+    slot0 = np.arange(12, dtype=np.int32)
+    plan = Plan(None, [
+        Local("copy", StridedPlace(2, 8, (3, 4), (-4, 1)), StridedPlace(0, 0, (3, 4), (4, 1))),
+        Local("combine", StridedPlace(0, 0, (6,), (2,)), StridedPlace(2, 1, (6,), (2,))),
+        Local("copy", Place(0, 2, 12), Place(0, 0, 10)),
+    ], [12], np.dtype(np.int32))
+    slots = plan.slots(slot0.copy())
+    expected = [a.copy() for a in slots]
+    for step in plan.steps:
+        step.run(expected, lambda acc, incoming: np.add(acc, incoming, out=acc))
+    with node_directory() as directory, node(directory, 0, world=1) as alone:
+        alone.start(encode_plan(plan), slots, b"", dtype_code("int32"),
+                    op_code(ReduceOp.SUM, "int32"))
+        assert alone.progress(0) == _core.DONE
+    for ours, theirs in zip(slots, expected):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_point_to_point_channels_do_not_block_a_collective_between_them():
+    """Rank 0 sends on tag 5, then both allreduce, then rank 1 receives tag 5: the collective
+    finds the tag-5 message first in its ring and sets it aside for the receive."""
+    count = 1000
+    message = np.arange(count, dtype=np.float64)
+    with node_directory() as directory:
+        def rank_main(rank):
+            with node(directory, rank, part_bytes=512) as n:
+                p2p = point_to_point(rank == 0, 1 - rank, count, np.float64)
+                slots = p2p.slots(message.copy() if rank == 0 else np.zeros(count))
+                call = Call(encode_plan(p2p), slots, stamp("send/recv", "direct", count).packed,
+                            dtype_code("float64"), NO_OP, 5)
+                if rank == 0:
+                    assert finish(n, call) == _core.DONE
+                collective = allreduce(rank)
+                assert finish(n, collective) == _core.DONE
+                if rank == 1:
+                    assert finish(n, call) == _core.DONE
+                return collective.slots[0], slots[0]
+        other = in_thread(rank_main, 1)
+        mine, theirs = rank_main(0), other()
+    np.testing.assert_array_equal(mine[0], np.full(4, 3.0))
+    np.testing.assert_array_equal(theirs[0], np.full(4, 3.0))
+    np.testing.assert_array_equal(theirs[1], message)
+
+
+def test_a_call_that_sent_into_overflow_is_done_only_once_the_peer_took_it():
+    """Over a 1 KiB ring, rank 0's 80 kB send goes to overflow memory: the send completes, yet
+    the call stays PENDING until rank 1 has drained it, then both are DONE."""
+    count = 10_000
+    data = np.arange(count, dtype=np.float64)
+    with node_directory() as directory:
+        sender, receiver = (node(directory, rank, ring_bytes=1024, part_bytes=16)
+                            for rank in range(2))
+        with sender, receiver:
+            send = point_to_point(True, 1, count, np.float64)
+            sender.start(encode_plan(send), send.slots(data.copy()),
+                         stamp("send/recv", "direct", count).packed, dtype_code("float64"),
+                         NO_OP, 0)
+            for _ in range(3):
+                assert sender.progress(0.02) == _core.PENDING
+            recv = point_to_point(False, 0, count, np.float64)
+            out = np.zeros(count)
+            receiver.start(encode_plan(recv), recv.slots(out),
+                           stamp("send/recv", "direct", count).packed, dtype_code("float64"),
+                           NO_OP, 0)
+            got = in_thread(finish, receiver)
+            assert finish(sender) == _core.DONE
+            assert got() == _core.DONE
+    np.testing.assert_array_equal(out, data)
+
+
+def test_small_messages_touch_one_page_of_a_large_ring():
+    """A producer that finds its ring empty restarts at offset 0 before leaving the first page:
+    a thousand small allreduces leave a 1 MiB ring file with a single page in memory."""
+    with node_directory() as directory:
+        def rank_main(rank):
+            with node(directory, rank, ring_bytes=1 << 20) as n:
+                for seq in range(1000):
+                    assert finish(n, allreduce(rank, seq=seq)) == _core.DONE
+        other = in_thread(rank_main, 1)
+        rank_main(0)
+        other()
+        for name in ("ring-0-1", "ring-1-0"):
+            assert os.stat(os.path.join(directory, name)).st_blocks * 512 <= 4096
+
+
+# -------------------------------------------------------------------------- mismatches
+
+def mismatch_error(rank, call_stamp, count, details):
+    return wire.mismatch(rank, details["peer"], call_stamp, 0, count, details["header"],
+                         details["step"], details["count"])
+
+
+@pytest.mark.parametrize("field", ["op", "count", "seq"])
+def test_ranks_that_call_differently_both_get_a_mismatch_with_details(field):
+    mine = {"op": ReduceOp.SUM, "count": 4, "seq": 0}
+    theirs = dict(mine, **{field: {"op": ReduceOp.MAX, "count": 6, "seq": 1}[field]})
+    with node_directory() as directory:
+        results = both(directory, [allreduce(0, **mine), allreduce(1, **theirs)])
+    for rank, (status, _, details), own, other in ((0, results[0], mine, theirs),
+                                                   (1, results[1], theirs, mine)):
+        assert status == _core.MISMATCH and details["peer"] == 1 - rank
+        assert details["reason"] == "header"
+        error = mismatch_error(rank, stamp(count=own["count"], seq=own["seq"],
+                                           op=own["op"].name), own["count"], details)
+        assert set(error.differences) == ({"count", "shape"} if field == "count" else {field})
+        assert error.differences[field] == ((own[field].name, other[field].name)
+                                            if field == "op" else (own[field], other[field]))
+
+
+def test_another_collective_is_reported_by_the_rank_that_receives_it():
+    """Rank 0 broadcasts from itself (a send only) while rank 1 allreduces: rank 1's receive
+    gets rank 0's broadcast and names the collective and algorithm that differ."""
+    count = 4
+    broadcast = record(ALGORITHMS["broadcast"]["binomial"], Team.world(2, 0), np.float64,
+                       count, Blocks.uniform(count, 2), 0)
+    calls = [Call(encode_plan(broadcast), broadcast.slots(np.ones(count)),
+                  stamp("broadcast", "binomial", count, root=0, op="").packed,
+                  dtype_code("float64"), NO_OP), allreduce(1)]
+    with node_directory() as directory:
+        results = both(directory, calls)
+    assert results[0][0] == _core.DONE
+    status, _, details = results[1]
+    assert status == _core.MISMATCH
+    error = mismatch_error(1, stamp(count=count), count, details)
+    assert {"collective", "algorithm", "root", "op"} <= set(error.differences)
+
+
+def test_a_frame_of_this_call_with_another_header_is_a_mismatch_before_any_receive_from_it():
+    """Rank 0 waits for rank 2 first; rank 1's message of the same call number but another op
+    sits in its ring: rank 0 reports it without waiting for rank 2, who never comes."""
+    count = 4
+    plans = [
+        Plan(None, [(Message(False, 2, 0, Place(0, 0, count), True),),
+                    (Message(False, 1, 0, Place(0, 0, count), True),)], [], np.dtype("f8")),
+        Plan(None, [(Message(True, 0, 0, Place(0, 0, count), False),)], [], np.dtype("f8")),
+    ]
+    ops = [ReduceOp.SUM, ReduceOp.MAX]
+    with node_directory() as directory:
+        def rank_main(rank):
+            with node(directory, rank, world=3) as n:
+                n.start(encode_plan(plans[rank]), plans[rank].slots(np.ones(count)),
+                        stamp(count=count, op=ops[rank].name).packed, dtype_code("float64"),
+                        op_code(ops[rank], "float64"))
+                return finish(n), n.mismatch_details()
+        sender = in_thread(rank_main, 1)
+        status, details = rank_main(0)
+        assert sender()[0] == _core.DONE
+    assert status == _core.MISMATCH and details["peer"] == 1
+    assert details["expected_step"] == -1 and details["expected_count"] == -1
+    error = mismatch_error(0, stamp(count=count), count, details)
+    assert error.differences == {"op": ("SUM", "MAX")}
+
+
+def test_a_malformed_frame_is_a_mismatch_not_a_crash():
+    with node_directory() as directory:
+        with node(directory, 0) as n:
+            n.start(*allreduce(0))
+            assert n.progress(0) == _core.PENDING  # its rings exist now
+            with open(os.path.join(directory, "ring-1-0"), "r+b") as ring:
+                ring.write(np.array([1 << 40], np.uint64).tobytes())  # head far beyond the tail
+            assert finish(n) == _core.MISMATCH
+            assert n.mismatch_details()["reason"] == "a malformed frame"
+
+
+# ------------------------------------------------------------------ waiting and slices
+
+def test_a_rank_whose_peer_never_comes_returns_pending_after_each_slice_then_finishes():
+    with node_directory() as directory, node(directory, 0) as first:
+        first.start(*allreduce(0))
+        for _ in range(3):
+            started = time.monotonic()
+            assert first.progress(0.05) == _core.PENDING
+            assert time.monotonic() - started < HANG
+        late = in_thread(second_rank_allreduce, directory)
+        assert finish(first) == _core.DONE
+        assert late() == _core.DONE
+
+
+def second_rank_allreduce(directory):
+    with node(directory, 1) as second:
+        return finish(second, allreduce(1))
+
+
+def test_a_sleeping_rank_is_woken_by_its_peer_not_by_the_end_of_its_slice():
+    """Rank 0 has been through a whole slice without its peer (so it went to sleep) and waits
+    again with a slice of HANG seconds: rank 1's message must wake it, and the call ends DONE
+    long before the slice would."""
+    with node_directory() as directory, node(directory, 0) as sleeper:
+        sleeper.start(*allreduce(0))
+        assert sleeper.progress(0.05) == _core.PENDING
+        waiting = threading.Event()
+
+        def sleep_for_the_peer():
+            waiting.set()
+            started = time.monotonic()
+            return sleeper.progress(HANG), time.monotonic() - started
+        woken = in_thread(sleep_for_the_peer)
+        assert waiting.wait(HANG)
+        assert second_rank_allreduce(directory) == _core.DONE
+        status, slept = woken()
+        assert status == _core.DONE and slept < HANG / 2
+
+
+def test_wake_all_returns_a_sleeper_at_once_and_only_once():
+    with node_directory() as directory, node(directory, 0) as sleeper, \
+            node(directory, 1) as waker:
+        sleeper.start(*allreduce(0))
+        woken = in_thread(lambda: (time.monotonic(), sleeper.progress(HANG), time.monotonic()))
+        waker.wake_all()
+        started, status, ended = woken()
+        assert status == _core.PENDING and ended - started < HANG / 2
+        other = in_thread(finish, waker, allreduce(1))
+        assert sleeper.progress(HANG) == _core.DONE  # the alarm was seen once, not again
+        assert other() == _core.DONE
+
+
+def _die_in_a_call(directory, ready):
+    """Rank 1 waits for a broadcast from rank 0 (so it sends nothing) and is killed there."""
+    with node(directory, 1) as n:
+        plan = record(ALGORITHMS["broadcast"]["binomial"], Team.world(2, 1), np.float64, 4,
+                      Blocks.uniform(4, 2), 0)
+        n.start(encode_plan(plan), plan.slots(np.zeros(4)), stamp("broadcast", "binomial",
+                root=0, op="").packed, dtype_code("float64"), NO_OP)
+        ready.set()
+        n.progress(HANG * 10)
+
+
+def test_a_killed_peer_leaves_the_survivor_returning_pending():
+    context = multiprocessing.get_context("spawn")
+    with node_directory() as directory:
+        ready = context.Event()
+        peer = context.Process(target=_die_in_a_call, args=(directory, ready), daemon=True)
+        peer.start()
+        try:
+            assert ready.wait(HANG)
+            peer.kill()
+            peer.join(HANG)
+            with node(directory, 0) as survivor:
+                survivor.start(*allreduce(0))
+                for _ in range(3):
+                    started = time.monotonic()
+                    assert survivor.progress(0.05) == _core.PENDING
+                    assert time.monotonic() - started < HANG
+                survivor.abandon()
+                assert not survivor.active
+        finally:
+            peer.kill()
+
+
+def test_busy_waiting_ranks_finish_too():
+    with node_directory() as directory:
+        results = both(directory, [allreduce(0), allreduce(1)], spin_ns=200_000)
+    assert [r[0] for r in results] == [_core.DONE, _core.DONE]
+
+
+# --------------------------------------------------------------- files and arguments
+
+def test_the_directory_must_be_private():
+    with node_directory() as directory:
+        os.chmod(directory, 0o755)
+        with pytest.raises(PermissionError, match="0700"):
+            node(directory, 0)
+
+
+def test_a_symlinked_ring_or_doorbell_is_refused():
+    with node_directory() as directory, node_directory() as elsewhere:
+        target = os.path.join(elsewhere, "target")
+        open(target, "wb").close()
+        os.symlink(target, os.path.join(directory, "ring-0-1"))
+        with node(directory, 0) as n:
+            with pytest.raises(OSError, match="ring-0-1"):
+                n.start(*allreduce(0))
+            assert not n.active
+        os.symlink(target, os.path.join(elsewhere, "doorbell"))
+        with pytest.raises(OSError, match="doorbell"):
+            node(elsewhere, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_a_ring_of_another_user_is_refused():
+    with node_directory() as directory:
+        path = os.path.join(directory, "ring-1-0")
+        open(path, "wb").close()
+        os.chown(path, 65534, 65534)
+        with node(directory, 0) as n:
+            with pytest.raises(PermissionError, match="another user"):
+                n.start(*allreduce(0))
+
+
+def test_a_ring_of_another_size_or_open_to_others_is_refused():
+    with node_directory() as directory:
+        path = os.path.join(directory, "ring-0-1")
+        with open(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), "wb") as ring:
+            ring.write(b"\0" * 4096)
+        with node(directory, 0) as n, pytest.raises(OSError, match="size"):
+            n.start(*allreduce(0))
+        os.chmod(path, 0o640)
+        with node(directory, 0) as n, pytest.raises(PermissionError, match="group or others"):
+            n.start(*allreduce(0))
+
+
+def bad_code(words):
+    return np.array(words, np.int64)
+
+
+@pytest.mark.parametrize("words, message", [
+    ([], "step count"),
+    ([1, 1, 1, 0, 0, 0, 0, 0, 4], "rank 0 "),
+    ([1, 1, 1, 1, 5, 0, 0, 0, 4], "rank 5"),
+    ([1, 1, 1, 1, 1, 0, 9, 0, 4], "slot 9"),
+    ([1, 1, 1, 1, 1, 0, 0, 2, 9], "elements 2..9"),
+    ([1, 1, 1, 3, 1, 0, 0, 0, 4], "flags 3"),
+    ([1, 1, 2, 0, 1, 0, 0, 0, 4], "round of 2"),
+    ([1, 2, 0, 0, 0, 1, 4, 1, 0, 0, 1, 4, -1], "reaches elements -3..0"),
+    ([1, 2, 0, 0, 0, 1, 4, 1, 0, 0, 1, 4, 1 << 62], "overflows"),
+    ([1, 2, 0, 0, 0, 0, 0, 0, 1, 4, 1], "dimensions"),
+    ([1, 2, 0, 0, 0, 1, 4, 1, 0, 1, 1, 3, 1], "differ in shape"),
+    ([1, 2, 1, 0, 0, 1, 4, 1, 0, 0, 1, 4, 1], "without a reduce op"),
+    ([1, 7, 0], "kind 7"),
+    ([2, 1, 0], "ends before step 1"),
+    ([0, 0], "after its steps"),
+])
+def test_malformed_or_hostile_plan_code_is_refused_before_anything_runs(words, message):
+    with node_directory() as directory, node(directory, 0) as n:
+        with pytest.raises(ValueError, match=message):
+            n.start(bad_code(words), [np.zeros(4)], b"h", dtype_code("float64"), NO_OP)
+        assert not n.active
+
+
+def test_bad_slots_and_codes_are_refused():
+    with node_directory() as directory, node(directory, 0) as n:
+        call = allreduce(0)
+        with pytest.raises(ValueError, match="8-byte elements"):
+            n.start(call.code, [np.zeros(4, np.float32)] + call.slots[1:], *call[2:])
+        unaligned = np.zeros(33, np.uint8)[1:].view(np.float64)
+        with pytest.raises(ValueError, match="aligned"):
+            n.start(call.code, [unaligned] + call.slots[1:], *call[2:])
+        read_only = call.slots[0].copy()
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            n.start(call.code, [read_only] + call.slots[1:], *call[2:])
+        with pytest.raises(TypeError, match="int64"):
+            n.start(call.code.astype(np.int32), *call[1:])
+        with pytest.raises(ValueError, match="no reduction"):
+            n.start(call.code, call.slots, call.header, 99, call.op_code)
+        with pytest.raises(RuntimeError, match="no call"):
+            n.progress(0)
+        n.start(*call)
+        with pytest.raises(RuntimeError, match="running"):
+            n.start(*call)
+        n.abandon()
+        assert not n.active
+
+
+def test_a_header_too_long_for_the_ring_is_refused():
+    with node_directory() as directory, node(directory, 0, ring_bytes=1024) as n:
+        call = allreduce(0)
+        with pytest.raises(ValueError, match="too small"):
+            n.start(call.code, call.slots, b"h" * 600, call.dtype_code, call.op_code)
+
+
+@pytest.mark.parametrize("arguments", [
+    dict(rank=2), dict(rank=-1), dict(world=0), dict(ring_bytes=1000), dict(ring_bytes=512),
+    dict(part_bytes=8), dict(spin_ns=-1),
+])
+def test_bad_node_parameters_are_refused(arguments):
+    with node_directory() as directory, pytest.raises(ValueError):
+        node(directory, **{"rank": 0, **arguments})
+
+
+def test_the_header_sequence_offset_is_the_wire_format_s():
+    assert _core.HEADER_SEQ_OFFSET == CallHeader.SEQ_OFFSET
