@@ -25,7 +25,7 @@ from ray_collective.algorithms.selector import select
 from ray_collective.executor import run_plan
 from ray_collective.plan import Message, Place, Plan, record
 from ray_collective.tensors import combiner
-from ray_collective.transport.base import COLLECTIVE_CHANNEL
+from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.local import LocalFabric
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 from ray_collective.types import ReduceOp
@@ -97,7 +97,7 @@ class Case:
         def rank_main(rank):
             try:
                 run_plan(self.plans[rank], finals[rank], fabric.transport(rank),
-                         COLLECTIVE_CHANNEL, self.stamp, self.combine, CALL_TIMEOUT,
+                         COLLECTIVE_TAG, self.stamp, self.combine, CALL_TIMEOUT,
                          self.algorithm.collective)
             except BaseException as err:  # reported below
                 errors.append(err)

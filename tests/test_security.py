@@ -31,9 +31,15 @@ def _group_of(name):
 
 
 def _layout(rank, group):
-    """Inside a member: after a large allreduce, where its group lives on this node."""
+    """Inside a member: after a large allreduce (through the native core's rings, or the
+    Python engine's shared memory) and a large send (always the latter), where its group lives
+    on this node."""
     tensor = np.ones(LARGE, np.float32)
     col.allreduce(tensor, group)
+    if rank == 0:
+        col.send(tensor, 1, group)
+    elif rank == 1:
+        col.recv(tensor, 0, group)
     return _where(rank, group)
 
 
@@ -60,6 +66,29 @@ def pair(ray_session, members):
     col.declare_collective_group(members[:2], group_name=name)
     yield name
     col.destroy_collective_group(name)
+
+
+def _pure_python(rank, on):
+    if on:
+        os.environ["RAY_COLLECTIVE_PURE_PYTHON"] = "1"
+    else:
+        os.environ.pop("RAY_COLLECTIVE_PURE_PYTHON", None)
+
+
+@pytest.fixture
+def socket_pair(ray_session, members):
+    """A declared group of two pool members whose collectives travel on their Unix sockets
+    (the pure-Python engine), for the tests that craft what arrives there; its name. With the
+    native core, collectives take the rings in the group's directory, which only this user
+    can open (tests/test_native_node.py plays hostile ring files)."""
+    run_in(ray_session, members[:2], _pure_python, True)
+    try:
+        name = f"security-{time.monotonic_ns()}"
+        col.declare_collective_group(members[:2], group_name=name)
+        yield name
+        col.destroy_collective_group(name)
+    finally:
+        run_in(ray_session, members[:2], _pure_python, False)
 
 
 # ------------------------------------------------------------------ files and shared memory
@@ -99,6 +128,11 @@ def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
 
     attempts = [("list directory", lambda: os.listdir(directory)),
                 ("open state file", lambda: _open_readable(os.path.join(directory, "state")))]
+    rings = [entry for entry in os.listdir(directory) if entry.startswith("ring-")]
+    if _engine(members[0], pair, ray_session) == "native":
+        assert sorted(rings) == ["ring-0-1", "ring-1-0"], rings
+    attempts += [(f"open {ring}", lambda p=os.path.join(directory, ring): _open_readable(p))
+                 for ring in rings]
     for rank, layout in enumerate(layouts):
         memfd = f"/proc/{layout['pid']}/fd/{layout['memfds'][0]}"
         attempts += [(f"connect to rank {rank}", lambda p=layout["socket"]: _connect(p)),
@@ -109,6 +143,11 @@ def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
     assert refused == {label: "EACCES" for label, _ in attempts}, refused
     # the owner's connections above said no HELLO: the ranks closed them and work on
     assert run_in(ray_session, members[:2], _allreduce_checked, pair, 3) == [3, 3]
+
+
+def _engine(member, group, ray_session):
+    return ray_session.get(member.__ray_call__.remote(
+        lambda _s: "native" if _group_of(group).membership.native else "python"))
 
 
 # ------------------------------------------------------------------ directories
@@ -326,26 +365,26 @@ def pipe():
 
 @pytest.mark.parametrize("case", list(_refused_packets("", b"")))
 def test_a_connection_without_the_group_key_is_refused_and_the_rank_works_on(
-        ray_session, members, pair, pipe, tmp_path, case):
+        ray_session, members, socket_pair, pipe, tmp_path, case):
     """Nothing a connection sends is read until its HELLO proves the key; the rank closes it
     (and any descriptor it passed) and goes on with correct results."""
     marker = tmp_path / "unpickled"
-    run_in(ray_session, members[:2], _allreduce_checked, pair, 2)  # shared memory set up
+    run_in(ray_session, members[:2], _allreduce_checked, socket_pair, 2)  # shared memory set up
     descriptors = run_in(ray_session, members[:1], process_resources)[0][:2]
-    with _crafted_connection(ray_session, members, pair,
+    with _crafted_connection(ray_session, members, socket_pair,
                              lambda key: _refused_packets(str(marker), key, pipe[0])[case]) \
             as sock:
         # the rank reads the connection while it waits in its next calls
         deadline = time.monotonic() + 30
-        while run_in(ray_session, members[:1], _refused, pair)[0] == 0:
+        while run_in(ray_session, members[:1], _refused, socket_pair)[0] == 0:
             assert time.monotonic() < deadline, "the connection was never refused"
-            assert run_in(ray_session, members[:2], _allreduce_checked, pair, 2) == [2, 2]
+            assert run_in(ray_session, members[:2], _allreduce_checked, socket_pair, 2) == [2, 2]
         sock.settimeout(10)
         try:
             assert sock.recv(100) == b""  # closed by the rank
         except ConnectionResetError:
             pass  # closed by the rank with packets of this connection unread
-    assert run_in(ray_session, members[:2], _allreduce_checked, pair, 4) == [4, 4]
+    assert run_in(ray_session, members[:2], _allreduce_checked, socket_pair, 4) == [4, 4]
     assert run_in(ray_session, members[:1], process_resources)[0][:2] == descriptors
     assert not marker.exists()
 
@@ -399,14 +438,14 @@ def _allreduce_until_error(rank, group, calls):
 
 @pytest.mark.parametrize("case", list(_with_key("", b"")))
 def test_a_malformed_frame_with_the_key_fails_the_group_with_a_typed_error(
-        ray_session, members, pair, pipe, tmp_path, case):
+        ray_session, members, socket_pair, pipe, tmp_path, case):
     """A connection that proves the key is a member: what it sends is parsed as fixed binary
     frames, and one that makes no sense breaks the group at once, on every rank, with an error
     saying so; nothing is unpickled, nothing hangs."""
     marker = tmp_path / "unpickled"
-    with _crafted_connection(ray_session, members, pair,
+    with _crafted_connection(ray_session, members, socket_pair,
                              lambda key: _with_key(str(marker), key, pipe[0])[case]):
-        outcomes = run_in(ray_session, members[:2], _allreduce_until_error, pair, 20)
+        outcomes = run_in(ray_session, members[:2], _allreduce_until_error, socket_pair, 20)
     target, other = outcomes
     if case in UNPARSABLE_HEADERS:
         # rank 0 reports the header it could not read; rank 1 the same mismatch from its side

@@ -23,6 +23,7 @@ from ..executor import run_plan
 from ..plan import Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
+from ..native.runner import NativePlan, NativeRunner
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
@@ -48,13 +49,16 @@ class PreparedCall:
         tag: the messages' tag (``COLLECTIVE_TAG``, or the send/recv's own).
         layout: how the call's tensors become the plan's buffer and back (see ``_layout``).
         average: divide the result by the world size at the end (AVG, on ranks that get one).
+        native: the plan in the native core's form, where the membership runs its collectives
+            there (None: the executor runs it over the transport).
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average")
+                 "average", "native")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
-                 blocks: Blocks, tag: int, layout: str, average: bool):
+                 blocks: Blocks, tag: int, layout: str, average: bool,
+                 native: Optional[NativePlan] = None):
         self.options = options
         self.plan = plan
         self.template = template
@@ -63,6 +67,7 @@ class PreparedCall:
         self.tag = tag
         self.layout = layout
         self.average = average
+        self.native = native
 
 
 def _layout(collective: Collective, rank: int, root: int) -> str:
@@ -115,6 +120,10 @@ class TransportMembership(Membership):
         oversubscribed: some machine runs more ranks than it has cores (the selector then
             prefers algorithms with fewer messages).
         forced: the algorithm forced per collective; None reads ``RAY_COLLECTIVE_ALGORITHM``.
+        native: runs the collectives on the node's native core (every rank of the group on one
+            node, every one of them with the core); None: the executor runs every plan over
+            ``transport``, the pure-Python engine. Point-to-point calls take the transport
+            either way.
 
     Raises:
         ValueError: ``RAY_COLLECTIVE_ALGORITHM`` is malformed.
@@ -122,7 +131,8 @@ class TransportMembership(Membership):
 
     def __init__(self, group_name: str, transport: Transport, epoch: int = 0,
                  node_of: Optional[Sequence] = None, oversubscribed: bool = False,
-                 forced: Optional[Mapping[str, str]] = None):
+                 forced: Optional[Mapping[str, str]] = None,
+                 native: Optional[NativeRunner] = None):
         self.group_name = group_name
         self.transport = transport
         self.epoch = epoch
@@ -132,6 +142,7 @@ class TransportMembership(Membership):
         self.forced = forced_algorithms() if forced is None else forced
         self.rank = transport.rank
         self.world_size = transport.world_size
+        self.native = native
         self._prepared: Dict[Tuple, PreparedCall] = {}
 
     def run(self, call: GroupCall) -> None:
@@ -176,11 +187,15 @@ class TransportMembership(Membership):
         average, dtype_name, world_size = prepared.average, "", self.world_size
         if view is not None:
             dtype_name = view.dtype_name
+        native, native_run = prepared.native, self.native and self.native.run
 
         def run(seq: int, array) -> None:
             flat = None if array is None else array.reshape(-1)
-            run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
-                     combine, timeout, what)
+            if native is not None:
+                native_run(native, plan.slots(flat), template.stamp(seq), timeout, what)
+            else:
+                run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
+                         combine, timeout, what)
             if average:
                 finalize_average(flat, dtype_name, world_size)
 
@@ -222,8 +237,11 @@ class TransportMembership(Membership):
                             dtype_name, count, shape, options.root, op)
         average = options.op is ReduceOp.AVG and reducing and (
             collective is not Collective.REDUCE or rank == options.root)
+        native = None if self.native is None else self.native.prepare(
+            plan, dtype_name, options.op if reducing else None)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
-                            COLLECTIVE_TAG, _layout(collective, rank, options.root), average)
+                            COLLECTIVE_TAG, _layout(collective, rank, options.root), average,
+                            native)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         options = call.options
@@ -241,8 +259,12 @@ class TransportMembership(Membership):
             buf = _concatenate(call.inputs)
             if layout == "exchange":
                 recvbuf = np.empty(blocks.total, plan.dtype)
-        run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
-                 prepared.combine, options.timeout, options.collective.value)
+        if prepared.native is not None:
+            self.native.run(prepared.native, plan.slots(buf, recvbuf), stamp, options.timeout,
+                            options.collective.value)
+        else:
+            run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
+                     prepared.combine, options.timeout, options.collective.value)
         if layout == "gather":
             _scatter_blocks(buf, blocks, call.outputs)
         elif layout == "exchange":
@@ -254,6 +276,10 @@ class TransportMembership(Membership):
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)
+        if self.native is not None:
+            self.native.wake_all()  # its ranks wait in the core, not in the transport's poll
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
         self.transport.close()

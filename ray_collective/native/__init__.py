@@ -26,8 +26,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   (EINVAL); ValueError for bad parameters. Read-only attributes: ``rank``, ``world_size``,
   ``ring_bytes``, ``part_bytes``, ``spin_ns``, ``active`` (a call is running).
 - ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
-  ``plan.slots(buf, recvbuf)`` (writable, C-contiguous, aligned, of the dtype code's item
-  size); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
+  ``plan.slots(buf, recvbuf)`` (C-contiguous, aligned, of the dtype code's item size;
+  writable, except a slot the plan only sends from: a reduce's input on a rank that gets no
+  result may be read-only, and a plan that would write into a read-only slot is refused); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
   every message; ``dtype_code`` and ``op_code`` from :mod:`.codes` (``NO_OP`` where nothing is
   reduced); ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives: any
   negative tag is a channel whose call numbers all ranks share; a point-to-point tag >= 0
@@ -88,3 +89,14 @@ def available() -> bool:
 def import_error() -> Optional[str]:
     """Why the native core did not import, or None when it did."""
     return _IMPORT_ERROR
+
+
+def node_type():
+    """The core's ``Node`` type.
+
+    Raises:
+        ImportError: the core did not import (:func:`import_error` says why).
+    """
+    if _core is None:
+        raise ImportError(f"ray_collective's native core is not available: {_IMPORT_ERROR}")
+    return _core.Node

@@ -34,6 +34,10 @@ SUM, PRODUCT, MIN, MAX, PRODUCT_FUSED = range(5)
 NO_OP = -1
 """The op code of a call that reduces nothing (broadcast, allgather, ...)."""
 
+DONE, PENDING, MISMATCH = 0, 1, 2
+"""What ``Node.progress`` returns (the core's own constants of the same names; a test ties
+them)."""
+
 STEP_ROUND, STEP_LOCAL = 1, 2
 LOCAL_COPY, LOCAL_COMBINE = 0, 1
 MESSAGE_SEND, MESSAGE_REDUCE = 1, 2

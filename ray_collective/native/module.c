@@ -155,10 +155,21 @@ static int take_slots(NodeObject *self, PyObject *slots)
     int alignment = call->itemsize < 8 ? call->itemsize : 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer *view = &self->views[i];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, i), view,
-                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
-            break;
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        int writable = 1;
+        if (PyObject_GetBuffer(item, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+                != 0) {
+            /* A read-only array may still be sent from; the plan check refuses writes to it. */
+            if (!PyErr_ExceptionMatches(PyExc_BufferError)
+                    && !PyErr_ExceptionMatches(PyExc_ValueError))
+                break;
+            PyErr_Clear();
+            writable = 0;
+            if (PyObject_GetBuffer(item, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+                break;
+        }
         self->n_views++;
+        call->slots[i].writable = writable;
         if (view->itemsize != call->itemsize || (uintptr_t)view->buf % alignment != 0) {
             PyErr_Format(PyExc_ValueError, "slot %zd has %zd-byte elements at address %p; the "
                          "call's dtype has %d-byte elements, aligned", i, view->itemsize,
@@ -261,6 +272,25 @@ static PyObject *Node_progress(NodeObject *self, PyObject *args)
     return PyLong_FromLong(status);
 }
 
+static PyObject *Node_scan_incoming(NodeObject *self, PyObject *unused)
+{
+    if (check_usable(self) != 0)
+        return NULL;
+    if (!self->node.call.active) {
+        PyErr_SetString(PyExc_RuntimeError, "no call is running on this Node (start() one)");
+        return NULL;
+    }
+    int opened = rc_scan_incoming(&self->node);
+    if (opened != RC_OK)
+        return node_error(self, opened);
+    if (rc_early_mismatch(&self->node) == RC_MISMATCH) {
+        rc_call_end(&self->node);
+        release_views(self);
+        return PyLong_FromLong(RC_MISMATCH);
+    }
+    return PyLong_FromLong(RC_PENDING);
+}
+
 static PyObject *Node_mismatch_details(NodeObject *self, PyObject *unused)
 {
     const rc_mismatch *m = &self->node.mismatch;
@@ -339,6 +369,9 @@ static PyMethodDef Node_methods[] = {
      "docstring)"},
     {"progress", (PyCFunction)Node_progress, METH_VARARGS,
      "progress(slice_s) -> DONE, PENDING or MISMATCH: run the call for at most slice_s seconds"},
+    {"scan_incoming", (PyCFunction)Node_scan_incoming, METH_NOARGS,
+     "scan_incoming() -> PENDING or MISMATCH: open the rings peers made towards this rank "
+     "and look for a message of this call number with another header (between slices)"},
     {"mismatch_details", (PyCFunction)Node_mismatch_details, METH_NOARGS,
      "what the frame that ended the last call with MISMATCH said, or None"},
     {"abandon", (PyCFunction)Node_abandon, METH_NOARGS, "forget the running call"},

@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "node.h"
@@ -153,6 +155,35 @@ static int open_rings(rc_node *node)
             snprintf(node->error, sizeof node->error, "ring-%d-%d: %s", src, dst, failed);
             return RC_OS_ERROR;
         }
+    }
+    return RC_OK;
+}
+
+int rc_scan_incoming(rc_node *node)
+{
+    for (int peer = 0; peer < node->world; peer++) {
+        rc_link *link = node->links[peer];
+        if (peer == node->rank || (link != NULL && link->in.control != NULL))
+            continue;
+        char name[64];
+        struct stat st;
+        snprintf(name, sizeof name, "ring-%d-%d", peer, node->rank);
+        if (fstatat(node->dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+            continue; /* the peer never sent to this rank */
+        link = link_to(node, peer);
+        if (link == NULL) {
+            errno = ENOMEM;
+            snprintf(node->error, sizeof node->error, "out of memory");
+            return RC_OS_ERROR;
+        }
+        const char *failed = rc_ring_open(&link->in, node->dirfd, peer, node->rank,
+                                          node->ring_bytes, 0);
+        if (failed != NULL) {
+            snprintf(node->error, sizeof node->error, "ring-%d-%d: %s", peer, node->rank,
+                     failed);
+            return RC_OS_ERROR;
+        }
+        node->receiving[node->n_receiving++] = peer;
     }
     return RC_OK;
 }

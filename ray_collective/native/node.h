@@ -58,6 +58,8 @@ typedef struct {
 typedef struct {
     unsigned char *base;
     int64_t count; /* elements */
+    int writable;  /* a read-only slot (a reduce's input on a rank that gets no result) may
+                      only be sent from: the plan check refuses a write into it */
 } rc_slot;
 
 typedef struct {
@@ -126,6 +128,12 @@ enum { RC_PASS_IDLE = -1, RC_PASS_PROGRESS = -2 };
 int rc_pass(rc_node *node);
 /* Copies what the round's sends have not framed yet into overflow memory; they count as done. */
 int rc_detach(rc_node *node);
+/* Opens, to read, every ring a peer has made towards this rank that this rank has not opened
+ * (RC_OK, or RC_OS_ERROR with node->error): the early mismatch check then sees the messages
+ * of peers this rank never expects (ranks that disagree about a root disagree about who
+ * sends). A file system look per peer: called between slices of a waiting call, not per pass. */
+int rc_scan_incoming(rc_node *node);
+
 /* RC_MISMATCH if a ring holds a frame of this call number with another header, else
  * RC_PASS_IDLE. */
 int rc_early_mismatch(rc_node *node);

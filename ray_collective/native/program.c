@@ -87,6 +87,8 @@ static int check_round(rc_node *node, int64_t at, int64_t n)
                  (long long)call->slots[slot].count);
         if ((flags & RC_MESSAGE_REDUCE) && call->kernel == NULL)
             FAIL("a receive reduces in a call without a reduce op");
+        if (!(flags & RC_MESSAGE_SEND) && message[5] > message[4] && !call->slots[slot].writable)
+            FAIL("a message is received into slot %lld, which is read-only", (long long)slot);
         node->peer_use[peer] |= (flags & RC_MESSAGE_SEND) ? RC_USE_SEND : RC_USE_RECEIVE;
     }
     return 0;
@@ -124,6 +126,9 @@ int64_t rc_program_check(rc_node *node)
             if (target.ndim != source.ndim
                     || memcmp(target.shape, source.shape, sizeof(int64_t) * target.ndim) != 0)
                 FAIL("step %lld's target and source differ in shape", (long long)s);
+            if (target.size != 0 && !call->slots[target.slot].writable)
+                FAIL("step %lld writes into slot %d, which is read-only", (long long)s,
+                     target.slot);
         } else {
             FAIL("step %lld has kind %lld", (long long)s, (long long)code[at]);
         }

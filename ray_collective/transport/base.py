@@ -87,6 +87,16 @@ class Transport(ABC):
             GroupBrokenError: another rank aborted the group.
         """
 
+    def check_failures(self, requests: Sequence[Request]) -> None:
+        """Look now for a failure that concerns ``requests`` (their peers dead, the group
+        aborted) and raise it, as :meth:`wait` would; also record that this rank, in a call,
+        is alive. For a rank whose call runs outside the transport (the native core), between
+        its slices. The default knows of no failure.
+
+        Raises:
+            PeerDiedError, GroupBrokenError: as :meth:`wait`.
+        """
+
     def arrive(self, stamp: CallStamp) -> None:
         """Note that this rank has started the collective of ``stamp`` (its number and header).
 

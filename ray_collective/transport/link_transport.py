@@ -137,6 +137,12 @@ class LinkTransport(Transport):
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
         return self.engine.wait(requests, deadline)
 
+    def check_failures(self, requests: Sequence[Request]) -> None:
+        failures = self.failures
+        failures.beat()
+        failures.check_liveness({r.peer for r in requests}, False)
+        self.engine.raise_if_failed(requests)
+
     def arrive(self, stamp: wire.CallStamp) -> None:
         self.state.arrive(self.rank, stamp.seq)
         self._inbox.begin(stamp)

@@ -168,6 +168,10 @@ class LocalTransport(Transport):
                     return pending
                 fabric._cond.wait(remaining)
 
+    def check_failures(self, requests: Sequence[Request]) -> None:
+        if self.fabric._broken is not None:
+            raise GroupBrokenError(self.fabric.group_name, self.rank, self.fabric._broken)
+
     def arrive(self, stamp: CallStamp) -> None:
         started = self.fabric._started_seq
         started[self.rank] = max(started[self.rank], stamp.seq)

@@ -1,7 +1,8 @@
 """What the ``ray`` backend reads from its process: Ray's runtime and the environment variables.
 
 Ray is imported only here and only when a group is made (``import ray_collective`` needs only
-numpy). ``RAY_COLLECTIVE_CROSS_NODE`` chooses how a group's messages cross nodes.
+numpy). ``RAY_COLLECTIVE_CROSS_NODE`` chooses how a group's messages cross nodes,
+``RAY_COLLECTIVE_PURE_PYTHON`` turns the native core off.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from typing import Tuple
 
+from ... import native
 from ...errors import ArgumentValueError, BackendNotAvailableError
 
 _LOG = logging.getLogger(__name__)
@@ -77,3 +80,32 @@ def finished_jobs() -> set:
         return {job_id.hex() for job_id, job in jobs.items() if job.is_dead}
     except Exception:  # noqa: BLE001 - a private API of Ray: without it, nothing is swept
         return set()
+
+
+PURE_PYTHON_VARIABLE = "RAY_COLLECTIVE_PURE_PYTHON"
+"""Set to 1 (or true) to run every collective on the pure-Python engine, native core or not."""
+NATIVE, PYTHON = "native", "python"
+
+
+def engine_wanted(group_name: str, rank: int) -> str:
+    """The engine this rank can run collectives on: ``native`` where the C core imports and
+    ``RAY_COLLECTIVE_PURE_PYTHON`` is not set, else ``python`` (with a warning when the core is
+    missing: it should have been built by ``pip install``).
+
+    Raises:
+        ArgumentValueError: the variable holds neither a true nor a false value.
+    """
+    value = os.environ.get(PURE_PYTHON_VARIABLE, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return PYTHON
+    if value not in ("", "0", "false", "no"):
+        raise ArgumentValueError(
+            f"group '{group_name}', rank {rank}: {PURE_PYTHON_VARIABLE}={value!r}; set it to 1 "
+            f"for the pure-Python engine, or 0 (or leave it unset) for the native core")
+    if native.available():
+        return NATIVE
+    warnings.warn(f"ray_collective's native core is not available ({native.import_error()}); "
+                  f"collectives run on the pure-Python engine, several times slower for small "
+                  f"messages. Reinstall the package with a C compiler present "
+                  f"(pip install -e . builds it)", RuntimeWarning, stacklevel=2)
+    return PYTHON

@@ -32,8 +32,9 @@ from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
-from .environment import (STREAMS, cross_node_transport, finished_jobs, ray_module,
-                          runtime)
+from ...native.runner import NativeRunner, native_node
+from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
+                          ray_module, runtime)
 from .machines import ranks_over_cores
 from .membership import RayMembership
 from .post_offices import RayPostOffices, shut_post_office, start_post_office
@@ -96,7 +97,8 @@ class RayBackendFactory(BackendFactory):
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
         me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
-                               cross_node, ray_module().util.get_node_ip_address())
+                               cross_node, ray_module().util.get_node_ip_address(),
+                               engine_wanted(group_name, rank))
         try:
             token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
                                              listen_under, token)
@@ -130,8 +132,11 @@ class RayBackendFactory(BackendFactory):
         transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)
+        runner = None
+        if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
+            runner = NativeRunner(native_node(directory, rank, world_size, spin_s), transport)
         return RayMembership(group_name, transport, token, prefix, directory, members,
-                             post_office, forced)
+                             post_office, forced, runner)
 
     def prepare_declaration(self, group_name: str) -> Declaration:
         # The driver opens the incarnation, so that the members join the same one whatever

@@ -12,6 +12,7 @@ import shutil
 from typing import Mapping, Optional, Sequence
 
 from ...errors import error_record
+from ...native.runner import NativeRunner
 from ...transport.link_transport import LinkTransport
 from ...transport.processes import process_alive
 from ..transport_membership import TransportMembership
@@ -26,10 +27,11 @@ class RayMembership(TransportMembership):
 
     def __init__(self, group_name: str, transport: LinkTransport, token: str, prefix: str,
                  directory: str, members: Sequence[Member],
-                 post_office: Optional[object], forced: Mapping[str, str]):
+                 post_office: Optional[object], forced: Mapping[str, str],
+                 native: Optional[NativeRunner] = None):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
                          node_of=[m.node for m in members],
-                         oversubscribed=oversubscribed(members), forced=forced)
+                         oversubscribed=oversubscribed(members), forced=forced, native=native)
         self.token = token
         self.prefix = prefix
         self.directory = directory

@@ -7,11 +7,12 @@ group is identified by a random token:
 - ``<prefix>token`` holds the current token. Whoever opens an incarnation (rank 0 of an
   imperative group, or the driver of a declared one) first clears the prefix, so keys left by a
   crashed earlier incarnation cannot pose as members.
-- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>/<cross node>/<host>`` announces one
-  member (``cores``: the CPUs its process may run on; ``cross node``: the transport it asks for
-  between nodes, ``streams`` or ``object_store``; ``host``: its node's address as Ray knows
-  it). Everything a peer needs is in the key itself, so one ``list`` call reads the whole
-  membership.
+- ``<prefix><token>/member/<rank>/<node id>/<pid>/<cores>/<cross node>/<engine>/<host>``
+  announces one member (``cores``: the CPUs its process may run on; ``cross node``: the
+  transport it asks for between nodes, ``streams`` or ``object_store``; ``engine``: ``native``
+  when it can run collectives on the C core, else ``python``; ``host``: its node's address as
+  Ray knows it). Everything a peer needs is in the key itself, so one ``list`` call reads the
+  whole membership.
 - ``<prefix><token>/complete`` is written by the rank whose registration completed the
   membership (it is the one that finds all ``world_size`` keys when it lists them after its
   own); the others poll this one key rather than list the whole membership again and again,
@@ -66,6 +67,10 @@ class Member:
     host: str = ""
     """The node's address as Ray knows it: Ray nodes at one address share one machine's cores
     (a ``ray.cluster_utils.Cluster``, several raylets started on one host)."""
+    engine: str = "python"
+    """The engine it can run collectives on: ``native`` (the C core was built and is not
+    turned off) or ``python``; a group of one node runs on the native core when every member
+    can."""
 
 
 def group_prefix(job_id: str, group_name: str) -> str:
@@ -259,7 +264,7 @@ def _longest_pause(world_size: int) -> float:
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
     return (f"{prefix}{token}/member/{me.rank}/{me.node}/{me.pid}/{me.cores}/{me.cross_node}/"
-            f"{me.host}")
+            f"{me.engine}/{me.host}")
 
 
 def registered_members(kv: KeyValue, prefix: str, token: str,
@@ -279,8 +284,8 @@ def registered_members(kv: KeyValue, prefix: str, token: str,
     found = []
     for key in kv.keys(f"{prefix}{token}/member/"
                        + ("" if claiming is None else f"{claiming}/")):
-        rank, node, pid, cores, cross_node, host = key.rsplit("/", 6)[1:]
-        found.append(Member(int(rank), node, int(pid), int(cores), cross_node, host))
+        rank, node, pid, cores, cross_node, engine, host = key.rsplit("/", 7)[1:]
+        found.append(Member(int(rank), node, int(pid), int(cores), cross_node, host, engine))
     return found
 
 

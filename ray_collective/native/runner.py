@@ -1,0 +1,182 @@
+"""Running a group's collectives on the native core, with the Python side watching for failures.
+
+A :class:`NativeRunner` belongs to one rank of a group whose ranks all share a node. It turns a
+call shape's recorded plan into the core's plan code once (:meth:`NativeRunner.prepare`), and
+runs each call of it in the core with the GIL released (:meth:`NativeRunner.run`), a slice of
+``SLICE_S`` at a time: between slices the rank records that it is alive and asks its
+transport whether a peer died or the group was aborted (``Transport.check_failures``), and
+gives up at the call's deadline. A mismatch the core finds becomes the same
+``CollectiveMismatchError`` the Python engine raises (``wire.mismatch``).
+
+Point-to-point calls stay on the transport (their own tags: nothing of theirs shares a ring).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import CollectiveTimeoutError
+from ..plan import Local, Plan
+from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
+from ..transport.wire import CallStamp, mismatch
+from ..types import ReduceOp
+from . import codes, node_type
+from .codes import DONE, MISMATCH
+
+SLICE_S = 0.1
+"""The longest the core runs a call before the rank looks for failures (as the Python
+engine's poll does)."""
+
+RING_BYTES_MAX = 4 << 20
+"""A ring's room when the group is small: large messages stream through it in parts of
+``RING_BYTES_MAX // PARTS_PER_RING`` while the receiver reduces the ones before."""
+RING_BYTES_MIN = 64 << 10
+RING_BUDGET_BYTES = 512 << 20
+"""What the rings of one group may hold at most on one node, if every pair an algorithm uses
+(about log2 p per rank and direction) streamed large messages at once: rings shrink with the
+world size to stay within it (tmpfs backs only the pages a ring's data has reached)."""
+PARTS_PER_RING = 16
+
+
+def ring_bytes(world_size: int) -> int:
+    """The ring size of a group of ``world_size`` ranks (every rank computes the same)."""
+    pairs = 2 * world_size * max(1, math.ceil(math.log2(max(world_size, 2))))
+    size = min(RING_BYTES_MAX, max(RING_BYTES_MIN, RING_BUDGET_BYTES // pairs))
+    return size - size % 128
+
+
+def native_node(directory: str, rank: int, world_size: int, spin_s: float):
+    """This rank's node of the native core, in the group's private ``directory``.
+
+    Args:
+        directory: the group's directory on this node (this user's, 0700), shared by its
+            ranks there.
+        rank: this rank.
+        world_size: ranks in the group.
+        spin_s: how long a waiting rank polls before it sleeps (0 on a crowded machine).
+
+    Returns:
+        The ``_core.Node``.
+
+    Raises:
+        ImportError: the core was not built.
+        PermissionError, OSError: the directory or a file in it is not this user's alone.
+    """
+    size = ring_bytes(world_size)
+    return node_type()(directory, rank, world_size, size, size // PARTS_PER_RING,
+                       int(spin_s * 1e9))
+
+
+class NativePlan(NamedTuple):
+    """What the core needs of one call shape, prepared once.
+
+    Attributes:
+        code: the plan code (``codes.encode_plan``).
+        dtype_code: the wire dtype's code.
+        op_code: the reduction's code, ``codes.NO_OP`` where nothing is reduced.
+        peers: one request per peer the plan talks to (what a failure check asks about).
+    """
+
+    code: np.ndarray
+    dtype_code: int
+    op_code: int
+    peers: Tuple[SendRequest, ...]
+
+
+class NativeRunner:
+    """Runs one rank's collectives on its node's native core.
+
+    Args:
+        node: the rank's ``_core.Node``.
+        transport: the rank's transport (failures, who came to a call, point-to-point).
+        slice_s: the longest the core runs before the rank looks for failures.
+    """
+
+    def __init__(self, node, transport: Transport, slice_s: float = SLICE_S):
+        self.node = node
+        self.transport = transport
+        self.slice_s = slice_s
+
+    def prepare(self, plan: Plan, dtype_name: str, op: Optional[ReduceOp]) -> NativePlan:
+        """The core's form of a call shape's plan.
+
+        Args:
+            plan: the recorded plan.
+            dtype_name: the tensor's dtype name.
+            op: the reduction (None when the call reduces nothing).
+
+        Returns:
+            The prepared plan.
+        """
+        peers = sorted({message.peer for step in plan.steps if type(step) is not Local
+                        for message in step})
+        op_code = codes.NO_OP if op is None else codes.op_code(op, dtype_name)
+        return NativePlan(codes.encode_plan(plan), codes.dtype_code(dtype_name or "uint8"),
+                          op_code, tuple(SendRequest(peer) for peer in peers))
+
+    def run(self, native: NativePlan, slots: Sequence[np.ndarray], stamp: CallStamp,
+            timeout: float, what: str) -> None:
+        """Run one call to completion, blocking.
+
+        Args:
+            native: the call shape's prepared plan.
+            slots: the call's arrays (``plan.slots(...)``).
+            stamp: the call's header.
+            timeout: seconds the whole call may take.
+            what: the call's name in a timeout error.
+
+        Raises:
+            CollectiveMismatchError: a message differs from what this rank expects.
+            CollectiveTimeoutError: the call was still running ``timeout`` seconds after its
+                start; it names the ranks that hold it up, when the node knows them.
+            PeerDiedError, GroupBrokenError: from the transport's failure check.
+        """
+        node, transport = self.node, self.transport
+        transport.arrive(stamp)
+        node.start(native.code, slots, stamp.packed, native.dtype_code, native.op_code,
+                   COLLECTIVE_TAG)
+        status = node.progress(self.slice_s)
+        if status != DONE:
+            deadline = time.monotonic() + timeout
+            while status != DONE:
+                if status == MISMATCH:
+                    raise self._mismatch(stamp)
+                # A message of this call with another header may wait in a ring this rank
+                # never reads from (ranks that disagree about the root): look at them all.
+                if node.scan_incoming() == MISMATCH:
+                    raise self._mismatch(stamp)
+                try:
+                    transport.check_failures(native.peers)
+                    if time.monotonic() >= deadline:
+                        absent = transport.absent_ranks(stamp.seq)
+                        raise CollectiveTimeoutError(
+                            stamp.template.group, transport.rank, what, stamp.seq,
+                            absent or [r.peer for r in native.peers], timeout)
+                except BaseException:
+                    node.abandon()
+                    raise
+                status = node.progress(self.slice_s)
+        transport.complete(stamp)
+
+    def _mismatch(self, stamp: CallStamp):
+        details = self.node.mismatch_details()
+        expected_step = details["expected_step"]
+        expected_count = details["expected_count"]
+        if expected_step < 0:
+            # Found at the head of a ring before this rank posted any receive from that peer:
+            # only the header can be compared.
+            expected_step, expected_count = details["step"], details["count"]
+        return mismatch(self.transport.rank, details["peer"], stamp, expected_step,
+                        expected_count, details["header"], details["step"], details["count"])
+
+    def wake_all(self) -> None:
+        """Make every rank of the node that waits in the core look for failures now."""
+        self.node.wake_all()
+
+    def close(self) -> None:
+        """Release the node (its files go with the group's directory)."""
+        self.node.close()
