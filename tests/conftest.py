@@ -1,10 +1,9 @@
 """The session's fixtures: one local Ray instance and a pool of member actors."""
 
-import os
-
 import pytest
 
-from helpers import REPO_DIR, TESTS_DIR, start_members
+from support.helpers import start_members
+from support.paths import python_path
 
 POOL_SIZE = 5
 
@@ -13,9 +12,8 @@ POOL_SIZE = 5
 def ray_session():
     """One local Ray instance for the whole test session; workers can import the test modules."""
     import ray
-    path = os.pathsep.join([TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")])
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": python_path()}})
     yield ray
     ray.shutdown()
 

@@ -10,7 +10,7 @@ import pytest
 
 import ray_collective as col
 from ray_collective.testing import RanksFailed, run_ranks
-from helpers import numpy_reduce, rank_data
+from support.helpers import numpy_reduce, rank_data
 
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
        col.ReduceOp.AVG]
@@ -32,7 +32,7 @@ def _expect_equal(got, want, dtype):
 
 # ------------------------------------------------------------------ every dtype and op
 
-# Every collective at every size is the contract of tests/contract.py (tests/test_contract.py).
+# Every collective at every size is the contract of tests/support/contract.py (tests/test_contract.py).
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world_size", [3, 4])

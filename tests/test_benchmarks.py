@@ -32,7 +32,7 @@ from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeas
 from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
-from helpers import run_benchmark, run_in, start_members
+from support.helpers import run_benchmark, run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
                               iteration_latencies, percentiles, speedup)
 

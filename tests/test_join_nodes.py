@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from benchmarks.join_nodes import summary
-from helpers import REPO_DIR, run_benchmark
+from support.helpers import run_benchmark
+from support.paths import REPO_DIR
 
 
 def test_summary_is_the_median_per_transport():

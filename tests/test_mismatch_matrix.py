@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import run_in
+from support.helpers import run_in
 
 WORLD = 3
 ODD_RANK = 2

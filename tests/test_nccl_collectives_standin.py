@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import NCCL_CONSTANTS, StandInGpus
+from support.helpers import numpy_reduce, rank_data
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import NCCL_CONSTANTS, StandInGpus
 
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
        col.ReduceOp.AVG]

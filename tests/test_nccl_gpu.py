@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from contract import CASES, TensorKind, check_every_collective, every_collective
-from helpers import rank_data
-from nccl_ranks import run_nccl_ranks, values_of
+from support.contract import CASES, TensorKind, check_every_collective, every_collective
+from support.helpers import rank_data
+from support.nccl_ranks import run_nccl_ranks, values_of
 
 
 def _find_gpus():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import NCCL_CONSTANTS, StandInGpus
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import NCCL_CONSTANTS, StandInGpus
 from ray_collective.backends.nccl import (InProcessRendezvous, NcclBackendFactory,
                                           RayRendezvous, synchronize_device)
 from ray_collective.backends.nccl import library as library_module

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import StandInGpus
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import StandInGpus
 from ray_collective.backends.nccl import InProcessRendezvous, NcclOptions
 from ray_collective.tensors import TensorView, as_view
 

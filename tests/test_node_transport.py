@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
+from support.helpers import numpy_reduce, rank_data
 from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import run_in
-from oracle_cases import LIST_OUTPUT, SEED, Case, cases, rank_input
+from support.helpers import run_in
+from support.oracle_cases import LIST_OUTPUT, SEED, Case, cases, rank_input
+from support.paths import python_path
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 MPI_TIMEOUT_S = 60
 
@@ -71,9 +71,10 @@ def mpi_outputs(world_size: int, output_dir) -> dict:
         pytest.skip(f"the MPI oracle needs MPICH's mpiexec next to the interpreter, at {MPIEXEC} "
                     f"(pip install mpich, part of the test extras)")
     command = [MPIEXEC, "-n", str(world_size), sys.executable,
-               os.path.join(TESTS_DIR, "mpi_oracle.py"), str(SEED), str(output_dir)]
+               "-m", "support.mpi_oracle", str(SEED), str(output_dir)]
     finished = subprocess.run(command, check=False, capture_output=True, text=True,
-                              timeout=MPI_TIMEOUT_S)
+                              timeout=MPI_TIMEOUT_S,
+                              env=dict(os.environ, PYTHONPATH=python_path()))
     assert finished.returncode == 0, finished.stdout + finished.stderr
     outputs = {}
     for rank in range(world_size):

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from test_ray_backend import check_every_collective, every_collective
+from support.contract import check_every_collective, every_collective
 from test_tcp import KEY, StreamFactory, pretend_nodes, two_node_transports
 from ray_collective.backends.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
                                                  PostOffice, pack_round, unpack_round)

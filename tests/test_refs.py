@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
+from support.helpers import numpy_reduce, rank_data
 
 WORLD = 3
 

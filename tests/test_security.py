@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import process_resources, run_in
+from support.helpers import process_resources, run_in
 from ray_collective.transport import wire
 
 NOBODY = 65534

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.socket_floor import (PATTERNS, WORLD_SIZE, counterpart_of, mate_of,
                                      receive_value, run_iterations, slowest_rank_p50)
-from helpers import run_benchmark
+from support.helpers import run_benchmark
 
 
 def _wired_ranks():

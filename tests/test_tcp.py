@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
-from test_ray_backend import check_every_collective, every_collective
+from support.helpers import numpy_reduce, rank_data
+from support.contract import check_every_collective, every_collective
 from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError, error_record

@@ -1,7 +1,7 @@
 """The MPI side of the oracle: runs every case of ``oracle_cases.cases(world size)`` through mpi4py
 and writes this rank's outputs to ``<output dir>/rank<r>.npz`` (keys ``Case.output_key``).
 
-Usage: mpiexec -n P python mpi_oracle.py SEED OUTPUT_DIR
+Usage: mpiexec -n P python -m support.mpi_oracle SEED OUTPUT_DIR (with ``tests/`` on PYTHONPATH)
 """
 
 import os
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from oracle_cases import LIST_OUTPUT, Case, cases, rank_input
+from support.oracle_cases import LIST_OUTPUT, Case, cases, rank_input
 
 MPI_OPS = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PRODUCT": MPI.PROD}
 

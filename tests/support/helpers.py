@@ -8,9 +8,7 @@ import sys
 import numpy as np
 
 import ray_collective as col
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
+from support.paths import REPO_DIR, python_path
 
 UFUNCS = {col.ReduceOp.SUM: np.add, col.ReduceOp.PRODUCT: np.multiply,
           col.ReduceOp.MIN: np.minimum, col.ReduceOp.MAX: np.maximum}
@@ -65,6 +63,25 @@ def run_in(ray, actors, function, *args, timeout=120):
     return ray.get(refs, timeout=timeout)
 
 
+def join(rank, group, world_size, timeout=60.0):
+    """Inside a member: join ``group`` on the ``ray`` backend; returns (rank, world size)."""
+    col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
+    return col.get_rank(group), col.get_collective_group_size(group)
+
+
+def leave(rank, group):
+    """Inside a member: destroy its part of ``group``; returns whether it is still a member."""
+    col.destroy_collective_group(group)
+    return col.is_group_initialized(group)
+
+
+def group_keys(ray, group):
+    """The keys this job's ``group`` holds in Ray's key-value store."""
+    from ray.experimental import internal_kv
+    job = ray.get_runtime_context().get_job_id()
+    return internal_kv._internal_kv_list(f"{job}/{group}/".encode(), namespace="ray_collective")
+
+
 def process_resources(rank):
     """Inside a member: open descriptors (memfds among them) and resident memory of its
     process."""
@@ -86,7 +103,7 @@ def run_benchmark(module, *arguments, timeout=300):
     # A benchmark starts a Ray (or a cluster) of its own: it must not join one the suite may
     # point to.
     environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = os.pathsep.join([REPO_DIR, os.environ.get("PYTHONPATH", "")])
+    environment["PYTHONPATH"] = python_path()
     completed = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_DIR,
                                env=environment, capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, completed.stderr[-3000:]

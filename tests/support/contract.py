@@ -4,7 +4,7 @@ gives, for each rank, whatever runs the ranks.
 Written once and bound to each backend by the tests that run ranks their way:
 tests/test_contract.py (threads of this process: the in-process backend, a backend registered
 from outside the package, the NCCL backend over its stand-in), tests/test_ray_backend.py and
-tests/multinode_cluster.py (Ray actors: the ``ray`` backend on one node and across nodes),
+tests/support/multinode_cluster.py (Ray actors: the ``ray`` backend on one node and across nodes),
 tests/test_nccl_gpu.py (real NCCL, on a GPU machine).
 
 :func:`every_collective` runs inside a rank and returns plain numpy outputs;
@@ -14,7 +14,7 @@ tests/test_nccl_gpu.py (real NCCL, on a GPU machine).
 import numpy as np
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
+from support.helpers import numpy_reduce, rank_data
 
 OPS = {"SUM": col.ReduceOp.SUM, "MAX": col.ReduceOp.MAX, "PRODUCT": col.ReduceOp.PRODUCT,
        "AVG": col.ReduceOp.AVG, "MIN": col.ReduceOp.MIN}
