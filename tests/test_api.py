@@ -10,6 +10,7 @@ import pytest
 
 import ray_collective as col
 from ray_collective.testing import RanksFailed, run_ranks
+from support import extras
 from support.helpers import numpy_reduce, rank_data
 
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
@@ -88,7 +89,7 @@ def test_avg_on_bool_is_refused_before_communication():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "bool"])
 def test_torch_tensors(dtype):
-    torch = pytest.importorskip("torch", reason="torch is a test extra: pip install -e .[test]")
+    torch = extras.need("torch", "torch tensors")
     torch_dtype = getattr(torch, dtype)
     inputs = [torch.arange(6, dtype=torch.float32).reshape(2, 3).mul(r + 1).to(torch_dtype)
               for r in range(3)]
@@ -595,7 +596,7 @@ def test_multigpu_variants_need_the_nccl_backend(call):
 
 
 def test_ray_util_collective_reduce_op_is_accepted_by_name():
-    ray_types = pytest.importorskip("ray.util.collective.types", reason="ray is not installed")
+    import ray.util.collective.types as ray_types
 
     def body(rank):
         x = np.full(2, rank + 1.0)

@@ -18,14 +18,14 @@ import sys
 
 import numpy as np
 import pytest
+import ray.util.collective as ray_util_collective
 
 import ray_collective as col
+from support import extras
 from support.compat_members import CollectiveUser
 from support.paths import python_path
 
-torch = pytest.importorskip("torch", reason="the Gloo side of these tests needs torch")
-ray_util_collective = pytest.importorskip("ray.util.collective",
-                                          reason="ray.util.collective is the reference")
+torch = extras.need("torch", "the Gloo side of these tests")
 
 WORLD = 2
 GROUP = "compat"

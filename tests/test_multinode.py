@@ -19,6 +19,8 @@ import pytest
 
 from support.paths import python_path
 
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
 SCRIPT_TIMEOUT_S = 420
 RANKS_PER_NODE = 2
 WORLD_SIZE = 6

@@ -2,6 +2,7 @@
 stand-in for Ray's key-value store), the dtype and op mapping, the CuPy adapter's conversions,
 and how the library behaves in this process, which has no CuPy."""
 
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -186,6 +187,8 @@ def test_world_size_one_needs_no_ray_and_defaults_to_every_visible_gpu():
         np.testing.assert_array_equal(tensor.host, [3.0, 3.0])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                    reason="CuPy is installed here; the test needs a process without it")
 def test_without_cupy_the_backend_says_what_to_install():
     assert not col.nccl_available()
     assert not NcclBackendFactory().available()

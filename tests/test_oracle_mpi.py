@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import ray_collective as col
+from support import extras
 from support.helpers import run_in
 from support.oracle_cases import LIST_OUTPUT, SEED, Case, cases, rank_input
 from support.paths import python_path
 
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 MPI_TIMEOUT_S = 60
 
 
@@ -66,11 +66,8 @@ def run_every_case(rank: int, world_size: int, group: str, seed: int):
 
 def mpi_outputs(world_size: int, output_dir) -> dict:
     """Every rank's outputs of every case, computed by mpi4py under mpiexec."""
-    pytest.importorskip("mpi4py", reason="the MPI oracle needs mpi4py (the test extras)")
-    if not os.access(MPIEXEC, os.X_OK):
-        pytest.skip(f"the MPI oracle needs MPICH's mpiexec next to the interpreter, at {MPIEXEC} "
-                    f"(pip install mpich, part of the test extras)")
-    command = [MPIEXEC, "-n", str(world_size), sys.executable,
+    mpiexec = extras.need_mpiexec("the MPI oracle")
+    command = [mpiexec, "-n", str(world_size), sys.executable,
                "-m", "support.mpi_oracle", str(SEED), str(output_dir)]
     finished = subprocess.run(command, check=False, capture_output=True, text=True,
                               timeout=MPI_TIMEOUT_S,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
+from support import extras
 from support.helpers import numpy_reduce, rank_data
 
 WORLD = 3
@@ -100,7 +101,7 @@ def test_refs_made_by_the_members_themselves(ray_session, holders, group):
 
 def test_send_ref_delivers_numpy_and_torch_tensors(ray_session, holders, group):
     ray = ray_session
-    torch = pytest.importorskip("torch", reason="the torch case needs torch (test extra)")
+    torch = extras.need("torch", "the torch case")
     array = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
     received = ray.get(col.send_ref(ray.put(array), src_rank=0, dst_rank=2, group_name=group))
     assert received.dtype == np.int16 and received.shape == (2, 3, 4)

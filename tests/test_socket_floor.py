@@ -61,6 +61,7 @@ def test_a_peer_that_closes_before_sending_is_an_error():
     mine.close()
 
 
+@pytest.mark.multinode
 def test_a_two_node_run_times_both_patterns(tmp_path):
     out = tmp_path / "floor.json"
     run_benchmark("benchmarks.socket_floor", "--iterations", "50", "--repeats", "1",

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 import ray_collective as col
+from support.kinds import refuse_ray_subprocess
 from support.paths import REPO_DIR, python_path
 
 UFUNCS = {col.ReduceOp.SUM: np.add, col.ReduceOp.PRODUCT: np.multiply,
@@ -100,6 +101,7 @@ def process_resources(rank):
 def run_benchmark(module, *arguments, timeout=300):
     """``python -m module *arguments`` from the repository in a subprocess; returns it once it
     exited with 0 (else fails with the end of its stderr)."""
+    refuse_ray_subprocess(f"python -m {module}")
     # A benchmark starts a Ray (or a cluster) of its own: it must not join one the suite may
     # point to.
     environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
