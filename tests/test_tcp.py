@@ -321,7 +321,8 @@ class StreamFactory(BackendFactory):
 
 @pytest.mark.parametrize("dtype,op_name,count", [
     ("float64", "SUM", 0), ("int64", "SUM", 1), ("float32", "MAX", 1000),
-    ("float64", "SUM", 2 * PART // 8 + 3), ("int32", "PRODUCT", 7)])
+    ("float64", "SUM", 2 * PART // 8 + 3), ("int32", "PRODUCT", 7), ("float64", "AVG", 1003),
+    ("float32", "PRODUCT", 9)])
 def test_every_collective_across_two_nodes_over_streams_matches_numpy(tmp_path, dtype,
                                                                       op_name, count):
     p = 4

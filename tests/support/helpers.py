@@ -1,5 +1,6 @@
-"""What the tests share besides fixtures: reference results computed by numpy alone, and the
-plain member actors the Ray tests form groups around (and how to run code inside them)."""
+"""What the tests share besides fixtures: reference results computed by numpy alone (with
+``support.reference``), small integer inputs, the plain member actors the Ray tests form groups
+around (and how to run code inside them), and benchmarks run in a subprocess."""
 
 import os
 import subprocess
@@ -8,23 +9,13 @@ import sys
 import numpy as np
 
 import ray_collective as col
+from support import reference
 from support.kinds import refuse_ray_subprocess
 from support.paths import REPO_DIR, python_path
 
-UFUNCS = {col.ReduceOp.SUM: np.add, col.ReduceOp.PRODUCT: np.multiply,
-          col.ReduceOp.MIN: np.minimum, col.ReduceOp.MAX: np.maximum}
-
-
 def numpy_reduce(arrays, op):
     """What an allreduce of ``arrays`` with ``op`` must give, computed by numpy on the stack."""
-    stacked = np.stack(arrays)
-    if op is col.ReduceOp.AVG:
-        summed = np.add.reduce(stacked, axis=0, dtype=stacked.dtype)
-        if np.issubdtype(stacked.dtype, np.integer):
-            return (np.sign(summed) * (np.abs(summed.astype(object)) // len(arrays))).astype(
-                stacked.dtype)
-        return (summed / stacked.dtype.type(len(arrays))).astype(stacked.dtype)
-    return UFUNCS[op].reduce(stacked, axis=0, dtype=stacked.dtype)
+    return reference.reduce(arrays, op.name)
 
 
 def rank_data(rank, shape, dtype, op=col.ReduceOp.SUM, seed=0):

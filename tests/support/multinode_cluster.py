@@ -58,7 +58,8 @@ OBJECT_STORE_BYTES = 200 * 2**20
 NAMESPACE = "ray_collective"
 POST_OFFICE_PREFIX = "post-office-"
 EVERY_COLLECTIVE_CASES = [("int64", "SUM", SMALL), ("float64", "SUM", LARGE),
-                          ("float32", "MAX", 30_000), ("int32", "PRODUCT", 1)]
+                          ("float32", "MAX", 30_000), ("int32", "PRODUCT", 1),
+                          ("float64", "AVG", LARGE), ("float32", "PRODUCT", SMALL)]
 HIERARCHICAL_COLLECTIVES = ("allreduce", "broadcast", "reduce")
 
 
