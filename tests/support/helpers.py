@@ -5,6 +5,7 @@ around (and how to run code inside them), and benchmarks run in a subprocess."""
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -87,6 +88,26 @@ def process_resources(rank):
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return len(fds), memfds, rss
+
+
+def act_while_waiting(transport, action):
+    """Run ``action()`` in a thread as soon as ``transport`` polls inside a ``wait``, so that
+    it happens while the caller waits (what a fixed delay cannot promise on a busy machine).
+
+    Returns:
+        The thread (join it once the wait is over).
+    """
+    waiting = threading.Event()
+    poll = transport._progress
+
+    def polled(*args, **kwargs):
+        waiting.set()
+        return poll(*args, **kwargs)
+
+    transport._progress = polled
+    thread = threading.Thread(target=lambda: waiting.wait(60) and action(), daemon=True)
+    thread.start()
+    return thread
 
 
 def run_benchmark(module, *arguments, timeout=300):
