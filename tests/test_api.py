@@ -517,6 +517,22 @@ def test_double_init_and_recreate_after_destroy():
         col.destroy_collective_group("g")
 
 
+def test_group_errors_are_caught_by_their_public_base_class():
+    from ray_collective.backends.local import LocalBackendFactory
+    from ray_collective.transport.local import LocalFabric
+
+    with col.use_registry(col.GroupRegistry()):
+        with pytest.raises(col.GroupError) as missing:
+            col.allreduce(np.ones(2), group_name="never-made")
+        assert type(missing.value) is col.GroupNotInitializedError
+        col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        with pytest.raises(col.GroupError) as twice:
+            col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        assert type(twice.value) is col.GroupAlreadyInitializedError
+        col.destroy_collective_group("g")
+    assert issubclass(col.GroupError, col.CollectiveError)
+
+
 def test_gloo_timeout_in_milliseconds_sets_the_group_default():
     from ray_collective.backends.local import LocalBackendFactory
     from ray_collective.transport.local import LocalFabric

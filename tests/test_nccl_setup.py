@@ -210,6 +210,27 @@ def test_synchronize_waits_for_the_device():
             synchronize_device(bad, library=gpus.library())
 
 
+def test_synchronize_returns_once_the_work_queued_on_the_gpu_has_run(monkeypatch):
+    from ray_collective.backends.nccl import backend
+    gpus = StandInGpus(device_count=2)
+    monkeypatch.setattr(backend, "load_library", gpus.library)  # CuPy's stand-in
+    release = gpus.hold(gpus.default_streams[1])
+    released, seen = threading.Event(), []
+    waiter = threading.Thread(target=lambda: (col.synchronize(1),
+                                              seen.append(released.is_set())))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not gpus.calls("deviceSynchronize"):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    released.set()
+    release()
+    waiter.join(10)
+    assert seen == [True] and gpus.calls("deviceSynchronize")[0][2] == 1
+    with pytest.raises(ValueError, match="visible GPU"):
+        col.synchronize(2)
+
+
 def test_multigpu_variants_refuse_cpu_groups():
     def body(rank):
         with pytest.raises(col.UnsupportedOperationError, match="'nccl' backend"):

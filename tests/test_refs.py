@@ -179,8 +179,15 @@ def test_failed_ref_breaks_the_group_fast_instead_of_hanging(ray_session, holder
     with pytest.raises(col.TensorRefError, match="rank 1 .* could not get its tensor"):
         ray.get(results[1], timeout=60)
     for rank in (0, 2):
-        with pytest.raises(col.GroupBrokenError, match="rank 1"):
+        with pytest.raises(col.GroupBrokenError, match="rank 1") as broken:
             ray.get(results[rank], timeout=60)
+        # what broke it: rank 1's own failure, as a RankFailedError naming it and its kind
+        cause = broken.value.cause
+        while isinstance(cause, col.GroupBrokenError):
+            cause = cause.cause
+        assert isinstance(cause, col.RankFailedError), repr(cause)
+        assert (cause.failed_rank, cause.kind) == (1, "TensorRefError")
+        assert "holder 1 cannot make its buffer" in str(cause)
     assert time.monotonic() - started < 30  # the group's deadline is 120 s
 
 

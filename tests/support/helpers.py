@@ -114,11 +114,16 @@ def run_benchmark(module, *arguments, timeout=300):
     """``python -m module *arguments`` from the repository in a subprocess; returns it once it
     exited with 0 (else fails with the end of its stderr)."""
     refuse_ray_subprocess(f"python -m {module}")
-    # A benchmark starts a Ray (or a cluster) of its own: it must not join one the suite may
-    # point to.
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = python_path()
-    completed = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_DIR,
-                               env=environment, capture_output=True, text=True, timeout=timeout)
+    completed = run_python(["-m", module, *arguments], timeout)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
+
+
+def run_python(arguments, timeout):
+    """``python *arguments`` in the repository, in a subprocess that starts a Ray of its own if
+    it needs one; returns the finished process (its output as text)."""
+    # It must not join a Ray (or a cluster) the suite may point to, nor one another program
+    # runs on this machine, which a bare ray.init() would find: "local" starts a new one.
+    environment = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=python_path())
+    return subprocess.run([sys.executable, *arguments], cwd=REPO_DIR, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
