@@ -219,10 +219,7 @@ def test_synchronize_returns_once_the_work_queued_on_the_gpu_has_run(monkeypatch
     waiter = threading.Thread(target=lambda: (col.synchronize(1),
                                               seen.append(released.is_set())))
     waiter.start()
-    deadline = time.monotonic() + 10
-    while not gpus.calls("deviceSynchronize"):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    gpus.wait_for_call("deviceSynchronize")
     released.set()
     release()
     waiter.join(10)

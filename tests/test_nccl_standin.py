@@ -7,7 +7,6 @@ GPU tests at world size 1 (``tests/test_nccl_gpu.py``), run here on the stand-in
 they fail when the stand-in's launches move nothing."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -99,10 +98,7 @@ def test_a_synchronize_waits_for_the_rank_that_comes_last(gpus):
 
     waiter = threading.Thread(target=synchronize)
     waiter.start()
-    deadline = time.monotonic() + 10
-    while not gpus.calls("deviceSynchronize"):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    gpus.wait_for_call("deviceSynchronize")
     second_launched.set()
     launches[1]()
     library.record(library.create_event(1), streams[1])  # and the waiter's look moves both
@@ -119,10 +115,7 @@ def test_a_synchronize_still_waiting_at_close_fails(gpus):
     waiter = threading.Thread(target=lambda: failures.append(pytest.raises(
         gpus.cuda.runtime.CUDARuntimeError, library.synchronize, 0)))
     waiter.start()
-    deadline = time.monotonic() + 10
-    while not gpus.calls("deviceSynchronize"):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    gpus.wait_for_call("deviceSynchronize")
     gpus.close()
     waiter.join(10)
     assert len(failures) == 1

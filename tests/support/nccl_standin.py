@@ -109,7 +109,32 @@ class _Allocation:
         self.ptr = int(self.buffer.ctypes.data)
         self.nbytes = nbytes
         self.device = device
-        gpus._register(self)
+        gpus.device_memory.register(self)
+
+
+class _DeviceMemory:
+    """Every live allocation of the stand-in GPUs, by address."""
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self._allocations: Dict[int, weakref.ref] = {}
+
+    def register(self, allocation: _Allocation) -> None:
+        with self._lock:
+            self._allocations[allocation.ptr] = weakref.ref(allocation)
+
+    def at(self, ptr: int, nbytes: int, device: Optional[int] = None) -> np.ndarray:
+        """The bytes at ``[ptr, ptr + nbytes)``, which must lie in one live allocation (on
+        ``device``, if given)."""
+        with self._lock:
+            for base, ref in self._allocations.items():
+                allocation = ref()
+                if allocation is not None and base <= ptr and ptr + nbytes <= base + max(
+                        allocation.nbytes, 1):
+                    assert device is None or allocation.device == device, (
+                        f"address on device {allocation.device} used on device {device}")
+                    return allocation.buffer[ptr - base:ptr - base + nbytes]
+        raise AssertionError(f"address {ptr:#x} (+{nbytes}) is not in a live allocation")
 
 
 class _Communicator:
@@ -231,7 +256,7 @@ class StandInGpus:
         self.changed = threading.Condition(self.lock)
         self.closed = False
         self._ids = itertools.count(1000)
-        self._allocations: Dict[int, weakref.ref] = {}
+        self.device_memory = _DeviceMemory(self.lock)
         self._streams: Dict[int, dict] = {}
         self._events: Dict[int, dict] = {}
         self._local = threading.local()
@@ -242,7 +267,7 @@ class StandInGpus:
         self.cliques = _Cliques(self)
         self.default_streams = {d: self._new_stream(d, 0) for d in range(device_count)}
         self.cuda = self._cuda_module()
-        self.nccl = self._nccl_module(without)
+        self.nccl = self.cliques.module(without)
 
     def library(self) -> NcclLibrary:
         """The backend's adapter over these stand-ins."""
@@ -301,6 +326,16 @@ class StandInGpus:
         """The logged calls named ``name``."""
         return [entry for entry in self.log if entry[1] == name]
 
+    def wait_for_call(self, name: str, timeout: float = 10.0) -> None:
+        """Block until another thread has made a call named ``name`` (it may still be in it).
+
+        Raises:
+            AssertionError: no such call within ``timeout`` seconds.
+        """
+        with self.lock:
+            assert self.changed.wait_for(lambda: self.calls(name), timeout), (
+                f"no {name} call within {timeout} s")
+
     def live_streams(self) -> List[int]:
         """Streams created and not destroyed (the callers' default streams excluded)."""
         return [s for s, state in self._streams.items()
@@ -340,22 +375,6 @@ class StandInGpus:
                 ptr=self._thread_state().streams.get(device_id, self.default_streams[device_id])),
         )
 
-    def _nccl_module(self, without: Sequence[str]):
-        cliques = self.cliques
-        module = types.SimpleNamespace(
-            available=True,
-            NcclError=StandInNcclError,
-            get_version=lambda: self.version,
-            get_unique_id=cliques.unique_id,
-            groupStart=cliques.group_start,
-            groupEnd=cliques.group_end,
-            NcclCommunicator=lambda ndev, commId, rank: _Communicator(self, ndev, commId, rank),
-        )
-        for name, value in NCCL_CONSTANTS.items():
-            if name not in without:
-                setattr(module, name, value)
-        return module
-
     # ------------------------------------------------------------ thread state
 
     def _thread_state(self):
@@ -371,6 +390,7 @@ class StandInGpus:
     def _record(self, name: str, *details) -> None:
         with self.lock:
             self.log.append((threading.current_thread().name, name) + details)
+            self.changed.notify_all()
 
     def _current_device(self) -> int:
         return self._thread_state().device
@@ -390,24 +410,6 @@ class StandInGpus:
             self.changed.wait_for(lambda: self.closed or condition())
             if not condition():
                 raise StandInNcclError(NCCL_INTERNAL_ERROR, f"{what}: the stand-in was closed")
-
-    # ------------------------------------------------------------ memory
-
-    def _register(self, allocation: _Allocation) -> None:
-        with self.lock:
-            self._allocations[allocation.ptr] = weakref.ref(allocation)
-
-    def memory(self, ptr: int, nbytes: int, device: Optional[int] = None) -> np.ndarray:
-        """The bytes at ``[ptr, ptr + nbytes)``, which must lie in one live allocation."""
-        with self.lock:
-            for base, ref in self._allocations.items():
-                allocation = ref()
-                if allocation is not None and base <= ptr and ptr + nbytes <= base + max(
-                        allocation.nbytes, 1):
-                    assert device is None or allocation.device == device, (
-                        f"address on device {allocation.device} used on device {device}")
-                    return allocation.buffer[ptr - base:ptr - base + nbytes]
-        raise AssertionError(f"address {ptr:#x} (+{nbytes}) is not in a live allocation")
 
     # ------------------------------------------------------------ streams and events
 
@@ -496,7 +498,8 @@ class StandInGpus:
             device = self._live_stream(stream)["device"]
 
             def step():
-                self.memory(dst, size, device)[...] = self.memory(src, size, device)
+                memory = self.device_memory
+                memory.at(dst, size, device)[...] = memory.at(src, size, device)
                 return True
             self.queue(stream, step, "copy")
 
@@ -535,6 +538,23 @@ class _Cliques:
 
     def communicators(self) -> List[_Communicator]:
         return [c for clique in self._cliques.values() for c in clique.values()]
+
+    def module(self, without: Sequence[str]):
+        """The stand-in for ``cupy.cuda.nccl``, lacking the constants named in ``without``."""
+        gpus = self._gpus
+        module = types.SimpleNamespace(
+            available=True,
+            NcclError=StandInNcclError,
+            get_version=lambda: gpus.version,
+            get_unique_id=self.unique_id,
+            groupStart=self.group_start,
+            groupEnd=self.group_end,
+            NcclCommunicator=lambda ndev, commId, rank: _Communicator(gpus, ndev, commId, rank),
+        )
+        for name, value in NCCL_CONSTANTS.items():
+            if name not in without:
+                setattr(module, name, value)
+        return module
 
     def unique_id(self) -> tuple:
         self._gpus._record("get_unique_id")
@@ -651,8 +671,8 @@ class _Cliques:
 
     def _typed(self, op: _Op, ptr: int, count: int) -> np.ndarray:
         dtype = np.dtype(DATATYPE_DTYPES[op.args["datatype"]])
-        return self._gpus.memory(ptr, count * dtype.itemsize,
-                                 op.communicator.device).view(dtype)
+        return self._gpus.device_memory.at(ptr, count * dtype.itemsize,
+                                           op.communicator.device).view(dtype)
 
 
 class StandInKind(TensorKind):
