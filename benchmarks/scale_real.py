@@ -100,9 +100,10 @@ def _latency_row(collective: str, nbytes: int, durations: Sequence[Sequence[floa
 
 def group_dir_entries() -> set:
     """Every file and directory under this machine's group directories now."""
-    from ray_collective.backends.ray_backend import _group_dirs_base, _runtime
+    from ray_collective.backends.private_dirs import session_directory
+    from ray_collective.backends.ray_backend import _runtime
     entries = set()
-    for root, dirs, files in os.walk(_group_dirs_base(_runtime()[2])):
+    for root, dirs, files in os.walk(session_directory(_runtime()[2]) or os.devnull):
         entries.update(os.path.join(root, name) for name in dirs + files)
     return entries
 
@@ -113,9 +114,10 @@ def _leftovers(group_name: str, entries_before: set) -> dict:
     from ray.experimental import internal_kv
 
     from ray_collective.backends import rendezvous
+    from ray_collective.backends.key_value import NAMESPACE
     from ray_collective.backends.ray_backend import _runtime
     prefix = rendezvous.group_prefix(_runtime()[0], group_name)
-    keys = internal_kv._internal_kv_list(prefix.encode(), namespace=rendezvous.NAMESPACE)
+    keys = internal_kv._internal_kv_list(prefix.encode(), namespace=NAMESPACE)
     return {"kv_keys": len(keys), "group_dir_entries": len(group_dir_entries() - entries_before)}
 
 
@@ -299,7 +301,7 @@ def wait_for_post_offices(ray, count: int, timeout_s: float) -> float:
         TimeoutError: fewer were up after ``timeout_s`` seconds.
     """
     from ray_collective.backends.ray_backend import POST_OFFICE_NAME_PREFIX
-    from ray_collective.backends.rendezvous import NAMESPACE
+    from ray_collective.backends.key_value import NAMESPACE
     start = time.perf_counter()
     while True:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

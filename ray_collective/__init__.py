@@ -19,8 +19,8 @@ from .batch import BatchRemoteHandle, PerActor, batch_remote
 from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
-                     GroupError, GroupNotInitializedError, PeerDiedError, PostOfficeDiedError,
-                     RankFailedError,
+                     GroupError, GroupNotInitializedError, InsecureDirectoryError,
+                     PeerDiedError, PostOfficeDiedError, RankFailedError,
                      ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
@@ -46,7 +46,8 @@ __all__ = [
     "CollectiveError", "CollectiveTimeoutError", "PeerDiedError", "PostOfficeDiedError",
     "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
-    "BackendNotAvailableError", "UnsupportedOperationError", "RankFailedError",
+    "BackendNotAvailableError", "InsecureDirectoryError", "UnsupportedOperationError",
+    "RankFailedError",
     "TensorRefError", "ArgumentError", "ArgumentValueError", "ArgumentTypeError",
     "ReadOnlyTensorWarning", "ray_util_collective_runtime_env",
     "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",

@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from .backends import BACKENDS
 from .backends.base import BackendFactory, GroupCall
-from .backends.nccl import synchronize_device
-from .backends.nccl.arguments import GpuArguments
 from .declared import declare_in_actors
 from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
 from .group import Group, Work, current_registry
@@ -86,6 +86,50 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
     return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op, seq_key)
 
 
+# ---------------------------------------------------------------- calls of a known shape
+#
+# A program calls the same collective on arrays of the same shape again and again. Everything
+# the API checks about such a call depends only on its shape (the numpy dtype, shape and
+# strides, the op, the root, the group), so the checks run at a shape's first call, and its
+# later calls go straight to the group with a runner the backend prepared for the shape
+# (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
+# Only blocking calls with the group's own deadline on writable numpy arrays take it.
+
+_ALLREDUCE, _REDUCE, _BROADCAST = "allreduce", "reduce", "broadcast"
+
+
+def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
+    """What identifies a call's shape for the known-shape path, or None when the call cannot
+    take it (not a plain numpy array, an op or root of another type)."""
+    if (type(tensor) is not np.ndarray or type(op) is not ReduceOp
+            or type(root) is not int):
+        return None
+    # Enum members hash in Python code; a member's id stands for it (each is a singleton).
+    return (collective, id(op), root, tensor.dtype, tensor.shape, tensor.strides)
+
+
+def _run_known_shape(group_name: Any, key: Optional[Tuple], tensor: Any) -> bool:
+    """Run the call through its shape's runner if its shape was learnt; False when it was not
+    (or the array is read-only, or asynchronous calls are queued): nothing was done then."""
+    if key is None or type(group_name) is not str:
+        return False
+    group = current_registry().find(group_name)
+    if group is None:
+        return False
+    runner = group.shape_runners.get(key)
+    if runner is None or (tensor is not None and not tensor.flags.writeable):
+        return False
+    return group.run_shape(runner, tensor)
+
+
+def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
+                      view: Optional[TensorView]) -> None:
+    """A blocking call by the full path; once it has run, its shape is learnt."""
+    group.submit(lambda seq: GroupCall(options, seq, tensor=view), False)
+    if key is not None and (view is None or view.array.flags.writeable):
+        group.learn_shape(key, options, view)
+
+
 # ---------------------------------------------------------------- groups
 
 # How long a driver-side destroy waits for busy members before removing the group anyway.
@@ -98,7 +142,7 @@ def init_collective_group(world_size: int, rank: int,
     """Join this process to a collective group; returns once every rank has joined.
 
     Args:
-        world_size: number of ranks in the group (>= 1).
+        world_size: number of ranks in the group, 1 to 65536 (``types.MAX_WORLD_SIZE``).
         rank: this process's rank, in [0, world_size).
         backend: ``"ray"`` (CPU; ``"gloo"`` is an alias), ``"nccl"`` (GPU), the name of a
             backend added with :func:`register_backend` (in this process), or a backend
@@ -106,13 +150,16 @@ def init_collective_group(world_size: int, rank: int,
         group_name: the group's name, unique within this process.
         gloo_timeout: accepted for compatibility with ``ray.util.collective``: the default
             deadline in milliseconds, used when ``timeout`` is not given.
-        timeout: the default deadline of every call on this group, in seconds (default 1800).
+        timeout: the default deadline of every call on this group, in seconds (default 1800;
+            one past a year, ``types.MAX_TIMEOUT_S``, is taken as a year).
 
     Returns:
         None.
 
     Raises:
-        ValueError: world_size < 1, rank out of range, empty group name, bad timeout.
+        ValueError: world_size not in 1..65536 (``types.MAX_WORLD_SIZE``), rank out of range,
+            a group name that is empty, longer than 256 bytes of UTF-8 or holds a control
+            character, a timeout that is not a positive number.
         GroupAlreadyInitializedError: this process already has a group of that name.
         BackendNotAvailableError: the backend cannot run in this process.
         CollectiveTimeoutError: the other ranks did not join in time.
@@ -147,7 +194,8 @@ def declare_collective_group(actors: Sequence[Any], world_size: Optional[int] = 
     Raises:
         TypeError: an element of ``actors`` is not a Ray actor handle.
         ValueError: no actors, ranks not a permutation of ``0..world_size-1``, world_size not
-            the number of actors, bad timeout or name.
+            the number of actors or over 65536, bad timeout or name (as for
+            :func:`init_collective_group`).
         BackendNotAvailableError: Ray is not initialized, or the backend cannot run in the
             actors (raised from the actor that failed).
         GroupAlreadyInitializedError: this driver already declared a group of that name.
@@ -277,7 +325,7 @@ def register_backend(name: str, factory: BackendFactory) -> None:
         name: the backend's name (case-insensitive).
         factory: a :class:`~ray_collective.backends.base.BackendFactory`; the memberships it
             creates declare what they can run (``collectives``, ``accepts_gpu_tensors``,
-            ``multi_gpu``).
+            ``multi_gpu_arguments``).
 
     Returns:
         None.
@@ -342,12 +390,18 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
         ArgumentTypeError, ArgumentValueError, GroupNotInitializedError, CollectiveError: as
             every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _ALLREDUCE, tensor, op, -1)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     op = check_reduce_op(op)
     view = _view(group, tensor, True, "tensor")
     check_op(op, view.dtype_name)
-    return _submit(group, _options(group, Collective.ALLREDUCE, timeout, op=op), async_op,
-                   tensor=view)
+    options = _options(group, Collective.ALLREDUCE, timeout, op=op)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
@@ -368,13 +422,19 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
         ArgumentTypeError, ArgumentValueError: bad arguments (including dst_rank out of range).
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _REDUCE, tensor, op, dst_rank)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     op = check_reduce_op(op)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
     view = _view(group, tensor, group.rank == dst_rank, "tensor")
     check_op(op, view.dtype_name)
-    return _submit(group, _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank),
-                   async_op, tensor=view)
+    options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
@@ -394,11 +454,17 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
         ArgumentTypeError, ArgumentValueError: bad arguments (including src_rank out of range).
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _shape_key(
+        _BROADCAST, tensor, ReduceOp.SUM, src_rank)
+    if _run_known_shape(group_name, known, tensor):
+        return None
     group = _group(group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
     view = _view(group, tensor, group.rank != src_rank, "tensor")
-    return _submit(group, _options(group, Collective.BROADCAST, timeout, root=src_rank),
-                   async_op, tensor=view)
+    options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view)
+    return _submit_and_learn(group, options, known, view)
 
 
 def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", *,
@@ -552,8 +618,17 @@ def barrier(group_name: str = "default", *, async_op: bool = False,
     Raises:
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _BARRIER_KEY
+    if _run_known_shape(group_name, known, None):
+        return None
     group = _group(group_name)
-    return _submit(group, _options(group, Collective.BARRIER, timeout), async_op)
+    options = _options(group, Collective.BARRIER, timeout)
+    if known is None:
+        return _submit(group, options, async_op)
+    return _submit_and_learn(group, options, known, None)
+
+
+_BARRIER_KEY = ("barrier",)
 
 
 def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: str, tag: int,
@@ -618,18 +693,21 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
 # ---------------------------------------------------------------- multi-GPU variants
 
 def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
-    """The group of a ``*_multigpu`` call and the argument checks bound to its GPUs."""
+    """The group of a ``*_multigpu`` call and the argument checks its membership brings."""
     group = _group(group_name)
-    if not group.membership.multi_gpu:
+    gpu = group.membership.multi_gpu_arguments()
+    if gpu is None:
         raise UnsupportedOperationError(
-            f"{name} needs a group on the 'nccl' backend with one tensor per GPU of this "
-            f"process; group '{group.name}' (rank {group.rank}) runs on a CPU backend. Use "
+            f"{name} needs a group on the 'nccl' backend (or another backend with the "
+            f"multi-GPU calls), one tensor per GPU of this process; group '{group.name}' (rank "
+            f"{group.rank}) runs on a backend without them. Use "
             f"{name.replace('_multigpu', '')} with one tensor instead.")
-    return group, GpuArguments(group.membership.devices, group.name, group.world_size)
+    return group, gpu
 
 
 def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,
-                             group_name: str, n_elements: int) -> None:
+                             group_name: str, n_elements: int, async_op: bool,
+                             timeout: Optional[float]) -> Optional[Work]:
     sending = collective is Collective.SEND
     name = "send_multigpu" if sending else "recv_multigpu"
     group, gpu = _multigpu_group(name, group_name)
@@ -641,13 +719,14 @@ def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, pee
             f"dst.data.copy_from_device(src.data, nbytes); torch: dst.copy_(src))")
     peer_index = gpu.index(peer_index, "dst_gpu_index" if sending else "src_gpu_index")
     view, count = gpu.tensor(tensor, n_elements)
-    options = _options(group, collective, None, peer=peer)
-    group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
-                          n_elements=count), False, (name, peer, 0))
+    options = _options(group, collective, timeout, peer=peer)
+    return group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
+                                 n_elements=count), async_op, (name, peer, 0))
 
 
 def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
-                       op: ReduceOp = ReduceOp.SUM) -> None:
+                       op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Allreduce across every GPU of every rank; ``tensor_list`` has one tensor per local GPU.
 
     Every GPU of the group ends with the reduction of all of them (AVG divides by the number
@@ -660,10 +739,10 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
         op: the reduction.
 
     Returns:
-        None, once the result is in place.
+        None, once the result is in place (the Work of the call with ``async_op=True``).
 
     Raises:
-        UnsupportedOperationError: the group is not on the NCCL backend.
+        UnsupportedOperationError: the group's backend has no multi-GPU calls.
         GroupNotInitializedError: no such group here.
         ArgumentTypeError, ArgumentValueError: bad arguments (one tensor per GPU, same shape and
             dtype).
@@ -673,12 +752,14 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
     op = check_reduce_op(op)
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.ALLREDUCE, None, op=op)
-    group.submit(gpu.call(options, device_tensors=views), False)
+    options = _options(group, Collective.ALLREDUCE, timeout, op=op)
+    return group.submit(gpu.call(options, device_tensors=views), async_op)
 
 
 def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
-                    group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+                    group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+                    async_op: bool = False, timeout: Optional[float] = None
+                    ) -> Optional[Work]:
     """Reduce across every GPU of every rank onto ``tensor_list[dst_tensor]`` of ``dst_rank``.
 
     Args:
@@ -702,12 +783,13 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
     dst_tensor = gpu.index(dst_tensor, "dst_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.REDUCE, None, op=op, root=dst_rank)
-    group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), False)
+    options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
+    return group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), async_op)
 
 
 def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
-                       group_name: str = "default") -> None:
+                       group_name: str = "default", *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Broadcast ``tensor_list[src_tensor]`` of ``src_rank`` to every GPU of every rank.
 
     Args:
@@ -728,12 +810,13 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
     src_rank = _check_rank(src_rank, group, "src_rank")
     src_tensor = gpu.index(src_tensor, "src_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
-    options = _options(group, Collective.BROADCAST, None, root=src_rank)
-    group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), False)
+    options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
+    return group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), async_op)
 
 
 def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
-                       group_name: str = "default") -> None:
+                       group_name: str = "default", *, async_op: bool = False,
+                       timeout: Optional[float] = None) -> Optional[Work]:
     """Allgather the tensors of every GPU of every rank into each GPU's output list.
 
     Args:
@@ -753,12 +836,14 @@ def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: 
     inputs = gpu.tensors(input_tensor_list, "input_tensor_list")
     outputs = gpu.tensor_lists(output_tensor_lists, "output_tensor_lists", inputs,
                                "input_tensor_list")
-    options = _options(group, Collective.ALLGATHER, None)
-    group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), False)
+    options = _options(group, Collective.ALLGATHER, timeout)
+    return group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), async_op)
 
 
 def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: List[List[Any]],
-                           group_name: str = "default", op: ReduceOp = ReduceOp.SUM) -> None:
+                           group_name: str = "default", op: ReduceOp = ReduceOp.SUM, *,
+                           async_op: bool = False, timeout: Optional[float] = None
+                           ) -> Optional[Work]:
     """Reduce-scatter across every GPU of every rank.
 
     GPU ``i`` of rank ``r`` receives the reduction of entry ``r * k + i`` of every GPU's input
@@ -784,12 +869,13 @@ def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: Li
     inputs = gpu.tensor_lists(input_tensor_lists, "input_tensor_lists", outputs,
                               "output_tensor_list")
     check_op(op, outputs[0].dtype_name)
-    options = _options(group, Collective.REDUCESCATTER, None, op=op)
-    group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), False)
+    options = _options(group, Collective.REDUCESCATTER, timeout, op=op)
+    return group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), async_op)
 
 
 def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",
-                  n_elements: int = 0) -> None:
+                  n_elements: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None) -> Optional[Work]:
     """Send a GPU tensor to GPU ``dst_gpu_index`` of ``dst_rank``.
 
     Args:
@@ -806,12 +892,13 @@ def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: st
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index, group_name,
-                             n_elements)
+    return _point_to_point_multigpu(Collective.SEND, tensor, dst_rank, dst_gpu_index,
+                                    group_name, n_elements, async_op, timeout)
 
 
 def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: str = "default",
-                  n_elements: int = 0) -> None:
+                  n_elements: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None) -> Optional[Work]:
     """Receive into a GPU tensor from GPU ``src_gpu_index`` of ``src_rank``.
 
     Args:
@@ -828,8 +915,8 @@ def recv_multigpu(tensor: Any, src_rank: int, src_gpu_index: int, group_name: st
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index, group_name,
-                             n_elements)
+    return _point_to_point_multigpu(Collective.RECV, tensor, src_rank, src_gpu_index,
+                                    group_name, n_elements, async_op, timeout)
 
 
 def synchronize(gpu_id: int) -> None:
@@ -842,7 +929,8 @@ def synchronize(gpu_id: int) -> None:
         None.
 
     Raises:
-        BackendNotAvailableError: CuPy with NCCL is not available in this process.
+        BackendNotAvailableError: no GPU backend (such as 'nccl': CuPy with NCCL) can run in
+            this process.
         ValueError: ``gpu_id`` is not a visible GPU.
     """
-    synchronize_device(gpu_id)
+    BACKENDS.synchronize(gpu_id)

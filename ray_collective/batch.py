@@ -69,7 +69,7 @@ class PerActor:
 
 
 @dataclass(frozen=True)
-class _CallOptions:
+class _TaskOptions:
     """The task options of one batch (the keyword arguments of ``.options``), None: default."""
 
     name: str = ""
@@ -119,7 +119,7 @@ class _DirectCall:
     positional: tuple
 
     @staticmethod
-    def resolve(actor: Any, method: Any, method_name: str, options: _CallOptions
+    def resolve(actor: Any, method: Any, method_name: str, options: _TaskOptions
                 ) -> Optional["_DirectCall"]:
         """Resolve the options of ``method`` as ``ActorMethod._remote`` does; None when the
         call needs the full path (cross-language actor, tracing decorator, tensor transport,
@@ -226,7 +226,7 @@ class BatchRemoteHandle:
     def __getattr__(self, method_name: str) -> "BatchMethod":
         if method_name.startswith("__") and method_name != "__ray_call__":
             raise AttributeError(method_name)
-        return BatchMethod(self._actors, method_name, _CallOptions())
+        return BatchMethod(self._actors, method_name, _TaskOptions())
 
     def __repr__(self) -> str:
         return f"BatchRemoteHandle({len(self._actors)} actors)"
@@ -253,7 +253,7 @@ def batch_remote(actors: Sequence[Any]) -> BatchRemoteHandle:
 class BatchMethod:
     """One method of a batch, with its task options; ``.remote`` submits it to every actor."""
 
-    def __init__(self, actors: Tuple[Any, ...], method_name: str, options: _CallOptions):
+    def __init__(self, actors: Tuple[Any, ...], method_name: str, options: _TaskOptions):
         self._actors = actors
         self._method_name = method_name
         self._options = options

@@ -14,8 +14,16 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 
+RANKS_SHOWN = 32
+"""A message lists at most this many ranks (the lowest) and says how many there are in all:
+a timeout in a group of thousands must not make a message of megabytes."""
+
+
 def _ranks(ranks: Iterable[int]) -> str:
-    return "[" + ", ".join(str(r) for r in sorted(set(ranks))) + "]"
+    listed = sorted(set(ranks))
+    shown = ", ".join(str(r) for r in listed[:RANKS_SHOWN])
+    more = f", ... ({len(listed)} ranks in all)" if len(listed) > RANKS_SHOWN else ""
+    return f"[{shown}{more}]"
 
 
 class CollectiveError(RuntimeError):
@@ -202,6 +210,31 @@ class GroupAlreadyInitializedError(GroupError):
 
 class BackendNotAvailableError(CollectiveError):
     """The requested backend cannot be used in this process (not installed or not built yet)."""
+
+
+class InsecureDirectoryError(BackendNotAvailableError):
+    """A directory the ``ray`` backend would keep a group's sockets in could be taken over by
+    another local user (it belongs to someone else, others may write to it, it is a symbolic
+    link); the backend refuses to use it (``backends.private_dirs``).
+
+    Attributes:
+        group_name: the group.
+        rank: the rank that looked.
+        path: the directory.
+        problem: what is wrong with it.
+    """
+
+    def __init__(self, group_name: str, rank: int, path: str, problem: str):
+        self.group_name = group_name
+        self.rank = rank
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"rank {rank} of group '{group_name}': the 'ray' backend will not keep the group's "
+            f"sockets in {path}: {problem}. Another local user could place their own socket "
+            f"there and read what the group sends. Remove it (and find out who made it), or "
+            f"set RAY_COLLECTIVE_DIR, for every member of the node, to a directory of your own "
+            f"that only you may write to.")
 
 
 class UnsupportedOperationError(CollectiveError, NotImplementedError):

@@ -10,33 +10,33 @@ their rounds through :func:`post_round`.
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
 from .algorithms.core import Recv, Round
 from .errors import CollectiveTimeoutError
 from .plan import Local, Plan
-from .transport.base import COLLECTIVE_CHANNEL, Request, Transport
+from .transport.base import COLLECTIVE_TAG, Request, Transport
 from .transport.wire import CallStamp
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
 
-def post_round(transport: Transport, round_: Round, channel: Hashable, stamp: CallStamp,
+def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
                combine: Optional[Combine]) -> List[Request]:
     """Post every operation of one generator round on ``transport``; returns their requests."""
     requests = []
     for op in round_:
         if isinstance(op, Recv):
-            requests.append(transport.irecv(op.peer, channel, stamp, op.step, op.out,
+            requests.append(transport.irecv(op.peer, tag, stamp, op.step, op.out,
                                             combine if op.reduce else None))
         else:
-            requests.append(transport.isend(op.peer, channel, stamp, op.step, op.data))
+            requests.append(transport.isend(op.peer, tag, stamp, op.step, op.data))
     return requests
 
 
-def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, channel: Hashable,
+def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag: int,
              stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str) -> None:
     """Run one rank's part of a call by replaying ``plan`` on ``slots``, blocking.
 
@@ -44,11 +44,11 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
         plan: the call shape's plan.
         slots: the call's arrays (``plan.slots(...)``).
         transport: this rank's transport.
-        channel: ``COLLECTIVE_CHANNEL`` or a point-to-point channel.
+        tag: ``COLLECTIVE_TAG`` or a point-to-point call's tag.
         stamp: the call's header.
         combine: the call's reduction (for receives that reduce, and local combines).
         timeout: seconds the whole call may take.
-        what: the call's name in a timeout error (``"recv"`` rather than the channel's name).
+        what: the call's name in a timeout error (``"recv"`` rather than the tag).
 
     Raises:
         CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start;
@@ -57,7 +57,7 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
         CollectiveMismatchError, PeerDiedError, GroupBrokenError: from the transport.
     """
     deadline = time.monotonic() + timeout
-    collective = channel == COLLECTIVE_CHANNEL
+    collective = tag == COLLECTIVE_TAG
     if collective:
         transport.arrive(stamp)
     isend, irecv = transport.isend, transport.irecv
@@ -69,9 +69,9 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, chan
         for is_send, peer, number, (slot, start, stop), reduce in step:
             buffer = slots[slot][start:stop]
             if is_send:
-                requests.append(isend(peer, channel, stamp, number, buffer))
+                requests.append(isend(peer, tag, stamp, number, buffer))
             else:
-                requests.append(irecv(peer, channel, stamp, number, buffer,
+                requests.append(irecv(peer, tag, stamp, number, buffer,
                                       combine if reduce else None))
         # A round whose every request completed as it was posted (small sends, messages
         # that came early) needs no wait: most rounds of a small collective are such.

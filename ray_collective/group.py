@@ -18,16 +18,20 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from .backends.base import BackendFactory, GroupCall, Membership
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
-from .types import CallOptions, Collective, ReduceOp
+from .types import MAX_TIMEOUT_S, CallOptions, Collective, ReduceOp
 
 # Distinct call options a group keeps (they differ by collective, op, root, peer, tag and a
 # per-call timeout); past this the cache starts over, so odd timeouts cannot grow it forever.
 OPTIONS_CACHE_SIZE = 256
+
+SHAPE_CACHE_SIZE = 64
+"""Call shapes a group runs without per-call checks (see :meth:`Group.run_shape`); past this
+the cache starts over."""
 
 
 class Work:
@@ -41,15 +45,15 @@ class Work:
         """Block until the call completes.
 
         Args:
-            timeout: seconds to wait at most; None waits until the call itself finishes or hits
-                its own deadline.
+            timeout: seconds to wait at most (past ``MAX_TIMEOUT_S``, a year, that long);
+                None waits until the call itself finishes or hits its own deadline.
 
         Raises:
             TimeoutError: ``timeout`` passed first; the call goes on running.
             CollectiveError: the call failed (the same error a blocking call would raise).
         """
         try:
-            self._future.result(timeout)
+            self._future.result(None if timeout is None else min(timeout, MAX_TIMEOUT_S))
         except FutureTimeout:
             if self._future.done():
                 raise  # the call itself timed out (CollectiveTimeoutError is a TimeoutError)
@@ -96,6 +100,7 @@ class Group:
         self._worker: Optional[ThreadPoolExecutor] = None
         self._queued = 0
         self._options: Dict[Tuple, CallOptions] = {}
+        self.shape_runners: Dict[Tuple, Callable[[int, Any], None]] = {}
 
     @property
     def broken(self) -> Optional[BaseException]:
@@ -200,14 +205,63 @@ class Group:
             with self._lock:
                 self._queued -= 1
 
+    def learn_shape(self, key: Tuple, options: CallOptions, view: Optional[Any]) -> None:
+        """Remember how to run later calls of one shape, after a call of it passed every check.
+
+        Args:
+            key: what identifies the shape for the API (collective, op, root, numpy dtype,
+                shape and strides).
+            options: the call's options.
+            view: its tensor's view (None for a barrier).
+        """
+        if key in self.shape_runners or self._broken is not None:
+            return
+        runner = self.membership.shape_runner(options, view)
+        if runner is not None:
+            if len(self.shape_runners) >= SHAPE_CACHE_SIZE:
+                self.shape_runners.clear()
+            self.shape_runners[key] = runner
+
+    def run_shape(self, runner: Callable[[int, Any], None], array: Any) -> bool:
+        """Run a call of a shape learnt before (:meth:`learn_shape`), blocking, in the caller's
+        thread.
+
+        Args:
+            runner: the shape's runner.
+            array: the call's numpy array (None for a barrier).
+
+        Returns:
+            True once the call ran; False when it must take the ordinary path instead
+            (asynchronous calls are still queued ahead of it): nothing was done then.
+
+        Raises:
+            GroupBrokenError: the group failed earlier.
+            CollectiveError: the call failed (the group is then broken).
+        """
+        with self._lock:
+            if self._broken is not None:
+                raise GroupBrokenError(self.name, self.rank, self._broken)
+            if self._queued:
+                return False
+            seq = self._seq
+            self._seq = seq + 1
+        with self._running:
+            self._guarded(runner, seq, array)
+        return True
+
     def _raise_if_broken(self) -> None:
         if self._broken is not None:
             raise GroupBrokenError(self.name, self.rank, self._broken)
 
     def _run(self, call: GroupCall) -> None:
         self._raise_if_broken()
+        self._guarded(self.membership.run, call)
+
+    def _guarded(self, run: Callable, *args) -> None:
+        """``run(*args)``, turning its failure into the group's broken state (argument errors
+        found by the backend before anything was sent leave the group usable)."""
         try:
-            self.membership.run(call)
+            run(*args)
         except GroupBrokenError as err:
             self._broken = err.cause
             raise _from_my_side(err.cause, self.rank) or err from None
@@ -294,6 +348,10 @@ class GroupRegistry:
         if group is None:
             raise GroupNotInitializedError(name)
         return group
+
+    def find(self, name: str) -> Optional[Group]:
+        """The group ``name``, or None (not a member, or still joining)."""
+        return self._groups.get(name)
 
     def is_initialized(self, name: str) -> bool:
         """Whether ``name`` is a usable group here."""

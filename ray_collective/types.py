@@ -1,14 +1,15 @@
 """Names and per-call options shared by every layer: reduce ops, backends, collectives.
 
-Options are frozen dataclasses built fresh for every call, so nothing a call decides can leak
-into the next one.
+Options are frozen dataclasses: a group builds one per distinct request and hands the same
+object to every call that asks the same (``Group.options``), so nothing a call decides can leak
+into the next one, and a backend may key its per-shape caches on the object's identity.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from types import MappingProxyType
 
 
 class ReduceOp(enum.Enum):
@@ -27,6 +28,10 @@ class ReduceOp(enum.Enum):
     AVG = 4
 
 
+BACKEND_ALIASES = MappingProxyType({"gloo": "ray", "torch_gloo": "ray"})
+"""``ray.util.collective``'s CPU backend names, run by this library's native ``ray`` backend."""
+
+
 class Backend(str, enum.Enum):
     """Backend names accepted by ``init_collective_group`` (case-insensitive).
 
@@ -41,8 +46,7 @@ class Backend(str, enum.Enum):
     def _missing_(cls, value):
         if isinstance(value, str):
             name = value.lower()
-            if name in ("gloo", "torch_gloo"):
-                return cls.RAY
+            name = BACKEND_ALIASES.get(name, name)
             for member in cls:
                 if member.value == name:
                     return member
@@ -72,6 +76,22 @@ A dead peer is reported through its own error long before this; the deadline onl
 rank that is alive but never makes the call.
 """
 
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""The longest deadline a call keeps, in seconds (one year): a longer one, however large, is
+taken as this. It means "no practical limit", and stays within what the system calls that
+wait can express (a socket timeout or a lock wait past about 9.2e9 s overflows, a ``poll``
+past 24.8 days)."""
+
+MAX_WORLD_SIZE = 65536
+"""The most ranks a group may have. A joining rank keeps nothing per rank until its peers have
+arrived; once they have, every rank keeps an entry per peer and its node a 16-byte word pair
+per rank (1 MiB at this size), and the rendezvous lists one key per rank. The largest groups
+run here had 400 ranks on one machine and 256 on 8 nodes."""
+
+MAX_GROUP_NAME_BYTES = 256
+"""The longest group name, in bytes of UTF-8. The name travels in every message's header and
+in the keys of Ray's key-value store; it is never part of a file name (those are digests)."""
+
 
 @dataclass(frozen=True)
 class CallOptions:
@@ -84,7 +104,6 @@ class CallOptions:
         peer: the other rank (send, recv), else -1.
         tag: the p2p tag (send, recv).
         timeout: seconds before the call raises ``CollectiveTimeoutError``.
-        algorithm: the algorithm forced for this call, or None to let the selector choose.
     """
 
     collective: Collective
@@ -93,4 +112,3 @@ class CallOptions:
     root: int = -1
     peer: int = -1
     tag: int = 0
-    algorithm: Optional[str] = None

@@ -4,39 +4,66 @@ and the multi-GPU calls (``backends.nccl.arguments``).
 
 Each returns the value it accepted (normalised) or raises :class:`ArgumentTypeError` /
 :class:`ArgumentValueError` with the argument's name, the value and what is valid; nothing has
-been sent when they raise, so the group stays usable.
+been sent when they raise, so the group stays usable. What they let through works: a group
+name of any accepted form, a world size up to ``MAX_WORLD_SIZE``, any deadline (one past
+``MAX_TIMEOUT_S`` is taken as that).
 """
 
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Any, Optional
 
 from .errors import ArgumentTypeError, ArgumentValueError
-from .types import DEFAULT_TIMEOUT_S, ReduceOp
+from .types import (DEFAULT_TIMEOUT_S, MAX_GROUP_NAME_BYTES, MAX_TIMEOUT_S, MAX_WORLD_SIZE,
+                    ReduceOp)
 
 
 def check_group_name(group_name: Any) -> str:
-    """``group_name`` if it is a non-empty string.
+    """``group_name`` if it is a non-empty string of at most ``MAX_GROUP_NAME_BYTES`` bytes of
+    UTF-8 without control characters.
 
     Raises:
-        ArgumentValueError: anything else.
+        ArgumentValueError: anything else (not a string, empty, too long, a control character
+            such as NUL or a newline, a lone surrogate that UTF-8 cannot encode).
     """
     if not isinstance(group_name, str) or not group_name:
         raise ArgumentValueError(f"group_name must be a non-empty string, not {group_name!r}")
+    try:
+        size = len(group_name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ArgumentValueError(
+            f"group_name {group_name[:64]!r} is not valid text (UTF-8 cannot encode a lone "
+            f"surrogate); use a name of printable characters") from None
+    if size > MAX_GROUP_NAME_BYTES:
+        raise ArgumentValueError(
+            f"group_name is {size} bytes long in UTF-8 (it begins {group_name[:32]!r}); at most "
+            f"{MAX_GROUP_NAME_BYTES} are allowed")
+    control = next((c for c in group_name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise ArgumentValueError(
+            f"group_name {group_name[:64]!r} holds the control character {control!r}; a name "
+            f"may hold any printable characters, spaces and slashes included")
     return group_name
 
 
+def _positive_number(value: Any, what: str, unit: str = "seconds") -> float:
+    """``value`` as a float, if it is a finite positive number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ArgumentValueError(f"{what} must be a positive number of {unit}, not {value!r}")
+    return float(value)
+
+
 def check_timeout(timeout: Any, what: str = "timeout") -> float:
-    """``timeout`` as float seconds, if it is a finite positive number.
+    """``timeout`` as float seconds, if it is a finite positive number; one past
+    ``MAX_TIMEOUT_S`` (a year: no practical limit) is taken as ``MAX_TIMEOUT_S``.
 
     Raises:
         ArgumentValueError: zero, negative, NaN, infinite, a bool or not a number.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ArgumentValueError(f"{what} must be a positive number of seconds, not {timeout!r}")
-    return float(timeout)
+    return min(_positive_number(timeout, what), MAX_TIMEOUT_S)
 
 
 def check_call_timeout(timeout: Any) -> Optional[float]:
@@ -50,16 +77,18 @@ def check_call_timeout(timeout: Any) -> Optional[float]:
 
 def group_timeout(timeout: Any, gloo_timeout: Any) -> float:
     """A group's default deadline in seconds: ``timeout``, else ``gloo_timeout`` (milliseconds,
-    as ``ray.util.collective`` takes it), else 1800 s; each checked when given.
+    as ``ray.util.collective`` takes it), else 1800 s; each checked when given, and taken as
+    ``MAX_TIMEOUT_S`` beyond it.
 
     Raises:
         ArgumentValueError: either is not a positive number.
     """
     if gloo_timeout is not None:
-        check_timeout(gloo_timeout, "gloo_timeout")
+        milliseconds = _positive_number(gloo_timeout, "gloo_timeout", "milliseconds")
     if timeout is not None:
         return check_timeout(timeout)
-    return DEFAULT_TIMEOUT_S if gloo_timeout is None else gloo_timeout / 1000.0
+    return DEFAULT_TIMEOUT_S if gloo_timeout is None else min(milliseconds / 1000.0,
+                                                              MAX_TIMEOUT_S)
 
 
 def check_index(value: Any, size: int, what: str, among: str) -> int:
@@ -89,13 +118,15 @@ def check_rank(rank: Any, world_size: int, group_name: str, what: str = "rank") 
 
 
 def check_world_size(world_size: Any) -> int:
-    """``world_size`` if it is an int >= 1.
+    """``world_size`` if it is an int in ``1..MAX_WORLD_SIZE``.
 
     Raises:
         ArgumentValueError: anything else.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ArgumentValueError(f"world_size must be an int >= 1, not {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) \
+            or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ArgumentValueError(f"world_size must be an int in 1..{MAX_WORLD_SIZE}, not "
+                                 f"{world_size!r}")
     return world_size
 
 

@@ -117,7 +117,7 @@ def test_selector_takes_the_hierarchical_path_across_nodes():
 def test_deadlocked_algorithm_is_reported_not_hung():
     from ray_collective.algorithms.core import Recv
     from ray_collective.sim.engine import run_lockstep
-    from ray_collective.transport.base import COLLECTIVE_CHANNEL
+    from ray_collective.transport.base import COLLECTIVE_TAG
     from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric
 
@@ -127,14 +127,14 @@ def test_deadlocked_algorithm_is_reported_not_hung():
     header = CallStamp.of(CallHeader("g", 0, 0, "allreduce", "broken", "float64", 1, (1,)))
     with pytest.raises(SimulationDeadlockError, match="rank 0 waits for \\[1\\]"):
         run_lockstep(LocalFabric(2, deferred=True), [waits_for_the_other(r) for r in range(2)],
-                     COLLECTIVE_CHANNEL, [header] * 2, None)
+                     COLLECTIVE_TAG, [header] * 2, None)
 
 
 def test_ranks_running_different_algorithms_are_a_mismatch():
     from ray_collective.algorithms.allreduce import recursive_doubling
     from ray_collective.algorithms.core import Context, Team
     from ray_collective.sim.engine import run_lockstep
-    from ray_collective.transport.base import COLLECTIVE_CHANNEL
+    from ray_collective.transport.base import COLLECTIVE_TAG
     from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric
 
@@ -143,5 +143,5 @@ def test_ranks_running_different_algorithms_are_a_mismatch():
                for name in ("recursive_doubling", "ring")]
     generators = [recursive_doubling(Team.world(2, r), np.ones(4), ctx) for r in range(2)]
     with pytest.raises(CollectiveMismatchError, match="algorithm"):
-        run_lockstep(LocalFabric(2, deferred=True), generators, COLLECTIVE_CHANNEL, headers,
+        run_lockstep(LocalFabric(2, deferred=True), generators, COLLECTIVE_TAG, headers,
                      ctx.combine)

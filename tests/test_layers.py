@@ -1,6 +1,7 @@
 """The package's import structure: no cycle, imports inside functions only for optional
-dependencies, and the layers of DESIGN.md (algorithms know nothing of transports or Ray;
-transports know nothing of algorithms or backends).
+dependencies, and the layers of docs/architecture.md (algorithms know nothing of transports or
+Ray; transports know nothing of algorithms or backends; the API layer knows no backend, only the
+registry of them), and no class in ``transport/`` over 300 lines.
 
 Read from the source with ``ast`` (module-level imports; ``if TYPE_CHECKING:`` blocks are not
 imports at run time), so a violation is found without importing anything.
@@ -172,3 +173,42 @@ def test_every_module_imports_only_its_layer_and_those_below():
               for target in top + [t for _, t in inner]
               if target in MODULES and _layer_of(target) > _layer_of(module)]
     assert not upward, "\n".join(upward)
+
+
+def test_the_api_layer_imports_no_backend_only_the_registry():
+    """api.py dispatches through the registry (``backends``) and the backend interface
+    (``backends.base``); a backend's own modules would make it the only one."""
+    allowed = {"ray_collective.backends", "ray_collective.backends.base"}
+    top, inner = IMPORTS["ray_collective.api"]
+    wrong = [t for t in top + [t for _, t in inner]
+             if t.startswith("ray_collective.backends") and t not in allowed]
+    assert not wrong, "api.py imports " + ", ".join(wrong)
+
+
+MAX_CLASS_LINES = 300
+
+
+def _long_classes(package: str) -> list:
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith(package):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    found.append(f"{module}.{node.name}: {lines} lines")
+    return found
+
+
+def test_no_class_in_the_transport_layer_is_over_300_lines():
+    long = _long_classes("ray_collective.transport")
+    assert not long, "\n".join(long)
+
+
+def test_the_class_length_check_finds_a_long_class(tmp_path, monkeypatch):
+    module = tmp_path / "long.py"
+    module.write_text("class Long:\n" + "    x = 1\n" * MAX_CLASS_LINES)
+    monkeypatch.setitem(MODULES, "ray_collective.transport.long_for_test", module)
+    assert _long_classes("ray_collective.transport.long_for_test") == [
+        f"ray_collective.transport.long_for_test.Long: {MAX_CLASS_LINES + 1} lines"]

@@ -25,9 +25,9 @@ from ray_collective.errors import CollectiveError, PeerDiedError
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
 from ray_collective.transport import uds, wire
-from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
+from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.node_state import NodeState
-from ray_collective.transport.ray_transport import Peer, RayTransport
+from ray_collective.transport.link_transport import LinkTransport, Peer
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
 PART = uds.PART_BYTES
@@ -40,7 +40,7 @@ def _transports(directory, world_size, spin_s=0.0, pids=None):
     paths = [os.path.join(directory, f"{rank}.sock") for rank in range(world_size)]
     pids = pids or [os.getpid()] * world_size
     peers = [Peer("node", pids[rank], paths[rank]) for rank in range(world_size)]
-    return [RayTransport(rank, "g", KEY, peers, uds.listen(paths[rank], 16),
+    return [LinkTransport(rank, "g", KEY, peers, uds.listen(paths[rank], 16),
                          NodeState(directory, "g", world_size), connect_timeout=5,
                          spin_s=spin_s)
             for rank in range(world_size)]
@@ -169,8 +169,8 @@ def test_shared_memory_is_released_back_to_the_sender(tmp_path):
             col.allreduce(x)
         col.barrier()
         transport = current_registry().get("default").membership.transport
-        transport._collect_releases()
-        return x, transport._arena.live_payloads()
+        transport.node_carrier.collect_releases()
+        return x, transport.node_carrier.live_payloads()
 
     for x, live in _run(tmp_path, 2, body):
         np.testing.assert_array_equal(x, np.full(count, 8.0))
@@ -180,7 +180,7 @@ def test_shared_memory_is_released_back_to_the_sender(tmp_path):
 def _wait_refused(transport, before, deadline_s=5.0):
     deadline = time.monotonic() + deadline_s
     while transport.refused_connections == before and time.monotonic() < deadline:
-        transport._progress(0.05)
+        transport.engine.progress(0.05)
     return transport.refused_connections - before
 
 
@@ -194,7 +194,7 @@ def test_a_connection_without_the_group_key_is_refused_and_never_read(tmp_path):
     frame = wire.data_frame(0, 0, 1, 8, 0, 8, wire.INLINE, 0, len(stamp.packed))
     stranger.send(frame + stamp.packed + np.float64(42).tobytes())
     out = np.zeros(1)
-    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, out)
+    receive = transports[0].irecv(1, 0, stamp, 0, out)
     assert _wait_refused(transports[0], 0) == 1
     assert not receive.done and out[0] == 0
     assert transports[0].wait([receive], time.monotonic() + 0.2) == [receive]
@@ -209,7 +209,7 @@ def test_a_malformed_frame_breaks_the_call_with_a_clear_error(tmp_path):
     rogue.send((b"\x02garbage",))
     stamp = HeaderTemplate(CallHeader("g", 0, 0, "send/recv", "direct", "float64", 1, (1,))
                            ).stamp(0)
-    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))
+    receive = transports[0].irecv(1, 0, stamp, 0, np.zeros(1))
     with pytest.raises(CollectiveError, match="malformed frame"):
         transports[0].wait([receive], time.monotonic() + 5)
     rogue.close()
@@ -223,7 +223,7 @@ def test_a_peer_process_that_dies_is_named_long_before_the_deadline(tmp_path):
         transports = _transports(tmp_path / "group", 2, pids=[os.getpid(), peer.pid])
         stamp = HeaderTemplate(CallHeader("g", 0, 0, "allreduce", "ring", "float64", 1, (1,))
                                ).stamp(7)
-        receive = transports[0].irecv(1, COLLECTIVE_CHANNEL, stamp, 0, np.zeros(1))
+        receive = transports[0].irecv(1, COLLECTIVE_TAG, stamp, 0, np.zeros(1))
         killer = act_while_waiting(transports[0], peer.kill)
         started = time.monotonic()
         deadline_s = 30.0

@@ -16,7 +16,7 @@ from ray_collective.sim.engine import run_lockstep
 from ray_collective.tensors import combiner
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
-from ray_collective.transport.base import COLLECTIVE_CHANNEL
+from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.local import LocalFabric, LocalTransport
 from ray_collective.transport.wire import CallHeader, CallStamp
 from ray_collective.types import ReduceOp
@@ -89,7 +89,7 @@ def _run(algorithm, p, count, root, node_of, use_plan, oversubscribed=False):
     fabric = TracingFabric(p)
     stamp = CallStamp.of(CallHeader("plan", 0, 0, collective, algorithm.name, "float64", count,
                                     (count,)))
-    rounds = run_lockstep(fabric, generators, COLLECTIVE_CHANNEL, [stamp] * p, combine)
+    rounds = run_lockstep(fabric, generators, COLLECTIVE_TAG, [stamp] * p, combine)
     return rounds, fabric.logs, bufs, recvbufs
 
 

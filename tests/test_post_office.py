@@ -20,8 +20,7 @@ from ray_collective.backends.post_office import (INLINE_ARGUMENT_BYTES, INLINE_R
                                                  PostOffice, pack_round, unpack_round)
 from ray_collective.testing import run_ranks
 from ray_collective.transport import uds
-from ray_collective.transport.base import p2p_channel
-from ray_collective.transport.ray_transport import PostOffices
+from ray_collective.transport.post_office_carrier import PostOffices
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
 
@@ -166,7 +165,7 @@ def test_a_send_to_another_node_completes_when_its_round_leaves_without_a_copy(t
     data = np.arange(uds.INLINE_LIMIT // 8 + 1, dtype=np.float64)
     stamp = HeaderTemplate(CallHeader("g", 0, 0, "send/recv", "direct", "float64", len(data),
                                       (len(data),))).stamp(0)
-    request = transports[0].isend(1, p2p_channel(1), stamp, 0, data)
+    request = transports[0].isend(1, 1, stamp, 0, data)
     # Until the round leaves the caller must not touch its buffer: the message is that buffer.
     assert not request.done and post_offices.handed == []
     assert transports[0].test(request)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import ray_collective as col
+from ray_collective.types import MAX_GROUP_NAME_BYTES
 from support.helpers import group_keys, join, leave, process_resources, run_in, start_members
-from support.contract import CASES, check_every_collective, every_collective
+from support.contract import CASES, LARGE_CASES, check_every_collective, every_collective
 from support.paths import python_path
 
 
@@ -24,7 +25,7 @@ def test_declared_group_every_collective(ray_session, members, world_size):
     group = f"declared-{world_size}"
     col.declare_collective_group(actors, backend="ray", group_name=group)
     try:
-        for dtype, op_name, length in CASES:
+        for dtype, op_name, length in CASES + LARGE_CASES:
             results = run_in(ray_session, actors, every_collective, group, world_size, dtype,
                              op_name, length, "numpy")
             check_every_collective(results, world_size, dtype, op_name, length)
@@ -94,8 +95,9 @@ def test_ray_util_collective_runs_on_this_backend(ray_session, members):
 
 def _group_dirs(ray):
     from ray._private.worker import global_worker
-    root = os.path.join(global_worker.node.get_session_dir_path(), "rc")
-    return set(os.listdir(root)) if os.path.isdir(root) else set()
+    from ray_collective.backends.private_dirs import session_directory
+    root = session_directory(global_worker.node.get_session_dir_path())
+    return set(os.listdir(root)) if root is not None and os.path.isdir(root) else set()
 
 
 def _named_actors(ray):
@@ -390,7 +392,7 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
 
 
 
-ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * 300]
+ODD_NAMES = ["a", "a/b", "../..", "名前 with spaces", "x" * MAX_GROUP_NAME_BYTES]
 
 
 def test_odd_group_names_are_groups_of_their_own_and_leave_nothing(ray_session, members):

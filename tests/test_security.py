@@ -1,15 +1,13 @@
 """What the ``ray`` backend exposes on a node, tried as an attacker would, on real Ray actors:
-the group's files and shared memory are out of another user's reach, no TCP port is opened on
-one node, and a crafted frame on a rank's socket is refused or fails the group with a typed
-error, never unpickled."""
+the group's files and shared memory are out of another user's reach, a directory another user
+planted or took over is never used (tests/test_private_dirs.py tries each check alone), no TCP
+port is opened on one node, and a crafted frame on a rank's socket is refused or fails the
+group with a typed error, never unpickled."""
 
 import array
 import contextlib
-import errno
-import json
 import os
 import pickle
-import select
 import socket
 import stat
 import struct
@@ -19,16 +17,16 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from support.helpers import process_resources, run_in
+from ray_collective.backends.private_dirs import DIRECTORY_VARIABLE
+from support.helpers import NOBODY, attempts_as, process_resources, run_in, writable_by_everyone
 from ray_collective.transport import wire
-
-NOBODY = 65534
-"""The uid and gid of the unprivileged user the tests become (``nobody``)."""
 
 LARGE = 1 << 18
 """float32 elements of a message that travels through shared memory (1 MiB)."""
 DEADLINE_S = 20.0
 """The deadline of the tests' allreduces: a failure must come well before it (a quarter)."""
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="plays another user with setuid")
 
 
 def _group_of(name):
@@ -71,40 +69,6 @@ def pair(ray_session, members):
 # ------------------------------------------------------------------ files and shared memory
 
 
-def _attempts_as(uid, gid, attempts):
-    """Run each ``(label, function)`` of ``attempts`` in a child process that has dropped to
-    ``uid``/``gid``; returns ``{label: errno name or "allowed"}``."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:
-        # Only system calls from here on: the parent has threads, so this child must not
-        # import or take locks they may have held.
-        outcome = {}
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            for label, attempt in attempts:
-                try:
-                    attempt()
-                    outcome[label] = "allowed"
-                except OSError as err:
-                    outcome[label] = errno.errorcode.get(err.errno, str(err.errno))
-            os.write(write_end, json.dumps(outcome).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], 30)
-        assert ready, "the unprivileged child did not answer"
-        answer = os.read(read_end, 1 << 16)
-    finally:
-        os.close(read_end)
-        os.waitpid(child, 0)
-    return json.loads(answer)
-
-
 def _connect(path):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -117,16 +81,20 @@ def _open_readable(path):
     os.close(os.open(path, os.O_RDONLY))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user (nobody) needs root")
+@needs_root
 def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
         ray_session, members, pair):
     layouts = run_in(ray_session, members[:2], _layout, pair)
     directory = layouts[0]["directory"]
     assert all(layout["memfds"] for layout in layouts), layouts
-    # every directory from the library's base down is private to its owner
-    base = os.path.dirname(os.path.dirname(directory))
-    for path in (base, os.path.dirname(directory), directory):
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700, path
+    # every directory from the library's base (this user's) down is private to its owner
+    group_root = os.path.dirname(directory)
+    session = os.path.dirname(group_root)
+    base = os.path.dirname(session)
+    assert os.path.basename(base) == f"ray_collective-{os.getuid()}", base
+    for path in (base, session, group_root, directory):
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700, path
+        assert os.lstat(path).st_uid == os.getuid(), path
     for entry in os.listdir(directory):
         mode = os.stat(os.path.join(directory, entry)).st_mode
         if stat.S_ISSOCK(mode):
@@ -141,11 +109,85 @@ def test_another_user_cannot_reach_the_group_directory_sockets_or_shared_memory(
         attempts += [(f"connect to rank {rank}", lambda p=layout["socket"]: _connect(p)),
                      (f"open rank {rank}'s memfd", lambda p=memfd: _open_readable(p))]
     # the same attempts as the owner succeed: the paths are right, only the user differs
-    assert set(_attempts_as(os.getuid(), os.getgid(), attempts).values()) == {"allowed"}
-    refused = _attempts_as(NOBODY, NOBODY, attempts)
+    assert set(attempts_as(os.getuid(), os.getgid(), attempts).values()) == {"allowed"}
+    refused = attempts_as(NOBODY, NOBODY, attempts)
     assert refused == {label: "EACCES" for label, _ in attempts}, refused
     # the owner's connections above said no HELLO: the ranks closed them and work on
     assert run_in(ray_session, members[:2], _allreduce_checked, pair, 3) == [3, 3]
+
+
+# ------------------------------------------------------------------ directories
+
+
+def _session_directory(rank):
+    from ray._private.worker import global_worker
+    return global_worker.node.get_session_dir_path()
+
+
+@needs_root
+def test_a_takeover_in_rays_session_directory_reaches_nothing_of_the_group(
+        ray_session, members):
+    """Issue 30's attack: Ray's session directory may be written by every user, and a user
+    with no rights on the job puts a directory of their own where the library's used to be
+    (``rc``) before a group starts. The group's directory is not there, and works."""
+    session = run_in(ray_session, members[:1], _session_directory)[0]
+    assert os.stat(session).st_mode & stat.S_IWOTH, "the premise: anyone may write there"
+    taken = os.path.join(session, "rc")
+    aside = f"{taken}-aside-{time.monotonic_ns()}"
+    if os.path.lexists(taken):
+        os.rename(taken, aside)
+    try:
+        assert attempts_as(NOBODY, NOBODY, [("make rc", lambda: os.mkdir(taken, 0o777))]) == {
+            "make rc": "allowed"}
+        col.declare_collective_group(members[:2], group_name="after-takeover")
+        try:
+            layouts = run_in(ray_session, members[:2], _layout, "after-takeover")
+            assert run_in(ray_session, members[:2], _allreduce_checked, "after-takeover",
+                          2) == [2, 2]
+            assert os.listdir(taken) == []
+            for layout in layouts:
+                assert not layout["directory"].startswith(session + os.sep), layout
+                assert os.lstat(layout["directory"]).st_uid == os.getuid()
+        finally:
+            col.destroy_collective_group("after-takeover")
+    finally:
+        os.rmdir(taken)
+        if os.path.lexists(aside):
+            os.rename(aside, taken)
+
+
+def _init_under(rank, parent, group):
+    """Inside a member: join ``group`` with ``RAY_COLLECTIVE_DIR=parent``; what came of it."""
+    os.environ[DIRECTORY_VARIABLE] = parent
+    started = time.monotonic()
+    try:
+        col.init_collective_group(2, rank, "ray", group, timeout=20)
+    except col.InsecureDirectoryError as err:
+        return type(err).__name__, str(err), time.monotonic() - started
+    finally:
+        del os.environ[DIRECTORY_VARIABLE]
+    col.destroy_collective_group(group)
+    return "joined", "", time.monotonic() - started
+
+
+@needs_root
+def test_a_base_directory_planted_by_another_user_is_refused_on_every_rank(
+        ray_session, members):
+    """Another user made ``ray_collective-<uid>`` first, open to everyone: every rank refuses
+    it at init with ``InsecureDirectoryError`` (naming it and its owner), and nothing of the
+    group lands in it."""
+    with writable_by_everyone() as parent:
+        planted = os.path.join(parent, f"ray_collective-{os.getuid()}")
+        assert attempts_as(NOBODY, NOBODY, [("plant", lambda: os.mkdir(planted, 0o777))]) == {
+            "plant": "allowed"}
+        outcomes = run_in(ray_session, members[:2], _init_under, parent, "planted")
+        assert os.listdir(planted) == []
+    for kind, message, seconds in outcomes:
+        assert kind == "InsecureDirectoryError", (kind, message)
+        assert planted in message and f"belongs to uid {NOBODY}" in message, message
+        assert seconds < 10, seconds
+    assert [message.split(":")[0] for _, message, _ in outcomes] == [
+        "rank 0 of group 'planted'", "rank 1 of group 'planted'"]
 
 
 # ------------------------------------------------------------------ TCP

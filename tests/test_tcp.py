@@ -19,10 +19,13 @@ from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError, error_record
 from ray_collective.testing import run_ranks
-from ray_collective.transport import tcp, uds, wire
-from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
+from ray_collective.transport import handshake, tcp, uds, wire
+from ray_collective.transport.handshake import Handshake
+from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.node_state import NodeState
-from ray_collective.transport.ray_transport import Peer, PostOffices, RayTransport, Streams
+from ray_collective.transport.link_transport import LinkTransport, Peer
+from ray_collective.transport.post_office_carrier import PostOffices
+from ray_collective.transport.stream_carrier import Streams
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 
 DEADLINE_S = 30.0
@@ -116,7 +119,7 @@ def test_both_ends_prove_the_key_then_frames_flow_whole_and_in_order():
 def test_a_connector_without_the_key_is_refused_and_nothing_it_sent_after_is_read():
     connector, acceptor = _pair(connect_key=WRONG_KEY)
     connector.send(tcp.frame_pieces(0, 0, 1, _stamp().packed, np.ones(1))[0])
-    with pytest.raises(tcp.HandshakeError):
+    with pytest.raises(handshake.HandshakeError):
         _pump([connector, acceptor], 2)
     assert acceptor.refused and acceptor.closed and acceptor.peer == -1
     connector.close()
@@ -129,7 +132,8 @@ def test_a_listener_that_cannot_prove_the_key_gets_nothing():
     connector = tcp.connect(HOST, server.getsockname()[1], 1, 0, KEY, 5)
     impostor, _ = server.accept()
     server.close()
-    impostor.sendall(tcp.CHALLENGE.pack(tcp.MAGIC, os.urandom(tcp.NONCE_BYTES)))
+    impostor.sendall(handshake.CHALLENGE.pack(handshake.MAGIC,
+                                              os.urandom(handshake.NONCE_BYTES)))
 
     class Done:
         done = False
@@ -139,11 +143,11 @@ def test_a_listener_that_cannot_prove_the_key_gets_nothing():
     assert connector.receive() is None   # reads the challenge and answers it
     impostor.settimeout(5)
     response = b""
-    while len(response) < tcp.RESPONSE.size:
-        response += impostor.recv(tcp.RESPONSE.size - len(response))
+    while len(response) < handshake.RESPONSE.size:
+        response += impostor.recv(handshake.RESPONSE.size - len(response))
     assert KEY not in response
-    impostor.sendall(os.urandom(tcp.PROOF.size))
-    with pytest.raises(tcp.HandshakeError):
+    impostor.sendall(os.urandom(handshake.PROOF.size))
+    with pytest.raises(handshake.HandshakeError):
         _pump([connector], 2)
     assert connector.refused and connector.closed and not request.done
     impostor.settimeout(2)
@@ -152,11 +156,11 @@ def test_a_listener_that_cannot_prove_the_key_gets_nothing():
 
 
 def test_the_handshake_is_not_the_key_and_differs_per_connection():
-    macs = {tcp.handshake_mac(KEY, b"connect", os.urandom(16), os.urandom(16), 1, 0)
+    macs = {handshake.handshake_mac(KEY, b"connect", os.urandom(16), os.urandom(16), 1, 0)
             for _ in range(3)}
     assert len(macs) == 3 and all(KEY not in mac for mac in macs)
-    assert tcp.handshake_mac(KEY, b"connect", b"a" * 16, b"b" * 16, 1, 0) != \
-        tcp.handshake_mac(KEY, b"accept", b"a" * 16, b"b" * 16, 1, 0)
+    assert handshake.handshake_mac(KEY, b"connect", b"a" * 16, b"b" * 16, 1, 0) != \
+        handshake.handshake_mac(KEY, b"accept", b"a" * 16, b"b" * 16, 1, 0)
 
 
 def test_a_frame_longer_than_the_protocol_allows_is_an_error():
@@ -175,7 +179,7 @@ def test_a_frame_longer_than_the_protocol_allows_is_an_error():
 def test_frames_cut_anywhere_by_the_stream_are_put_back_together():
     """A byte stream keeps no boundaries: frames fed one byte at a time come out whole."""
     writer, reader = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    link = tcp.StreamLink(reader, 0, KEY, peer=1)
+    link = tcp.Stream(reader, Handshake(0, KEY, peer=1))
     link.open = True  # the handshake is tested above; this is about the framing
     reader.setblocking(False)
     stamp = _stamp(count=3)
@@ -201,7 +205,7 @@ def _open_reader():
     uds.enlarge_buffers(writer, 4 * PART)
     uds.enlarge_buffers(reader, 4 * PART)
     reader.setblocking(False)
-    link = tcp.StreamLink(reader, 0, KEY, peer=1)
+    link = tcp.Stream(reader, Handshake(0, KEY, peer=1))
     link.open = True
     return writer, link
 
@@ -300,7 +304,7 @@ def two_node_transports(tmp_path, world_size, key_of=lambda rank: KEY, post_offi
         listeners = [tcp.listen(HOST, 16) for _ in range(world_size)]
         addresses = {r: (HOST, listener.getsockname()[1]) for r, listener in enumerate(listeners)}
         streams = [Streams(listener, addresses.__getitem__) for listener in listeners]
-    return [RayTransport(rank, "g", key_of(rank), peers, uds.listen(paths[rank], 16),
+    return [LinkTransport(rank, "g", key_of(rank), peers, uds.listen(paths[rank], 16),
                          NodeState(os.path.dirname(paths[rank]), "g", world_size), post_offices,
                          connect_timeout=5, streams=streams[rank])
             for rank in range(world_size)]
@@ -369,18 +373,18 @@ def test_a_large_broadcast_down_the_node_chain_over_streams_is_exact(tmp_path, r
 
 def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp_path):
     transports = two_node_transports(tmp_path, 2)
-    host, port = transports[0]._streams.address(0)
+    host, port = transports[0].stream_carrier.streams.address(0)
     stranger = tcp.connect(host, port, 1, 0, WRONG_KEY, 5)
     stamp = _stamp()
     stranger.send(tcp.frame_pieces(0, 0, 1, stamp.packed, np.float64([42.0]))[0])
     out = np.zeros(1)
-    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, out)
+    receive = transports[0].irecv(1, 0, stamp, 0, out)
     deadline = time.monotonic() + 5
     while transports[0].refused_connections == 0 and time.monotonic() < deadline:
-        transports[0]._progress(0.05)
+        transports[0].engine.progress(0.05)
         try:
             stranger.receive()
-        except tcp.HandshakeError:
+        except handshake.HandshakeError:
             pass
     assert transports[0].refused_connections == 1
     assert not receive.done and out[0] == 0
@@ -392,13 +396,13 @@ def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp
 def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
     transports = two_node_transports(tmp_path, 2)
     stamp = _stamp("allreduce", seq=4)
-    receive = transports[0].irecv(1, COLLECTIVE_CHANNEL, stamp, 0, np.zeros(1))
+    receive = transports[0].irecv(1, COLLECTIVE_TAG, stamp, 0, np.zeros(1))
     # Rank 1 takes the stream rank 0 opened, then leaves without sending.
     deadline = time.monotonic() + 5
-    while not transports[1]._stream_to and time.monotonic() < deadline:
-        transports[1]._progress(0.01)
-        transports[0]._progress(0.01)
-    assert transports[1]._stream_to
+    while not transports[1].failures.streamed and time.monotonic() < deadline:
+        transports[1].engine.progress(0.01)
+        transports[0].engine.progress(0.01)
+    assert transports[1].failures.streamed
     killer = act_while_waiting(transports[0], transports[1].close)
     started = time.monotonic()
     with pytest.raises(PeerDiedError) as caught:
@@ -412,22 +416,22 @@ def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
 
 def test_close_leaves_no_listener_and_no_stream(tmp_path):
     transports = two_node_transports(tmp_path, 2)
-    address = transports[0]._streams.address(0)
+    address = transports[0].stream_carrier.streams.address(0)
     stamp = _stamp()
-    send = transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))
-    receive = transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))
+    send = transports[1].isend(0, 0, stamp, 0, np.ones(1))
+    receive = transports[0].irecv(1, 0, stamp, 0, np.zeros(1))
     deadline = time.monotonic() + 5
     while not (send.done and receive.done):
         assert time.monotonic() < deadline
         transports[1].wait([send], time.monotonic() + 0.01)
         transports[0].wait([receive], time.monotonic() + 0.01)
-    streams = list(transports[0]._streams_by_fd.values()) + list(
-        transports[1]._streams_by_fd.values())
+    streams = (transports[0].stream_carrier.open_streams()
+               + transports[1].stream_carrier.open_streams())
     assert streams
     for transport in transports:
         transport.close()
     assert all(s.closed and s.sock.fileno() == -1 for s in streams)
-    assert all(t._streams.listener.fileno() == -1 for t in transports)
+    assert all(t.stream_carrier.streams.listener.fileno() == -1 for t in transports)
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(address, timeout=2).close()
 
@@ -435,12 +439,12 @@ def test_close_leaves_no_listener_and_no_stream(tmp_path):
 def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path, monkeypatch):
     monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.2)
     transports = two_node_transports(tmp_path, 2)
-    silent = socket.create_connection(transports[0]._streams.address(0), timeout=5)
-    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    silent = socket.create_connection(transports[0].stream_carrier.streams.address(0), timeout=5)
+    receive = transports[0].irecv(1, 0, _stamp(), 0, np.zeros(1))
     assert transports[0].wait([receive], time.monotonic() + 1.0) == [receive]
     assert transports[0].refused_connections == 1
-    challenge = silent.recv(tcp.CHALLENGE.size)
-    assert challenge.startswith(tcp.MAGIC) and silent.recv(1) == b""   # closed
+    challenge = silent.recv(handshake.CHALLENGE.size)
+    assert challenge.startswith(handshake.MAGIC) and silent.recv(1) == b""   # closed
     silent.close()
     for transport in transports:
         transport.close()
@@ -448,8 +452,8 @@ def test_a_stranger_that_never_answers_the_challenge_is_closed_in_time(tmp_path,
 
 def _exchange_once(transports, sender, receiver):
     stamp = _stamp()
-    send = transports[sender].isend(receiver, p2p_channel(0), stamp, 0, np.ones(1))
-    receive = transports[receiver].irecv(sender, p2p_channel(0), stamp, 0, np.zeros(1))
+    send = transports[sender].isend(receiver, 0, stamp, 0, np.ones(1))
+    receive = transports[receiver].irecv(sender, 0, stamp, 0, np.zeros(1))
     deadline = time.monotonic() + 5
     while not (send.done and receive.done):
         assert time.monotonic() < deadline
@@ -460,7 +464,7 @@ def _exchange_once(transports, sender, receiver):
 def test_an_abort_crosses_to_the_other_node_on_the_stream_at_once(tmp_path):
     transports = two_node_transports(tmp_path, 2)
     _exchange_once(transports, 0, 1)
-    receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
+    receive = transports[1].irecv(0, COLLECTIVE_TAG, _stamp("allreduce", seq=3), 0,
                                   np.zeros(1))
     aborter = act_while_waiting(transports[1], lambda: transports[0].abort(
         PeerDiedError("g", 0, "allreduce", 3, [5], "its process exited")))
@@ -510,7 +514,7 @@ def test_a_rank_waiting_on_another_node_learns_the_abort_published_for_the_group
     published = error_record(group, 0, PeerDiedError(group, 0, "allreduce", 3, [5],
                                                      "its process exited"))
     transports = two_node_transports(tmp_path, 2, post_offices=QuietPostOffices(published, 0.3))
-    receive = transports[1].irecv(0, COLLECTIVE_CHANNEL, _stamp("allreduce", seq=3), 0,
+    receive = transports[1].irecv(0, COLLECTIVE_TAG, _stamp("allreduce", seq=3), 0,
                                   np.zeros(1))
     started = time.monotonic()
     if group == "g":
@@ -535,27 +539,28 @@ def test_when_one_of_two_streams_with_a_peer_ends_the_other_carries_its_messages
     unread."""
     transports = two_node_transports(tmp_path, 2)
     stamp = _stamp()
-    sends = [transports[0].isend(1, p2p_channel(0), stamp, 0, np.ones(1)),
-             transports[1].isend(0, p2p_channel(0), stamp, 0, np.ones(1))]  # both connect
-    receives = [transports[1].irecv(0, p2p_channel(0), stamp, 0, np.zeros(1)),
-                transports[0].irecv(1, p2p_channel(0), stamp, 0, np.zeros(1))]
+    sends = [transports[0].isend(1, 0, stamp, 0, np.ones(1)),
+             transports[1].isend(0, 0, stamp, 0, np.ones(1))]  # both connect
+    receives = [transports[1].irecv(0, 0, stamp, 0, np.zeros(1)),
+                transports[0].irecv(1, 0, stamp, 0, np.zeros(1))]
     deadline = time.monotonic() + 5
     while not all(r.done for r in sends + receives):
         assert time.monotonic() < deadline
         for transport in transports:
             transport.wait(sends + receives, time.monotonic() + 0.01)
     rank0 = transports[0]
-    streams = [link for link in rank0._streams_by_fd.values() if link.peer == 1]
+    streams = [link for link in rank0.stream_carrier.open_streams() if link.peer == 1]
     assert len(streams) == 2 and all(link.open for link in streams)
-    first = rank0._stream_to[1]
-    rank0._drop_stream(first)                   # its end was read first
-    assert rank0._stream_to[1] in streams and rank0._stream_to[1] is not first
-    assert 1 not in rank0._dead
+    carrier = rank0.stream_carrier
+    first = carrier.sending_stream(1)
+    carrier.drop(first)                          # its end was read first
+    assert carrier.sending_stream(1) in streams and carrier.sending_stream(1) is not first
+    assert 1 not in rank0.failures.dead
     payload = np.arange(1000, dtype=np.float64)
     big = _stamp(count=len(payload))
-    send = transports[1].isend(0, p2p_channel(0), big, 1, payload)
+    send = transports[1].isend(0, 0, big, 1, payload)
     out = np.zeros_like(payload)
-    receive = rank0.irecv(1, p2p_channel(0), big, 1, out)
+    receive = rank0.irecv(1, 0, big, 1, out)
     while not (send.done and receive.done):
         assert time.monotonic() < deadline
         transports[1].wait([send], time.monotonic() + 0.01)
@@ -573,18 +578,18 @@ def test_a_rank_reads_ahead_of_its_receives_only_a_budget_per_turn(tmp_path):
     _exchange_once(transports, 0, 1)
     payload = np.arange(3 * (1 << 20) // 8, dtype=np.float64)     # 3 MiB, 12 stream parts
     stamp = _stamp(count=len(payload))
-    send = transports[0].isend(1, p2p_channel(0), stamp, 0, payload)
+    send = transports[0].isend(1, 0, stamp, 0, payload)
     deadline = time.monotonic() + 5
     while not send.done:   # the kernels hold it all (4 MiB buffers)
         assert time.monotonic() < deadline
         transports[0].wait([send], time.monotonic() + 0.01)
     receiver = transports[1]
-    for link in list(receiver._streams_by_fd.values()):   # one or two streams with rank 0
-        receiver._read_stream(link, tcp.READ_BUDGET_BYTES)
-    kept = receiver._inbox.unexpected_parts() * PART
+    for link in receiver.stream_carrier.open_streams():   # one or two streams with rank 0
+        receiver.stream_carrier.read(link, tcp.READ_BUDGET_BYTES)
+    kept = receiver.engine.inbox.unexpected_parts() * PART
     assert tcp.READ_BUDGET_BYTES <= kept < tcp.READ_BUDGET_BYTES + 2 * PART
     out = np.zeros_like(payload)
-    receive = receiver.irecv(0, p2p_channel(0), stamp, 0, out)
+    receive = receiver.irecv(0, 0, stamp, 0, out)
     assert receiver.wait([receive], time.monotonic() + 5) == ()
     np.testing.assert_array_equal(out, payload)
     for transport in transports:
@@ -617,10 +622,10 @@ def test_a_frame_already_in_the_buffer_is_returned_without_reading_the_socket():
     bytes([wire.ABORT]) + b'{"group": "other", "rank": 0, "kind": "X", "message": ""}'])
 def test_a_malformed_frame_on_a_stream_breaks_the_call_and_publishes_nothing(tmp_path, frame):
     transports = two_node_transports(tmp_path, 2)
-    host, port = transports[0]._streams.address(0)
+    host, port = transports[0].stream_carrier.streams.address(0)
     rogue = tcp.connect(host, port, 1, 0, KEY, 5)
     rogue.send(tcp.control_frame(frame))
-    receive = transports[0].irecv(1, p2p_channel(0), _stamp(), 0, np.zeros(1))
+    receive = transports[0].irecv(1, 0, _stamp(), 0, np.zeros(1))
     deadline = time.monotonic() + 5
     with pytest.raises(CollectiveError, match="malformed frame"):
         while time.monotonic() < deadline:
@@ -659,8 +664,8 @@ def test_a_small_message_costs_its_receiver_one_read_of_its_socket(tmp_path, sen
     transports = two_node_transports(tmp_path, 4)
     receiver = transports[0]
     _exchange_once(transports, sender, 0)
-    links = [link for link in (*receiver._links_by_fd.values(),
-                               *receiver._streams_by_fd.values()) if link.peer == sender]
+    links = [link for link in (*receiver.node_carrier.connections(),
+                               *receiver.stream_carrier.open_streams()) if link.peer == sender]
     counters = []
     for link in links:
         link.sock = _CountingSocket(link.sock)
@@ -669,8 +674,8 @@ def test_a_small_message_costs_its_receiver_one_read_of_its_socket(tmp_path, sen
     for seq in range(1, messages + 1):
         stamp = _stamp(seq=seq)
         out = np.zeros(1)
-        receive = receiver.irecv(sender, p2p_channel(0), stamp, 0, out)
-        send = transports[sender].isend(0, p2p_channel(0), stamp, 0, np.full(1, float(seq)))
+        receive = receiver.irecv(sender, 0, stamp, 0, out)
+        send = transports[sender].isend(0, 0, stamp, 0, np.full(1, float(seq)))
         assert transports[sender].wait([send], time.monotonic() + 5) == ()
         assert receiver.wait([receive], time.monotonic() + 5) == ()
         assert out[0] == seq

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ray_collective.errors import CollectiveMismatchError, GroupBrokenError
-from ray_collective.transport.base import COLLECTIVE_CHANNEL, p2p_channel
+from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.local import LocalFabric
 from ray_collective.transport.wire import CallHeader, CallStamp
 
@@ -35,8 +35,8 @@ def _pair():
 def test_message_arrives_and_is_checked():
     _, a, b = _pair()
     out = np.zeros(4)
-    a.isend(1, COLLECTIVE_CHANNEL, STAMP, 2, np.arange(4.0))
-    request = b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 2, out)
+    a.isend(1, COLLECTIVE_TAG, STAMP, 2, np.arange(4.0))
+    request = b.irecv(0, COLLECTIVE_TAG, STAMP, 2, out)
     assert b.wait([request], time.monotonic() + 1) == ()
     np.testing.assert_array_equal(out, np.arange(4.0))
 
@@ -44,20 +44,20 @@ def test_message_arrives_and_is_checked():
 def test_receive_with_combine_reduces_in_place():
     _, a, b = _pair()
     out = np.ones(3)
-    a.isend(1, COLLECTIVE_CHANNEL, STAMP, 0, np.full(3, 2.0))
+    a.isend(1, COLLECTIVE_TAG, STAMP, 0, np.full(3, 2.0))
     def add(acc, incoming):
         np.add(acc, incoming, out=acc)
 
-    b.wait([b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, out, add)], time.monotonic() + 1)
+    b.wait([b.irecv(0, COLLECTIVE_TAG, STAMP, 0, out, add)], time.monotonic() + 1)
     np.testing.assert_array_equal(out, [3.0, 3.0, 3.0])
 
 
 def test_send_buffer_may_be_reused_once_the_send_completes():
     _, a, b = _pair()
     data, out = np.arange(3.0), np.zeros(3)
-    assert a.isend(1, COLLECTIVE_CHANNEL, STAMP, 0, data).done
+    assert a.isend(1, COLLECTIVE_TAG, STAMP, 0, data).done
     data[:] = -1
-    b.wait([b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, out)], time.monotonic() + 1)
+    b.wait([b.irecv(0, COLLECTIVE_TAG, STAMP, 0, out)], time.monotonic() + 1)
     np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
 
 
@@ -68,8 +68,8 @@ def test_send_buffer_may_be_reused_once_the_send_completes():
 def test_arrival_that_differs_raises_mismatch_naming_the_field(field, value):
     _, a, b = _pair()
     theirs = CallStamp.of(CallHeader(**{**HEADER.__dict__, field: value}))
-    a.isend(1, COLLECTIVE_CHANNEL, theirs, 0, np.zeros(4))
-    request = b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, np.zeros(4))
+    a.isend(1, COLLECTIVE_TAG, theirs, 0, np.zeros(4))
+    request = b.irecv(0, COLLECTIVE_TAG, STAMP, 0, np.zeros(4))
     with pytest.raises(CollectiveMismatchError) as caught:
         b.wait([request], time.monotonic() + 1)
     err = caught.value
@@ -79,30 +79,30 @@ def test_arrival_that_differs_raises_mismatch_naming_the_field(field, value):
 
 def test_step_or_length_mismatch_is_reported():
     _, a, b = _pair()
-    a.isend(1, COLLECTIVE_CHANNEL, STAMP, 5, np.zeros(4))
+    a.isend(1, COLLECTIVE_TAG, STAMP, 5, np.zeros(4))
     with pytest.raises(CollectiveMismatchError, match="step"):
-        b.wait([b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 6, np.zeros(4))], time.monotonic() + 1)
-    a.isend(1, COLLECTIVE_CHANNEL, STAMP, 0, np.zeros(3))
+        b.wait([b.irecv(0, COLLECTIVE_TAG, STAMP, 6, np.zeros(4))], time.monotonic() + 1)
+    a.isend(1, COLLECTIVE_TAG, STAMP, 0, np.zeros(3))
     with pytest.raises(CollectiveMismatchError, match="message elements"):
-        b.wait([b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, np.zeros(4))], time.monotonic() + 1)
+        b.wait([b.irecv(0, COLLECTIVE_TAG, STAMP, 0, np.zeros(4))], time.monotonic() + 1)
 
 
 def test_channels_are_separate_and_ordered():
     _, a, b = _pair()
-    a.isend(1, p2p_channel(1), STAMP, 0, np.full(1, 1.0))
-    a.isend(1, p2p_channel(2), STAMP, 0, np.full(1, 2.0))
-    a.isend(1, p2p_channel(1), STAMP, 0, np.full(1, 3.0))
+    a.isend(1, 1, STAMP, 0, np.full(1, 1.0))
+    a.isend(1, 2, STAMP, 0, np.full(1, 2.0))
+    a.isend(1, 1, STAMP, 0, np.full(1, 3.0))
     outs = [np.zeros(1) for _ in range(3)]
-    requests = [b.irecv(0, p2p_channel(2), STAMP, 0, outs[0]),
-                b.irecv(0, p2p_channel(1), STAMP, 0, outs[1]),
-                b.irecv(0, p2p_channel(1), STAMP, 0, outs[2])]
+    requests = [b.irecv(0, 2, STAMP, 0, outs[0]),
+                b.irecv(0, 1, STAMP, 0, outs[1]),
+                b.irecv(0, 1, STAMP, 0, outs[2])]
     b.wait(requests, time.monotonic() + 1)
     assert [o[0] for o in outs] == [2.0, 1.0, 3.0]
 
 
 def test_wait_returns_the_pending_requests_at_the_deadline():
     _, _, b = _pair()
-    request = b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, np.zeros(1))
+    request = b.irecv(0, COLLECTIVE_TAG, STAMP, 0, np.zeros(1))
     started = time.monotonic()
     assert list(b.wait([request], started + 0.1)) == [request]
     assert 0.09 <= time.monotonic() - started < 2
@@ -113,7 +113,7 @@ def test_abort_wakes_every_waiting_rank_with_the_cause():
     cause = RuntimeError("rank 0 failed")
     a.abort(cause)
     with pytest.raises(GroupBrokenError) as caught:
-        b.wait([b.irecv(0, COLLECTIVE_CHANNEL, STAMP, 0, np.zeros(1))], time.monotonic() + 5)
+        b.wait([b.irecv(0, COLLECTIVE_TAG, STAMP, 0, np.zeros(1))], time.monotonic() + 5)
     assert caught.value.cause is cause
 
 

@@ -9,8 +9,7 @@ broadcast of at least ``PIPELINE_BROADCAST_MIN_BYTES`` over 3 nodes or more and 
 ``PIPELINE_BROADCAST_MAX_RANKS`` ranks goes chunk by chunk down a chain of the nodes. Every
 other call takes the flat algorithm of ``rules``.
 
-Forcing, for tests and benchmarks: ``CallOptions.algorithm``, or the environment variable
-``RAY_COLLECTIVE_ALGORITHM`` as ``collective=name[,collective=name...]`` (for example
+Forcing, for tests and benchmarks: the environment variable ``RAY_COLLECTIVE_ALGORITHM`` as ``collective=name[,collective=name...]`` (for example
 ``allreduce=ring,broadcast=binomial``), read by :func:`forced_algorithms` once per group. Every
 rank must force the same algorithm; a rank that runs another one is reported as a mismatch.
 """

@@ -14,14 +14,11 @@ from __future__ import annotations
 import threading
 from typing import Dict, Tuple, Union
 
-from ..errors import ArgumentTypeError, ArgumentValueError
-from ..types import Backend
+from ..errors import ArgumentTypeError, ArgumentValueError, BackendNotAvailableError
+from ..types import BACKEND_ALIASES, Backend
 from .base import BackendFactory
 from .nccl import NcclBackendFactory
 from .ray_backend import RayBackendFactory
-
-_ALIASES = {"gloo": Backend.RAY.value, "torch_gloo": Backend.RAY.value}
-"""ray.util.collective's CPU backend names, run by the native backend."""
 
 
 class BackendRegistry:
@@ -45,14 +42,34 @@ class BackendRegistry:
                 f"backend {name!r}: the factory must be a "
                 f"ray_collective.backends.base.BackendFactory, not {type(factory).__name__}")
         key = name.strip().lower()
-        if not key or key in _ALIASES:
+        if not key or key in BACKEND_ALIASES:
             raise ArgumentValueError(f"{name!r} cannot name a backend"
-                                     + (f": it means {_ALIASES[key]!r}" if key else ""))
+                                     + (f": it means {BACKEND_ALIASES[key]!r}" if key else ""))
         with self._lock:
             if key in self._factories:
                 raise ArgumentValueError(
                     f"a backend called {key!r} is registered already; choose another name")
             self._factories[key] = factory
+
+    def synchronize(self, gpu_id: int) -> None:
+        """Wait until the work every GPU backend queued on GPU ``gpu_id`` has finished.
+
+        Raises:
+            BackendNotAvailableError: no registered backend can wait for GPUs here.
+            ValueError: ``gpu_id`` is not a visible GPU.
+        """
+        with self._lock:
+            factories = list(self._factories.values())
+        waited, unavailable = False, None
+        for factory in factories:
+            try:
+                waited = factory.synchronize(gpu_id) or waited
+            except BackendNotAvailableError as err:
+                unavailable = err
+        if not waited:
+            raise unavailable or BackendNotAvailableError(
+                "synchronize needs a GPU backend (such as 'nccl'), and none of the registered "
+                f"backends ({', '.join(self.names())}) runs on GPUs here")
 
     def names(self) -> Tuple[str, ...]:
         """The registered names, built-in ones first."""
@@ -78,7 +95,7 @@ class BackendRegistry:
             raise ArgumentTypeError(f"backend must be a name such as 'ray' or 'nccl', not "
                             f"{type(backend).__name__}")
         key = backend.value if isinstance(backend, Backend) else backend.strip().lower()
-        factory = self._factories.get(_ALIASES.get(key, key))
+        factory = self._factories.get(BACKEND_ALIASES.get(key, key))
         if factory is None:
             raise ArgumentValueError(f"unknown backend {backend!r}; choose one of "
                              f"{', '.join(self.names())} (or register yours with "

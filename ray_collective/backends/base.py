@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, Optional, Sequence, Tuple
 
 from ..tensors import TensorView
 from ..types import CallOptions, Collective
@@ -19,7 +19,7 @@ class GroupCall:
     """One validated call as the backend sees it.
 
     Attributes:
-        options: what was asked (collective, op, root/peer, tag, timeout, forced algorithm).
+        options: what was asked (collective, op, root/peer, tag, timeout).
         seq: the call's sequence number (per group for collectives, per peer and tag for p2p).
         tensor: the single tensor argument (input and/or output), if the collective has one.
         inputs: the input list (reducescatter, scatter on the root, alltoall).
@@ -48,15 +48,44 @@ class Membership(ABC):
 
     Attributes:
         accepts_gpu_tensors: its calls take CUDA tensors (the API refuses them otherwise).
-        multi_gpu: it runs the ``*_multigpu`` calls, with a ``devices`` attribute listing the
-            GPUs of this process.
         collectives: the operations it runs (the API refuses the others before any
             communication, with ``UnsupportedOperationError``).
     """
 
     accepts_gpu_tensors = False
-    multi_gpu = False
     collectives: FrozenSet[Collective] = frozenset(Collective)
+
+    def multi_gpu_arguments(self) -> Optional[Any]:
+        """What checks the arguments of the ``*_multigpu`` calls for this membership's GPUs,
+        or None when it does not run them (the default).
+
+        A membership that runs them returns an object with the methods the API calls
+        (``tensors``, ``tensor_lists``, ``tensor``, ``index`` and ``call``; see
+        ``backends.nccl.arguments.GpuArguments``), so that a backend brings its own checks.
+
+        Returns:
+            The argument binder, or None.
+        """
+        return None
+
+    def shape_runner(self, options: CallOptions, view: Optional[TensorView]
+                     ) -> Optional[Callable[[int, Any], None]]:
+        """How to run the later calls of one shape without building a call each time.
+
+        Asked once per call shape, after a call with ``options`` on a tensor like ``view``
+        (None for a barrier) passed every check of the API; the group then runs each later
+        call of the same shape (numpy array, dtype, shape, strides, root, op) as
+        ``runner(seq, array)``, with the same failure handling as :meth:`run`. The default
+        offers none: every call goes through :meth:`run`.
+
+        Args:
+            options: the calls' options.
+            view: the first call's tensor.
+
+        Returns:
+            ``runner(seq, array)``, or None.
+        """
+        return None
 
     @abstractmethod
     def run(self, call: GroupCall) -> None:
@@ -103,6 +132,22 @@ class BackendFactory(ABC):
             BackendNotAvailableError: the backend cannot run here.
             CollectiveTimeoutError: the other ranks did not join within ``timeout`` seconds.
         """
+
+    def synchronize(self, gpu_id: int) -> bool:
+        """Wait until the work this backend queued on GPU ``gpu_id`` has finished.
+
+        Args:
+            gpu_id: the GPU's index among the devices this process sees.
+
+        Returns:
+            False when this backend runs nothing on GPUs (the default: nothing to wait for),
+            True once it has waited.
+
+        Raises:
+            BackendNotAvailableError: the backend runs on GPUs but cannot here.
+            ValueError: ``gpu_id`` is not a visible GPU.
+        """
+        return False
 
     def prepare_declaration(self, group_name: str) -> "Declaration":
         """What the members of a group declared from the driver join with.

@@ -8,7 +8,7 @@ which costs a few milliseconds more: a round of up to ``INLINE_ROUND_BYTES`` the
 with its payloads cut into arguments of ``INLINE_ARGUMENT_BYTES`` (``pack_round``), a larger
 one as whole arrays through the object store. The post office sends each message to its local
 destination exactly as the sender would on its own node, through the same link and wire
-protocol code (``transport.ray_transport.Deliveries``), so a receiving rank treats local and
+protocol code (``transport.uds.Deliveries``), so a receiving rank treats local and
 remote peers alike. Over streams it carries no message (the ranks' own streams do).
 
 Either way it answers for its node: which ranks are dead (process table), which have started a
@@ -31,7 +31,8 @@ import numpy as np
 
 from ..transport import uds, wire
 from ..transport.node_state import NodeState, write_atomically
-from ..transport.ray_transport import Deliveries, RemoteMessage, process_alive
+from ..transport.post_office_carrier import RemoteMessage
+from ..transport.processes import process_alive
 from ..transport.shm import SendArena
 
 POST_OFFICE_PID_FILE = "post-office.pid"
@@ -120,8 +121,8 @@ class PostOffice:
         self.timeout = timeout
         self.state = NodeState(directory, group_name, world_size)
         self.arena = SendArena(f"ray_collective-{group_name}-post-office")
-        self.links: Dict[Tuple[int, int], uds.Link] = {}
-        self.deliveries = Deliveries(self.arena, self._collect_releases)
+        self.links: Dict[Tuple[int, int], uds.Connection] = {}
+        self.deliveries = uds.Deliveries(self.arena, self._collect_releases)
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         # Where this node's ranks look to tell the loss of their post office from their peers'.
         write_atomically(os.path.join(directory, POST_OFFICE_PID_FILE), str(os.getpid()))
@@ -166,7 +167,7 @@ class PostOffice:
         self.state.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def _link(self, source: int, destination: int) -> Optional[uds.Link]:
+    def _link(self, source: int, destination: int) -> Optional[uds.Connection]:
         link = self.links.get((source, destination))
         if link is not None and not (link.closed or link.unwritable):
             return link

@@ -2,9 +2,9 @@
 
 Joining (``RayBackendFactory.create``), inside each member process:
 
-1. find the incarnation's token and the group's private directory on this node
-   (``<Ray session dir>/rc/<hash of job, group, token>/<node>``, mode 0700), and listen on
-   ``<rank>.sock`` there;
+1. find the incarnation's token and the group's private directory on this node (made and
+   checked by ``backends.private_dirs``: ``/dev/shm/ray_collective-<uid>/...``, mode 0700),
+   and listen on ``<rank>.sock`` there;
 2. register in Ray's key-value store and wait for every rank (``backends.rendezvous``);
 3. if the group spans nodes: with streams (``RAY_COLLECTIVE_CROSS_NODE=streams``, the
    default), listen on the node's address for streams from other nodes and publish where;
@@ -21,7 +21,6 @@ driver is joined by running the same code inside each actor (``ray_collective.de
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -33,16 +32,18 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..algorithms.selector import forced_algorithms
 from ..errors import ArgumentValueError, BackendNotAvailableError, error_record
 from ..transport import tcp, uds
-from ..transport.node_state import NodeState, write_atomically
-from ..transport.ray_transport import (SPIN_S, Peer, PostOffices, RayTransport, Streams,
-                                       process_alive)
-from . import rendezvous
+from ..transport.node_state import NodeState
+from ..transport.engine import SPIN_S
+from ..transport.link_transport import LinkTransport, Peer
+from ..transport.post_office_carrier import PostOffices
+from ..transport.processes import process_alive
+from ..transport.stream_carrier import Streams
+from . import private_dirs, rendezvous
+from .key_value import NAMESPACE
 from .base import BackendFactory, Declaration, Membership
 from .post_office import POST_OFFICE_PID_FILE, PostOffice, pack_round
 from .transport_membership import TransportMembership
 
-_NAMESPACE = rendezvous.NAMESPACE
-_SOCKET_PATH_MAX = 100
 _LOG = logging.getLogger(__name__)
 
 CROSS_NODE_VARIABLE = "RAY_COLLECTIVE_CROSS_NODE"
@@ -95,28 +96,15 @@ def _runtime() -> Tuple[str, str, str]:
     return context.get_job_id(), context.get_node_id(), session
 
 
-def group_root(session_dir: str, job_id: str, group_name: str, token: str) -> str:
-    """The directory holding the group's per-node directories (short, for socket paths)."""
-    digest = hashlib.sha256(f"{job_id}/{group_name}/{token}".encode()).hexdigest()[:16]
-    return os.path.join(_group_dirs_base(session_dir), digest)
-
-
-def _group_dirs_base(session_dir: str) -> str:
-    base = os.path.join(session_dir, "rc")
-    if len(base) + 40 > _SOCKET_PATH_MAX:
-        base = os.path.join(tempfile.gettempdir(), f"rc-{os.getuid()}")
-    return base
-
-
-_JOB_FILE = "job"
-"""In a group's directory: the id of the job that made it (so that a later job can sweep it)."""
-
-
 def _finished_jobs() -> set:
     """Ids of the jobs of this Ray cluster that have finished (empty if Ray cannot say)."""
+    # Through the process's own connection to Ray's control store: ray._private.state's
+    # job_table() opens a second one in a worker (an eventfd, an epoll and a timer
+    # descriptor, kept for the life of the process).
     try:
-        from ray._private.state import state
-        return {job["JobID"] for job in state.job_table() if job["IsDead"]}
+        from ray._private.worker import global_worker
+        jobs = global_worker.gcs_client.get_all_job_info()
+        return {job_id.hex() for job_id, job in jobs.items() if job.is_dead}
     except Exception:  # noqa: BLE001 - a private API of Ray: without it, nothing is swept
         return set()
 
@@ -131,40 +119,11 @@ def sweep_finished_jobs(session_dir: str) -> None:
     if not finished:
         return
     rendezvous.sweep_finished_jobs(rendezvous.KeyValue(), finished)
-    base = _group_dirs_base(session_dir)
-    try:
-        roots = os.listdir(base)
-    except OSError:
-        return
-    for name in roots:
-        root = os.path.join(base, name)
-        try:
-            with open(os.path.join(root, _JOB_FILE)) as source:
-                job_id = source.read().strip()
-        except OSError:
-            continue
-        if job_id in finished:
-            shutil.rmtree(root, ignore_errors=True)
-
-
-def _mark_job(root: str, job_id: str) -> None:
-    path = os.path.join(root, _JOB_FILE)
-    if not os.path.exists(path):
-        write_atomically(path, job_id)
-
-
-def _private_dirs(path: str) -> None:
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        _private_dirs(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+    private_dirs.remove_finished_groups(session_dir, finished)
 
 
 POST_OFFICE_NAME_PREFIX = "post-office-"
-"""How the Ray actor names of post offices begin (in the namespace ``rendezvous.NAMESPACE``)."""
+"""How the Ray actor names of post offices begin (in the namespace ``key_value.NAMESPACE``)."""
 
 
 def post_office_name(group_key: bytes, node: str) -> str:
@@ -213,7 +172,7 @@ class RayPostOffices(PostOffices):
             while handle is None:
                 try:
                     handle = ray.get_actor(post_office_name(self.group_key, node),
-                                           namespace=_NAMESPACE)
+                                           namespace=NAMESPACE)
                 except ValueError:
                     if time.monotonic() > deadline:
                         self._gone.add(node)
@@ -263,7 +222,7 @@ class RayPostOffices(PostOffices):
             return True
         self._next_local_lookup = now + 1.0
         try:
-            _ray().get_actor(post_office_name(self.group_key, self.node), namespace=_NAMESPACE)
+            _ray().get_actor(post_office_name(self.group_key, self.node), namespace=NAMESPACE)
         except ValueError:
             return not self._local_seen and now < self._local_lookup_until
         self._local_seen = True
@@ -323,7 +282,7 @@ def _oversubscribed(members: Sequence[rendezvous.Member]) -> bool:
 class RayMembership(TransportMembership):
     """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
 
-    def __init__(self, group_name: str, transport: RayTransport, token: str, prefix: str,
+    def __init__(self, group_name: str, transport: LinkTransport, token: str, prefix: str,
                  directory: str, members: Sequence[rendezvous.Member],
                  post_office: Optional[object], forced: Mapping[str, str]):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
@@ -368,7 +327,7 @@ class RayMembership(TransportMembership):
             root = os.path.dirname(self.directory)
             try:
                 # Unless another node's directory of the group is still there (same machine).
-                if set(os.listdir(root)) <= {_JOB_FILE}:
+                if set(os.listdir(root)) <= {private_dirs.JOB_FILE}:
                     shutil.rmtree(root, ignore_errors=True)
             except OSError:
                 pass
@@ -377,7 +336,7 @@ class RayMembership(TransportMembership):
 def _shut_post_office(group_key: bytes, node: str) -> None:
     ray = _ray()
     try:
-        handle = ray.get_actor(post_office_name(group_key, node), namespace=_NAMESPACE)
+        handle = ray.get_actor(post_office_name(group_key, node), namespace=NAMESPACE)
     except ValueError:
         return
     try:
@@ -423,10 +382,8 @@ class RayBackendFactory(BackendFactory):
         def listen_under(current: str) -> None:
             if "listener" in endpoint:
                 endpoint["listener"].close()
-            root = group_root(session, job_id, group_name, current)
-            directory = os.path.join(root, node[:8])
-            _private_dirs(directory)
-            _mark_job(root, job_id)
+            directory = private_dirs.node_directory(session, job_id, group_name, current, node,
+                                                    rank)
             path = os.path.join(directory, f"{rank}.sock")
             if os.path.exists(path):
                 os.unlink(path)
@@ -464,9 +421,9 @@ class RayBackendFactory(BackendFactory):
         # Polling without sleep answers small messages fastest, but only a rank with a core of
         # its own may do it: on a crowded machine it would take the core a peer needs.
         spin_s = 0.0 if _ranks_over_cores(members)[node] else SPIN_S
-        transport = RayTransport(rank, group_name, group_key, peers, endpoint["listener"], state,
-                                 post_offices, connect_timeout=timeout, spin_s=spin_s,
-                                 streams=streams)
+        transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
+                                  state, post_offices, connect_timeout=timeout, spin_s=spin_s,
+                                  streams=streams)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced)
 
@@ -509,7 +466,7 @@ def _start_post_office(directory: str, group_name: str, group_key: bytes, world_
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(PostOffice).options(
-        name=post_office_name(group_key, node), namespace=_NAMESPACE, num_cpus=0,
+        name=post_office_name(group_key, node), namespace=NAMESPACE, num_cpus=0,
         max_concurrency=1, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
     return actor.remote(directory, group_name, group_key, world_size, local_pids, timeout)
@@ -526,4 +483,6 @@ def _remove_incarnation(group_name: str, token: str) -> None:
     for node in nodes:
         _shut_post_office(bytes.fromhex(token), node)
     rendezvous.close_incarnation(kv, prefix, token)
-    shutil.rmtree(group_root(session, job_id, group_name, token), ignore_errors=True)
+    root = private_dirs.group_root(session, job_id, group_name, token)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,8 @@
 """How the ranks of a ``ray`` group find each other: Ray's internal key-value store.
 
-Keys live in the namespace ``ray_collective`` under ``<job id>/<group name>/``, so two Ray jobs
-may use the same group name. One incarnation of a group is identified by a random token:
+Keys live in the namespace ``ray_collective`` (``backends.key_value``) under
+``<job id>/<group name>/``, so two Ray jobs may use the same group name. One incarnation of a
+group is identified by a random token:
 
 - ``<prefix>token`` holds the current token. Whoever opens an incarnation (rank 0 of an
   imperative group, or the driver of a declared one) first clears the prefix, so keys left by a
@@ -50,37 +51,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 from urllib.parse import quote
 
 from ..errors import CollectiveTimeoutError
-from ..transport.ray_transport import process_alive
-
-NAMESPACE = "ray_collective"
-
-
-class KeyValue:
-    """The subset of Ray's internal key-value store the rendezvous uses (strings in and out)."""
-
-    def __init__(self):
-        from ray.experimental import internal_kv
-        self._kv = internal_kv
-
-    def put(self, key: str, value: str = "", overwrite: bool = True) -> bool:
-        """Store ``key``; returns whether it existed already."""
-        return bool(self._kv._internal_kv_put(key.encode(), value.encode(), overwrite,
-                                              namespace=NAMESPACE))
-
-    def get(self, key: str) -> Optional[str]:
-        """The value of ``key``, or None."""
-        value = self._kv._internal_kv_get(key.encode(), namespace=NAMESPACE)
-        return None if value is None else value.decode()
-
-    def keys(self, prefix: str) -> List[str]:
-        """Every key starting with ``prefix``."""
-        return [k.decode() for k in self._kv._internal_kv_list(prefix.encode(),
-                                                                namespace=NAMESPACE)]
-
-    def delete_prefix(self, prefix: str) -> None:
-        """Delete every key starting with ``prefix``."""
-        self._kv._internal_kv_del(prefix.encode(), del_by_prefix=True, namespace=NAMESPACE)
-
+from ..transport.processes import process_alive
+from .key_value import KeyValue
 
 @dataclass(frozen=True)
 class Member:
@@ -197,9 +169,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                 # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
-                                         [r for r in range(world_size) if r not in present],
-                                         timeout)
-        time.sleep(next(pauses))
+                                         [r for r in range(world_size)
+                                          if r not in present and r != me.rank], timeout)
+        time.sleep(max(0.0, min(next(pauses), deadline - time.monotonic())))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,

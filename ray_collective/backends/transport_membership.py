@@ -12,7 +12,7 @@ transport they give it.
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
 from ..plan import Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
-from ..transport.base import COLLECTIVE_CHANNEL, Transport, p2p_channel
+from ..transport.base import COLLECTIVE_TAG, Transport
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
@@ -45,22 +45,22 @@ class PreparedCall:
         template: the packed header, stamped per call.
         combine: the reduction (reducing collectives), else None.
         blocks: the partition of the plan's buffer into one block per rank.
-        channel: the transport channel (the collective one, or the send/recv's tag).
+        tag: the messages' tag (``COLLECTIVE_TAG``, or the send/recv's own).
         layout: how the call's tensors become the plan's buffer and back (see ``_layout``).
         average: divide the result by the world size at the end (AVG, on ranks that get one).
     """
 
-    __slots__ = ("options", "plan", "template", "combine", "blocks", "channel", "layout",
+    __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
                  "average")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
-                 blocks: Blocks, channel: Hashable, layout: str, average: bool):
+                 blocks: Blocks, tag: int, layout: str, average: bool):
         self.options = options
         self.plan = plan
         self.template = template
         self.combine = combine
         self.blocks = blocks
-        self.channel = channel
+        self.tag = tag
         self.layout = layout
         self.average = average
 
@@ -88,6 +88,10 @@ def _layout(collective: Collective, rank: int, root: int) -> str:
     if collective is Collective.ALLTOALL:
         return "exchange"
     return "in place"
+
+
+def _nothing_to_run(seq: int, array) -> None:
+    return None
 
 
 def _concatenate(views: Sequence[TensorView]) -> np.ndarray:
@@ -160,6 +164,28 @@ class TransportMembership(Membership):
             self._prepared[key] = prepared
         return prepared
 
+    def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
+        prepared = self.prepared(options, view)
+        if prepared.layout != "in place" or prepared.tag != COLLECTIVE_TAG:
+            return None
+        plan, template, combine = prepared.plan, prepared.template, prepared.combine
+        if not plan.steps and self.world_size == 1:
+            # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
+            return _nothing_to_run
+        transport, timeout, what = self.transport, options.timeout, options.collective.value
+        average, dtype_name, world_size = prepared.average, "", self.world_size
+        if view is not None:
+            dtype_name = view.dtype_name
+
+        def run(seq: int, array) -> None:
+            flat = None if array is None else array.reshape(-1)
+            run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
+                     combine, timeout, what)
+            if average:
+                finalize_average(flat, dtype_name, world_size)
+
+        return run
+
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
         return len(self._prepared)
@@ -182,9 +208,9 @@ class TransportMembership(Membership):
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
             return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
-                                p2p_channel(options.tag), "in place", False)
+                                options.tag, "in place", False)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
-                           forced=options.algorithm or self.forced.get(collective.value),
+                           forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
         ctx = Context(dtype, combine, node_of=self.node_of,
                       choose=flat_choice(dtype.itemsize, self.oversubscribed),
@@ -197,7 +223,7 @@ class TransportMembership(Membership):
         average = options.op is ReduceOp.AVG and reducing and (
             collective is not Collective.REDUCE or rank == options.root)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
-                            COLLECTIVE_CHANNEL, _layout(collective, rank, options.root), average)
+                            COLLECTIVE_TAG, _layout(collective, rank, options.root), average)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         options = call.options
@@ -215,7 +241,7 @@ class TransportMembership(Membership):
             buf = _concatenate(call.inputs)
             if layout == "exchange":
                 recvbuf = np.empty(blocks.total, plan.dtype)
-        run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.channel, stamp,
+        run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
                  prepared.combine, options.timeout, options.collective.value)
         if layout == "gather":
             _scatter_blocks(buf, blocks, call.outputs)

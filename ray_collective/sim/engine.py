@@ -10,7 +10,7 @@ looked at in a superstep, which keeps 4096 ranks cheap.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from ..transport.local import LocalFabric
 
 
 def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen]],
-                 channel: Hashable, stamps: Sequence[CallStamp],
+                 tag: int, stamps: Sequence[CallStamp],
                  combine: Optional[Callable[[np.ndarray, np.ndarray], None]],
                  max_supersteps: int = 1_000_000) -> int:
     """Run one algorithm generator per rank (None: the rank takes no part) to completion.
@@ -31,7 +31,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
     Args:
         fabric: a ``LocalFabric`` created with ``deferred=True``.
         algorithms: one generator per rank.
-        channel: the channel every message uses.
+        tag: the tag every message uses.
         stamps: the header each rank posts and expects.
         combine: the reduction used by ``Recv(reduce=True)``.
         max_supersteps: a bound that turns a livelock into an error.
@@ -59,7 +59,7 @@ def run_lockstep(fabric: LocalFabric, algorithms: Sequence[Optional[AlgorithmGen
             pending.pop(rank, None)
             waiting_on.pop(rank, None)
             return
-        pending[rank] = post_round(transports[rank], round_, channel, stamps[rank], combine)
+        pending[rank] = post_round(transports[rank], round_, tag, stamps[rank], combine)
         waiting_on[rank] = [op.peer for op in round_ if isinstance(op, Recv)]
 
     for rank, algorithm in enumerate(algorithms):

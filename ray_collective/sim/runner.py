@@ -19,7 +19,7 @@ from ..algorithms.catalog import flat_choice, start
 from ..algorithms.core import Blocks, Context, Cost, Team
 from ..algorithms.selector import forced_algorithms, select
 from ..tensors import combiner
-from ..transport.base import COLLECTIVE_CHANNEL
+from ..transport.base import COLLECTIVE_TAG
 from ..transport.wire import CallHeader, CallStamp
 from ..transport.local import LocalFabric
 from ..types import ReduceOp
@@ -143,7 +143,7 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
     started = time.perf_counter()
     generators = [start(chosen, Team.world(ranks, rank), ctx, bufs[rank], blocks, root,
                         recvbufs[rank]) for rank in range(ranks)]
-    rounds = run_lockstep(fabric, generators, COLLECTIVE_CHANNEL, [stamp] * ranks, combine)
+    rounds = run_lockstep(fabric, generators, COLLECTIVE_TAG, [stamp] * ranks, combine)
     seconds = time.perf_counter() - started
     if check:
         _check(collective, inputs, bufs, recvbufs, blocks, root, op, wire)

@@ -6,27 +6,24 @@ checks the header on arrival: every message carries the call's header (a
 algorithm's step, and a receiver whose expectation differs raises
 :class:`~ray_collective.errors.CollectiveMismatchError` instead of hanging or reading garbage.
 
-Matching: messages between two ranks on one channel are delivered in posting order (MPI's
-non-overtaking rule). Collectives use the channel ``COLLECTIVE_CHANNEL``; a call that is a
+Matching: messages between two ranks with one tag are delivered in posting order (MPI's
+non-overtaking rule). Collectives use the tag ``COLLECTIVE_TAG`` (-1); a call that is a
 sequence number ahead on one rank therefore shows up as a mismatch of ``seq``, not as a hang.
-Point-to-point calls use one channel per tag, ``p2p_channel(tag)``.
+Point-to-point calls use their own tag (>= 0). Every transport matches with the one matcher of
+the wire protocol, :class:`~ray_collective.transport.wire.Inbox`; a posted receive is a
+:class:`~ray_collective.transport.wire.Receive`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Hashable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .wire import CallStamp
+from .wire import COLLECTIVE_TAG, CallStamp
 
-COLLECTIVE_CHANNEL = ("coll",)
-
-
-def p2p_channel(tag: int) -> Tuple[str, int]:
-    """The channel of point-to-point messages with ``tag``."""
-    return ("p2p", tag)
+__all__ = ["COLLECTIVE_TAG", "Request", "SendRequest", "Transport"]
 
 
 class Request(ABC):
@@ -46,39 +43,24 @@ class SendRequest(Request):
         self.done = done
 
 
-class RecvRequest(Request):
-    """A posted receive: where its message comes from (``key``) and what it must look like."""
-
-    __slots__ = ("peer", "done", "key", "stamp", "step", "out", "combine")
-
-    def __init__(self, peer: int, key: Hashable, stamp: CallStamp, step: int, out: np.ndarray,
-                 combine: Optional[Callable[[np.ndarray, np.ndarray], None]]):
-        self.peer = peer
-        self.done = False
-        self.key = key
-        self.stamp = stamp
-        self.step = step
-        self.out = out
-        self.combine = combine
-
-
 class Transport(ABC):
     """Moves flat buffers between the ranks of one group.
 
-    Implementations: ``transport.local`` (ranks in one process: unit tests, the simulator) and,
-    with the Ray backend, shared memory and Ray actor tasks.
+    Implementations: ``transport.local`` (ranks in one process: unit tests, the simulator) and
+    ``transport.link_transport`` (the ``ray`` backend: sockets and shared memory on a node,
+    streams or post offices between nodes).
     """
 
     rank: int
     world_size: int
 
     @abstractmethod
-    def isend(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
+    def isend(self, peer: int, tag: int, stamp: CallStamp, step: int,
               data: np.ndarray) -> Request:
         """Post a send of ``data`` to ``peer``; complete once ``data`` may be reused."""
 
     @abstractmethod
-    def irecv(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
+    def irecv(self, peer: int, tag: int, stamp: CallStamp, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
         """Post a receive from ``peer`` into ``out`` (combined into it when ``combine`` is given).

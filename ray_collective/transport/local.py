@@ -1,49 +1,50 @@
-"""The in-process transport: N ranks of one group inside one Python process.
+"""The in-process carrier: N ranks of one group inside one Python process.
 
-A :class:`LocalFabric` holds one FIFO mailbox per (source, destination, channel); each rank
-talks to it through its own :class:`LocalTransport`. Sends are eager (the payload is copied
-into the mailbox, so the send completes at once); a receive completes when its message is at
-the head of its mailbox, after the header check.
+A :class:`LocalFabric` connects the ranks; each talks to it through its own
+:class:`LocalTransport`, whose receiving side is the wire protocol's
+:class:`~ray_collective.transport.wire.Inbox` -- the same matcher and header checks the
+``ray`` backend runs, so the API tests, the thread-based contract bindings and the simulator
+exercise the real matching. A send hands the receiver's inbox one part holding a copy of the
+payload (so it completes at once); a receive completes once its part has been matched.
 
 Two ways to run it:
-- threads, one per rank, blocking in :meth:`LocalTransport.wait` (the API-level tests);
-- cooperatively, with ``deferred=True``: messages posted during a superstep become visible
-  only after :meth:`LocalFabric.flush`, which is how the simulator measures rounds.
+- threads, one per rank, blocking in :meth:`LocalTransport.wait` (the API-level tests); every
+  inbox is then touched under the fabric's lock;
+- cooperatively, with ``deferred=True``: parts sent during a superstep reach their inbox only
+  at :meth:`LocalFabric.flush`, which is how the simulator measures rounds.
 With ``move_data=False`` payloads are not copied at all (the simulator's zero-memory mode for
-thousands of ranks with large buffers); only sizes and headers travel.
+thousands of ranks with large buffers): parts carry their sizes and headers, not their bytes
+(``wire.SIZES_ONLY``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict, deque
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import GroupBrokenError
-from .base import RecvRequest, Request, SendRequest, Transport
-from .wire import CallStamp, mismatch
+from .base import Request, SendRequest, Transport
+from .wire import INLINE, SIZES_ONLY, CallStamp, Inbox, Part, Receive
 
 
-class _Message:
-    __slots__ = ("stamp", "step", "payload", "count")
+def _no_segments(part: Part) -> np.ndarray:
+    raise ValueError("the in-process carrier has no shared-memory segments")
 
-    def __init__(self, stamp: CallStamp, step: int, payload: Optional[np.ndarray], count: int):
-        self.stamp = stamp
-        self.step = step
-        self.payload = payload
-        self.count = count
+
+def _nothing_to_release(part: Part) -> None:
+    return None
 
 
 class LocalFabric:
-    """The shared mailboxes of one in-process group.
+    """What connects the ranks of one in-process group.
 
     Args:
         world_size: number of ranks.
         group_name: the group's name, for error messages.
-        deferred: hold posted messages until :meth:`flush` (cooperative, superstep mode).
+        deferred: hold sent parts until :meth:`flush` (cooperative, superstep mode).
         move_data: copy payloads; False moves only sizes and headers.
         node_of: an optional pretend node of every rank, for counting inter-node messages.
 
@@ -62,8 +63,9 @@ class LocalFabric:
         self.elements_sent = [0] * world_size
         self.inter_node_messages = [0] * world_size
         self.node_of = tuple(node_of) if node_of is not None else None
-        self._mailboxes: Dict[Tuple[int, int, Hashable], deque] = defaultdict(deque)
-        self._staged: List[Tuple[Tuple[int, int, Hashable], _Message]] = []
+        self.inboxes = [Inbox(rank, _no_segments, _nothing_to_release)
+                        for rank in range(world_size)]
+        self._staged: List[Tuple[int, Tuple[int, int], Part]] = []
         self._cond = threading.Condition()
         self._broken: Optional[BaseException] = None
         self._started_seq = [-1] * world_size
@@ -75,24 +77,23 @@ class LocalFabric:
         return LocalTransport(self, rank)
 
     def flush(self) -> set:
-        """Make the messages staged in deferred mode visible; returns the ranks that got mail."""
+        """Hand the parts staged in deferred mode to their inboxes; returns the ranks that got
+        mail."""
         staged, self._staged = self._staged, []
-        receivers = set()
-        for key, message in staged:
-            self._mailboxes[key].append(message)
-            receivers.add(key[1])
-        return receivers
+        for receiver, key, part in staged:
+            self.inboxes[receiver].arrive(key, part)
+        return {receiver for receiver, _, _ in staged}
 
     def pending_messages(self) -> int:
-        """Messages posted but not yet received (stale messages left by a failed call)."""
-        return sum(len(box) for box in self._mailboxes.values()) + len(self._staged)
+        """Parts sent but not yet received (stale messages left by a failed call)."""
+        return sum(inbox.unexpected_parts() for inbox in self.inboxes) + len(self._staged)
 
-    def _post(self, key, message: _Message) -> None:
+    def _post(self, receiver: int, key: Tuple[int, int], part: Part) -> None:
         if self.deferred:
-            self._staged.append((key, message))
+            self._staged.append((receiver, key, part))
             return
         with self._cond:
-            self._mailboxes[key].append(message)
+            self.inboxes[receiver].arrive(key, part)
             self._cond.notify_all()
 
     def _abort(self, error: BaseException) -> None:
@@ -109,41 +110,48 @@ class LocalTransport(Transport):
         self.fabric = fabric
         self.rank = rank
         self.world_size = fabric.world_size
+        self._inbox = fabric.inboxes[rank]
 
-    def isend(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
+    def isend(self, peer: int, tag: int, stamp: CallStamp, step: int,
               data: np.ndarray) -> Request:
         fabric = self.fabric
-        payload = data.copy() if fabric.move_data else None
+        nbytes = data.nbytes
+        if fabric.move_data:
+            segment, payload = INLINE, data.tobytes()
+        else:
+            segment, payload = SIZES_ONLY, None
         fabric.messages_sent[self.rank] += 1
         fabric.elements_sent[self.rank] += len(data)
         if fabric.node_of is not None and fabric.node_of[peer] != fabric.node_of[self.rank]:
             fabric.inter_node_messages[self.rank] += 1
-        fabric._post((self.rank, peer, channel), _Message(stamp, step, payload, len(data)))
+        part = Part(step, len(data), nbytes, 0, nbytes, segment, 0, stamp.packed, payload, None)
+        fabric._post(peer, (self.rank, tag), part)
         return SendRequest(peer, done=True)
 
-    def irecv(self, peer: int, channel: Hashable, stamp: CallStamp, step: int,
+    def irecv(self, peer: int, tag: int, stamp: CallStamp, step: int,
               out: np.ndarray,
               combine: Optional[Callable[[np.ndarray, np.ndarray], None]] = None) -> Request:
-        return RecvRequest(peer, (peer, self.rank, channel), stamp, step, out, combine)
+        receive = Receive(peer, stamp, step, out, combine)
+        if self.fabric.deferred:
+            self._inbox.post((peer, tag), receive)
+        else:
+            with self.fabric._cond:
+                self._inbox.post((peer, tag), receive)
+        return receive
 
     def test(self, request: Request) -> bool:
-        if request.done:
-            return True
-        box = self.fabric._mailboxes.get(request.key)
-        if not box:
-            return False
-        message = box.popleft()
-        if (message.stamp.packed != request.stamp.packed or message.step != request.step
-                or message.count != len(request.out)):
-            raise mismatch(self.rank, request.peer, request.stamp, request.step,
-                           len(request.out), message.stamp.packed, message.step, message.count)
-        if message.payload is not None:
-            if request.combine is None:
-                request.out[...] = message.payload
-            else:
-                request.combine(request.out, message.payload)
-        request.done = True
-        return True
+        if not request.done:
+            self._raise_mismatch([request])
+        return request.done
+
+    def _raise_mismatch(self, requests: Sequence[Request]) -> None:
+        """Raise the inbox's mismatch, once: the failed call's receives are forgotten, so
+        that a later call on this transport starts clean."""
+        error = self._inbox.error
+        if error is not None:
+            self._inbox.error = None
+            self._inbox.drop([r for r in requests if not r.done])
+            raise error
 
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
         fabric = self.fabric
@@ -151,7 +159,8 @@ class LocalTransport(Transport):
             while True:
                 if fabric._broken is not None:
                     raise GroupBrokenError(fabric.group_name, self.rank, fabric._broken)
-                pending = [r for r in requests if not self.test(r)]
+                self._raise_mismatch(requests)
+                pending = [r for r in requests if not r.done]
                 if not pending:
                     return ()
                 remaining = deadline - time.monotonic()
@@ -162,6 +171,17 @@ class LocalTransport(Transport):
     def arrive(self, stamp: CallStamp) -> None:
         started = self.fabric._started_seq
         started[self.rank] = max(started[self.rank], stamp.seq)
+        if self.fabric.deferred:
+            self._inbox.begin(stamp)
+        else:
+            with self.fabric._cond:
+                self._inbox.begin(stamp)
+
+    def complete(self, stamp: CallStamp) -> None:
+        # A mismatch found on a part that arrived while no receive waited (another thread
+        # delivered it) belongs to this call, even if its rounds completed without a wait.
+        with self.fabric._cond:
+            self._raise_mismatch(())
 
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         return [rank for rank, started in enumerate(self.fabric._started_seq) if started < seq]

@@ -51,7 +51,8 @@ class NodeState:
         self.group_name = group_name
         self.world_size = world_size
         size = 8 * (_HEAD + 2 * world_size)
-        fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                     0o600)
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)

@@ -57,6 +57,17 @@ class _Segment:
         os.close(self.fd)
 
 
+MEMFD_NAME_BYTES = 249
+"""The longest name ``memfd_create`` takes (longer ones fail with EINVAL)."""
+
+
+def memfd_name(name: str) -> str:
+    """``name`` as ``memfd_create`` takes it: no NUL, at most ``MEMFD_NAME_BYTES`` bytes of
+    UTF-8 (cut at a character's boundary)."""
+    encoded = name.replace("\0", "?").encode("utf-8", "replace")[:MEMFD_NAME_BYTES]
+    return encoded.decode("utf-8", "ignore")
+
+
 def _unmap(segment: mmap.mmap) -> None:
     try:
         segment.close()
@@ -68,11 +79,12 @@ class SendArena:
     """One sender's shared memory for large payloads.
 
     Args:
-        name: a name for the segments (shows in ``/proc/PID/maps``; not a file).
+        name: a name for the segments (shows in ``/proc/PID/maps``; not a file); cut to
+            ``MEMFD_NAME_BYTES`` bytes, a NUL shown as ``?``.
     """
 
     def __init__(self, name: str):
-        self.name = name
+        self.name = memfd_name(name)
         self._next_id = 0
         self._current: Optional[_Segment] = None
         self._draining: Dict[int, _Segment] = {}

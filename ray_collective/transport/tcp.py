@@ -10,30 +10,19 @@ by the kernel with the frame and call header, no copy) and reduced or copied by 
 while the next part is on its way.
 
 Before any frame is read, both ends prove that they know the group's incarnation key, without
-sending it (a challenge-response with HMAC-SHA256):
+sending it (``transport.handshake``). An accepting end reads exactly the handshake's bytes before
+it decides, so nothing a connection that fails sent afterwards is ever read; it is closed and
+counted by the caller. Nothing from a peer is unpickled: frames are fixed binary structs and raw
+payload bytes.
 
-1. the accepting end sends ``CHALLENGE`` (a magic and its 16-byte random nonce);
-2. the connecting end answers ``RESPONSE``: its rank, its own nonce and
-   ``HMAC(key, "connect" | both nonces | both ranks)``;
-3. the accepting end checks it (``hmac.compare_digest``) and sends ``PROOF``:
-   ``HMAC(key, "accept" | both nonces | both ranks)``; the connecting end checks it before it
-   sends anything of the group's.
-
-An accepting end reads exactly the ``RESPONSE``'s bytes before it decides, so nothing a
-connection that fails sent afterwards is ever read; it is closed and counted by the caller.
-Nothing from a peer is unpickled: frames are fixed binary structs and raw payload bytes.
-
-A :class:`StreamLink` is sans-policy: it reads and writes without blocking and reports what it
-saw (frames, the end of the stream, a failed handshake); the transport decides what a closed
-stream means (a dead peer).
+A :class:`Stream` is sans-policy: it reads and writes without blocking and reports what it saw
+(frames, the end of the stream, a failed handshake); the stream carrier
+(``transport.stream_carrier``) decides what a closed stream means (a dead peer).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
-import os
 import socket
 import struct
 import time
@@ -43,6 +32,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 import numpy as np
 
 from . import uds, wire
+from .handshake import Handshake, HandshakeError
 
 STREAM_PART_BYTES = 256 << 10
 """A large payload travels in parts of this many bytes: the receiver reduces one part while
@@ -62,14 +52,6 @@ LARGE_PAYLOAD_BYTES = 64 << 10
 """From this size on, a payload whose receive is waiting is read straight into the receive's
 buffer (see ``StreamLink.placer``), and one kept for a later receive takes the stream's buffer
 with it; a smaller one is copied either way (cheaper than a system call or a new buffer)."""
-NONCE_BYTES = 16
-MAC_BYTES = hashlib.sha256().digest_size
-MAGIC = b"RCS1"
-CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
-RESPONSE = struct.Struct(f"<i{NONCE_BYTES}s{MAC_BYTES}s")
-PROOF = struct.Struct(f"<{MAC_BYTES}s")
-_RANKS = struct.Struct("<ii")
-
 SOCKET_BUFFER = 4 << 20
 
 READ_BUDGET_BYTES = 4 * STREAM_PART_BYTES
@@ -84,30 +66,6 @@ HANDSHAKE_TIMEOUT_S = 10.0
 def _buffer(nbytes: int) -> np.ndarray:
     """Receive memory, not zeroed (the kernel writes it before anything reads it)."""
     return np.empty(nbytes, np.uint8)
-
-
-class HandshakeError(ConnectionError):
-    """The other end of a stream did not prove knowledge of the group's key."""
-
-
-def handshake_mac(key: bytes, role: bytes, accept_nonce: bytes, connect_nonce: bytes,
-                  connecting_rank: int, accepting_rank: int) -> bytes:
-    """The HMAC one end of a handshake presents.
-
-    Args:
-        key: the group's incarnation key.
-        role: ``b"connect"`` or ``b"accept"`` (so that one end's answer never serves the other).
-        accept_nonce: the accepting end's nonce.
-        connect_nonce: the connecting end's nonce.
-        connecting_rank: the rank that connected.
-        accepting_rank: the rank that accepted.
-
-    Returns:
-        32 bytes of HMAC-SHA256.
-    """
-    message = (b"ray_collective stream " + role + accept_nonce + connect_nonce
-               + _RANKS.pack(connecting_rank, accepting_rank))
-    return hmac.new(key, message, hashlib.sha256).digest()
 
 
 def listen(host: str, backlog: int) -> socket.socket:
@@ -132,11 +90,11 @@ def _tune(sock: socket.socket) -> None:
 
 
 def connect(host: str, port: int, rank: int, peer: int, key: bytes,
-            timeout: float) -> "StreamLink":
+            timeout: float) -> "Stream":
     """Open a stream to rank ``peer`` listening at (``host``, ``port``), as rank ``rank``.
 
     The TCP connection is made now (the peer's kernel accepts it without the peer's help); the
-    handshake goes on as the link is read (:meth:`StreamLink.receive`), and what is sent waits
+    handshake goes on as the stream is read (:meth:`Stream.receive`), and what is sent waits
     for it.
 
     Raises:
@@ -149,15 +107,15 @@ def connect(host: str, port: int, rank: int, peer: int, key: bytes,
     except BaseException:
         sock.close()
         raise
-    return StreamLink(sock, rank, key, peer=peer)
+    return Stream(sock, Handshake(rank, key, peer))
 
 
-def accepted(sock: socket.socket, rank: int, key: bytes) -> "StreamLink":
+def accepted(sock: socket.socket, rank: int, key: bytes) -> "Stream":
     """Wrap a socket returned by ``accept``: its challenge leaves now; the peer is known once
     its response proves the key."""
     _tune(sock)
     sock.setblocking(False)
-    return StreamLink(sock, rank, key)
+    return Stream(sock, Handshake(rank, key))
 
 
 def control_frame(body: bytes) -> list:
@@ -192,15 +150,50 @@ def frame_pieces(step: int, tag: int, count: int, header: bytes, payload: np.nda
             return frames
 
 
-class StreamLink:
+def write_frames(sock: socket.socket, outbox: Deque[Tuple[list, object]]) -> bool:
+    """Write the frames of ``outbox`` (each a list of pieces, with its request) to ``sock`` until
+    the kernel is full; a frame the kernel took in part keeps its rest at the front, and a
+    frame wholly written completes its request.
+
+    Returns:
+        False when the other end is gone (the outbox is then cleared), True otherwise.
+    """
+    while outbox:
+        pieces, request = outbox[0]
+        try:
+            sent = sock.sendmsg(pieces)
+        except BlockingIOError:
+            return True
+        except OSError as err:
+            if err.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ETIMEDOUT):
+                outbox.clear()
+                return False
+            raise
+        while sent:
+            first = pieces[0]
+            if len(first) <= sent:
+                sent -= len(first)
+                del pieces[0]
+            else:
+                pieces[0] = memoryview(first)[sent:]
+                sent = 0
+        while pieces and not len(pieces[0]):
+            del pieces[0]
+        if pieces:
+            continue
+        outbox.popleft()
+        if request is not None:
+            request.done = True
+    return True
+
+
+class Stream:
     """One end of an authenticated stream: frames out (queued while the kernel is full) and in.
 
     Args:
         sock: a connected nonblocking stream socket.
-        rank: this end's rank.
-        key: the group's incarnation key.
-        peer: the rank this end connected to; None for an accepted connection (its rank is
-            known once its response proves the key).
+        handshake: this end's side of the handshake (it knows the rank connected to, or that
+            this end accepted and learns the peer's rank from its response).
 
     Attributes:
         peer: the rank at the other end (-1 until an accepted connection proves the key).
@@ -218,20 +211,17 @@ class StreamLink:
             nothing more then.
     """
 
-    def __init__(self, sock: socket.socket, rank: int, key: bytes, peer: Optional[int] = None):
+    def __init__(self, sock: socket.socket, handshake: Handshake):
         self.sock = sock
         self.fd = sock.fileno()
-        self.rank = rank
-        self.peer = -1 if peer is None else peer
+        self.rank = handshake.rank
+        self.peer = handshake.peer
         self.open = False
         self.closed = False
         self.unwritable = False
         self.refused = False
         self.opened_at = time.monotonic()
-        self._key = key
-        self._connecting = peer is not None
-        self._accept_nonce = b""
-        self._connect_nonce = b""
+        self._handshake = handshake
         self._buffer = _buffer(SMALL_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -242,9 +232,9 @@ class StreamLink:
         self._placing: Optional[Tuple[bytes, memoryview, int]] = None
         self._asked = False  # whether placer was asked about the frame at _start
         self.drained = False
-        if not self._connecting:
-            self._accept_nonce = os.urandom(NONCE_BYTES)
-            self._write_handshake(CHALLENGE.pack(MAGIC, self._accept_nonce))
+        opening = handshake.opening()
+        if opening is not None:
+            self._write_handshake(opening)
 
     @property
     def backlogged(self) -> bool:
@@ -262,35 +252,9 @@ class StreamLink:
 
     def flush(self) -> None:
         """Hand queued frames to the kernel until it is full."""
-        outbox = self._outbox
-        while outbox and self.open and not (self.closed or self.unwritable):
-            pieces, request = outbox[0]
-            try:
-                sent = self.sock.sendmsg(pieces)
-            except BlockingIOError:
-                return
-            except OSError as err:
-                if err.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN,
-                                 errno.ETIMEDOUT):
-                    self.unwritable = True
-                    outbox.clear()
-                    return
-                raise
-            while sent:
-                first = pieces[0]
-                if len(first) <= sent:
-                    sent -= len(first)
-                    del pieces[0]
-                else:
-                    pieces[0] = memoryview(first)[sent:]
-                    sent = 0
-            while pieces and not len(pieces[0]):
-                del pieces[0]
-            if pieces:
-                continue
-            outbox.popleft()
-            if request is not None:
-                request.done = True
+        if self.open and not (self.closed or self.unwritable) and not write_frames(
+                self.sock, self._outbox):
+            self.unwritable = True
 
     # ---------------------------------------------------------------- receiving
 
@@ -467,48 +431,23 @@ class StreamLink:
 
     def _handshake_step(self) -> bool:
         """Advance the handshake by one message; whether it moved."""
-        if not self._connecting:
-            response = self._read_exact(RESPONSE.size)
-            if response is None:
-                return False
-            peer, self._connect_nonce, mac = RESPONSE.unpack(response)
-            expected = handshake_mac(self._key, b"connect", self._accept_nonce,
-                                     self._connect_nonce, peer, self.rank)
-            if not hmac.compare_digest(mac, expected) or peer < 0:
-                self._refuse()
-            self.peer = peer
-            self._write_handshake(PROOF.pack(handshake_mac(
-                self._key, b"accept", self._accept_nonce, self._connect_nonce, peer, self.rank)))
-            self.open = not self.closed
-            return True
-        if not self._accept_nonce:
-            challenge = self._read_exact(CHALLENGE.size)
-            if challenge is None:
-                return False
-            magic, self._accept_nonce = CHALLENGE.unpack(challenge)
-            if magic != MAGIC:
-                self._refuse()
-            self._connect_nonce = os.urandom(NONCE_BYTES)
-            self._write_handshake(RESPONSE.pack(self.rank, self._connect_nonce, handshake_mac(
-                self._key, b"connect", self._accept_nonce, self._connect_nonce, self.rank,
-                self.peer)))
-            return True
-        proof = self._read_exact(PROOF.size)
-        if proof is None:
+        handshake = self._handshake
+        message = self._read_exact(handshake.expected_bytes())
+        if message is None:
             return False
-        expected = handshake_mac(self._key, b"accept", self._accept_nonce, self._connect_nonce,
-                                 self.rank, self.peer)
-        if not hmac.compare_digest(PROOF.unpack(proof)[0], expected):
-            self._refuse()
-        self.open = True
-        self.flush()
+        try:
+            reply = handshake.receive(message)
+        except HandshakeError:
+            self.refused = True
+            self.close()
+            raise
+        self.peer = handshake.peer
+        if reply is not None:
+            self._write_handshake(reply)
+        if handshake.done:
+            self.open = not self.closed
+            self.flush()
         return True
-
-    def _refuse(self) -> None:
-        self.refused = True
-        self.close()
-        raise HandshakeError(f"rank {self.rank}: a stream's other end did not prove the "
-                             f"group's key; it was closed")
 
     def _write_handshake(self, message: bytes) -> None:
         # A handshake message is the first thing on a fresh stream: it fits the kernel's

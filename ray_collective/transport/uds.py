@@ -1,5 +1,5 @@
-"""Unix-socket links between the processes of one node: packets out and in, and messages cut
-into the parts the wire protocol (``transport.wire``) defines.
+"""Unix-socket connections between the processes of one node: packets out and in, and messages
+cut into the parts the wire protocol (``transport.wire``) defines.
 
 Each sender opens one ``SOCK_SEQPACKET`` connection to each local peer it sends to (the peer
 listens on ``<group dir>/<rank>.sock``, in a 0700 directory). Sequenced packets keep message
@@ -10,8 +10,8 @@ concatenated or allocated per message.
 
 A large payload is copied, part by part, into the sender's shared memory (``transport.shm``),
 and each part's frame names its place there; the segment's file descriptor travels with the
-first frame that uses it on a link (``SCM_RIGHTS``). The receiver reads each part straight from
-the sender's memory, then sends a RELEASE back on the same connection.
+first frame that uses it on a connection (``SCM_RIGHTS``). The receiver reads each part straight
+from the sender's memory, then sends a RELEASE back on the same connection.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import socket
 import struct
 from collections import deque
-from typing import Deque, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,8 +64,9 @@ def enlarge_buffers(sock: socket.socket, nbytes: int = SOCKET_BUFFER) -> None:
             pass  # the system maximum applies; smaller buffers only mean more polling
 
 
-def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Link":
-    """Open a link to the rank listening at ``path``, introducing this end as ``sender``."""
+def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Connection":
+    """Open a connection to the rank listening at ``path``, introducing this end as
+    ``sender``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     enlarge_buffers(sock)
     sock.settimeout(timeout)
@@ -76,7 +77,7 @@ def connect(path: str, sender: int, group_key: bytes, timeout: float) -> "Link":
         sock.close()
         raise
     sock.setblocking(False)
-    return Link(sock)
+    return Connection(sock)
 
 
 def knock(path: str) -> None:
@@ -97,23 +98,24 @@ def knock(path: str) -> None:
         sock.close()
 
 
-def accepted(sock: socket.socket) -> "Link":
+def accepted(sock: socket.socket) -> "Connection":
     """Wrap a socket returned by ``accept`` (its peer is known once its HELLO is read)."""
     enlarge_buffers(sock)
     sock.setblocking(False)
-    return Link(sock)
+    return Connection(sock)
 
 
-class Link:
+class Connection:
     """One end of a connection: ordered packets out (queued while the kernel is full) and in.
 
     Attributes:
-        peer: the rank at the other end (-1 until its HELLO arrives on an accepted link).
+        peer: the rank at the other end (-1 until its HELLO arrives on an accepted connection).
         closed: nothing more will arrive: the other end hung up (after everything it sent was
             read), the connection failed, or this end closed it.
         unwritable: sending failed because the other end is gone; what it sent before can
             still be read, until ``closed``.
-        segments_sent: the shared-memory segments whose descriptor this link has carried.
+        segments_sent: the shared-memory segments whose descriptor this connection has
+            carried.
     """
 
     def __init__(self, sock: socket.socket):
@@ -217,17 +219,17 @@ def close_quietly(fd: int) -> None:
         pass
 
 
-def send_inline(link: Link, step: int, tag: int, count: int, header: bytes,
+def send_inline(connection: Connection, step: int, tag: int, count: int, header: bytes,
                 payload: np.ndarray, request) -> None:
     """Send a message of at most ``INLINE_LIMIT`` bytes as one packet, its payload inline;
     ``request.done`` turns true once it is out."""
     nbytes = payload.nbytes
     frame = wire.data_frame(step, tag, count, nbytes, 0, nbytes, wire.INLINE, 0, len(header))
-    link.send((frame, header, payload), None, request)
+    connection.send((frame, header, payload), None, request)
 
 
 class OutgoingMessage:
-    """A message on its way out through one link, sent part by part.
+    """A message on its way out through one connection, sent part by part.
 
     Small payloads leave at once as one inline packet. Large ones leave one part per
     :meth:`advance` (each copied into ``arena`` and announced by its frame), so that a driver
@@ -235,12 +237,13 @@ class OutgoingMessage:
     the last part is handed to the kernel.
     """
 
-    __slots__ = ("link", "arena", "reclaim", "step", "tag", "count", "header", "payload",
+    __slots__ = ("connection", "arena", "reclaim", "step", "tag", "count", "header", "payload",
                  "request", "sent", "part_bytes")
 
-    def __init__(self, link: Link, arena: SendArena, reclaim, step: int, tag: int, count: int,
-                 header: bytes, payload: np.ndarray, request, part_bytes: int = PART_BYTES):
-        self.link = link
+    def __init__(self, connection: Connection, arena: SendArena, reclaim, step: int, tag: int,
+                 count: int, header: bytes, payload: np.ndarray, request,
+                 part_bytes: int = PART_BYTES):
+        self.connection = connection
         self.arena = arena
         self.reclaim = reclaim
         self.step = step
@@ -254,10 +257,10 @@ class OutgoingMessage:
 
     def advance(self) -> bool:
         """Send the next part; returns True once the whole message is out of this object."""
-        payload, link = self.payload, self.link
+        payload, connection = self.payload, self.connection
         nbytes = payload.nbytes
         if nbytes <= INLINE_LIMIT:
-            send_inline(link, self.step, self.tag, self.count, self.header, payload,
+            send_inline(connection, self.step, self.tag, self.count, self.header, payload,
                         self.request)
             self.sent = nbytes
             return True
@@ -267,10 +270,68 @@ class OutgoingMessage:
         segment, fd, offset = self.arena.place(raw[start:stop], self.reclaim)
         frame = wire.data_frame(self.step, self.tag, self.count, nbytes, start, stop - start,
                                 segment, offset, len(self.header))
-        first_use = segment not in link.segments_sent
-        link.segments_sent.add(segment)
+        first_use = segment not in connection.segments_sent
+        connection.segments_sent.add(segment)
         self.sent = stop
         last = stop == nbytes
-        link.send((frame, self.header), fd if first_use else None,
+        connection.send((frame, self.header), fd if first_use else None,
                   self.request if last else None)
         return last
+
+
+class Deliveries:
+    """Moves messages into the connections of one node: a rank's own sends, or a post office's.
+
+    Messages to one connection leave in the order they were given, each whole before the next
+    (the receiver matches a message's parts in order); a large message leaves one part per call
+    of :meth:`advance`, so that its sender can read what arrives in between.
+
+    Args:
+        arena: the sender's shared memory for large parts.
+        reclaim: collects releases before the arena grows.
+        part_bytes: the size of a large message's parts.
+    """
+
+    def __init__(self, arena: SendArena, reclaim: Callable[[], None],
+                 part_bytes: int = PART_BYTES):
+        self.arena = arena
+        self.reclaim = reclaim
+        self.part_bytes = part_bytes
+        self._queues: Dict[Connection, Deque[OutgoingMessage]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether some message still has parts to send."""
+        return bool(self._queues)
+
+    def send(self, connection: Connection, step: int, tag: int, count: int, header: bytes,
+             payload: np.ndarray, request) -> None:
+        """Start sending ``payload`` on ``connection``: its first part leaves now unless the
+        connection is still sending an earlier message."""
+        queue = self._queues.get(connection)
+        if queue is None and payload.nbytes <= INLINE_LIMIT:
+            # A small message whose connection is idle leaves whole at once: the common case
+            # of small collectives, spared the bookkeeping of a message sent part by part.
+            send_inline(connection, step, tag, count, header, payload, request)
+            return
+        message = OutgoingMessage(connection, self.arena, self.reclaim, step, tag, count,
+                                  header, payload, request, self.part_bytes)
+        if queue is not None:
+            queue.append(message)
+        elif not message.advance():
+            self._queues[connection] = deque([message])
+
+    def advance(self) -> None:
+        """Send one more part of the first unfinished message of every connection."""
+        for connection, queue in list(self._queues.items()):
+            if connection.closed or connection.unwritable:
+                del self._queues[connection]
+                continue
+            if queue[0].advance():
+                queue.popleft()
+                if not queue:
+                    del self._queues[connection]
+
+    def drop(self, connection: Connection) -> None:
+        """Forget what was still to be sent on ``connection`` (it closed)."""
+        self._queues.pop(connection, None)

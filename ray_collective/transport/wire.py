@@ -1,15 +1,16 @@
 """The wire protocol between ranks, without I/O: call headers, frames, and matching.
 
 Everything two ranks say to each other is defined here, and nothing here touches a socket (the
-sans-I/O style of h11): the Unix-socket transport on a node (``transport.ray_transport``) and the
-post office that carries messages between nodes (``backends.post_office``) are drivers that feed
-it packets and send the frames it builds. Nothing from a peer is ever unpickled: frames are fixed
-binary structs, the call header a fixed binary encoding, payloads raw bytes.
+sans-I/O style of h11): the carriers (``transport.node_carrier``, ``transport.stream_carrier``,
+``transport.local``) and the post office that carries messages between nodes
+(``backends.post_office``) are drivers that feed it packets and send the frames it builds.
+Nothing from a peer is ever unpickled: frames are fixed binary structs, the call header a fixed
+binary encoding, payloads raw bytes.
 
 Frames, one per packet:
 
 - ``HELLO``: the first frame on a connection: the sender's rank and the group's 16-byte key.
-- ``DATA``: one *part* of a message: its step and channel tag, the whole message's element count
+- ``DATA``: one *part* of a message: its step and tag, the whole message's element count
   and byte size, the part's byte offset and size within the message, where the part's bytes are
   (inline, after the header, or at an offset of one of the sender's shared-memory segments), and
   the sender's packed call header. Small messages are one inline part; large ones are cut into
@@ -42,6 +43,9 @@ HELLO, DATA, RELEASE = 1, 2, 3
 ABORT = 4
 INLINE = -1
 """The segment number of a part whose bytes follow its header in the packet."""
+SIZES_ONLY = -2
+"""The segment number of a part that carries no bytes at all, only its sizes and header: the
+simulator's zero-memory mode (``transport.local`` with ``move_data=False``)."""
 
 COLLECTIVE_TAG = -1
 """The channel tag of collectives; point-to-point messages use their own tag (>= 0)."""
@@ -529,7 +533,7 @@ class Inbox:
         if difference is not None:
             self._fail(part, difference)
             return
-        if part.part_bytes and not part.placed:
+        if part.part_bytes and not part.placed and part.segment != SIZES_ONLY:
             target = self._target(receive, part)
             incoming = part.payload if part.payload is not None else self._read_segment(part)
             if len(incoming) != part.part_bytes:

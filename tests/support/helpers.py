@@ -1,10 +1,17 @@
 """What the tests share besides fixtures: reference results computed by numpy alone (with
 ``support.reference``), small integer inputs, the plain member actors the Ray tests form groups
-around (and how to run code inside them), and benchmarks run in a subprocess."""
+around (and how to run code inside them), acting while a transport waits, scripts and
+benchmarks run in a subprocess, and acting as another user (the security tests)."""
 
+import contextlib
+import errno
+import json
 import os
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -13,6 +20,7 @@ import ray_collective as col
 from support import reference
 from support.kinds import refuse_ray_subprocess
 from support.paths import REPO_DIR, python_path
+
 
 def numpy_reduce(arrays, op):
     """What an allreduce of ``arrays`` with ``op`` must give, computed by numpy on the stack."""
@@ -98,13 +106,14 @@ def act_while_waiting(transport, action):
         The thread (join it once the wait is over).
     """
     waiting = threading.Event()
-    poll = transport._progress
+    engine = transport.engine
+    poll = engine.progress
 
     def polled(*args, **kwargs):
         waiting.set()
         return poll(*args, **kwargs)
 
-    transport._progress = polled
+    engine.progress = polled
     thread = threading.Thread(target=lambda: waiting.wait(60) and action(), daemon=True)
     thread.start()
     return thread
@@ -127,3 +136,53 @@ def run_python(arguments, timeout):
     environment = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=python_path())
     return subprocess.run([sys.executable, *arguments], cwd=REPO_DIR, env=environment,
                           capture_output=True, text=True, timeout=timeout)
+
+
+NOBODY = 65534
+"""The uid and gid of the unprivileged user the security tests become (``nobody``)."""
+
+
+def attempts_as(uid, gid, attempts):
+    """Run each ``(label, function)`` of ``attempts`` in a child process that has dropped to
+    ``uid``/``gid``; returns ``{label: errno name or "allowed"}``."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        # Only system calls from here on: the parent has threads, so this child must not
+        # import or take locks they may have held.
+        outcome = {}
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            for label, attempt in attempts:
+                try:
+                    attempt()
+                    outcome[label] = "allowed"
+                except OSError as err:
+                    outcome[label] = errno.errorcode.get(err.errno, str(err.errno))
+            os.write(write_end, json.dumps(outcome).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 30)
+        assert ready, "the unprivileged child did not answer"
+        answer = os.read(read_end, 1 << 16)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    return json.loads(answer)
+
+
+@contextlib.contextmanager
+def writable_by_everyone():
+    """A fresh directory every user may make entries in, with the sticky bit (as /tmp): where
+    another user can plant what the library must refuse. Removed afterwards, whatever is in it."""
+    path = tempfile.mkdtemp(prefix="ray-collective-test-", dir="/tmp")
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

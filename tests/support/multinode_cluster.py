@@ -42,7 +42,8 @@ from ray.cluster_utils import Cluster
 import ray_collective as col
 from ray_collective.algorithms.selector import select
 from ray_collective.backends.ray_backend import CROSS_NODE_VARIABLE, POST_OFFICE_LOOKUP_S
-from ray_collective.transport import tcp
+from ray_collective.backends.key_value import NAMESPACE
+from ray_collective.transport import handshake, tcp
 from support.helpers import Member, group_keys, join, leave, numpy_reduce, rank_data, run_in
 from support.contract import check_every_collective, every_collective
 from support.paths import python_path
@@ -55,7 +56,6 @@ SMALL, LARGE = 7, 100_000
 KILLED_RANK = 3
 """The member rank_killed SIGKILLs (not a node's lowest rank: that one owns a post office)."""
 OBJECT_STORE_BYTES = 200 * 2**20
-NAMESPACE = "ray_collective"
 POST_OFFICE_PREFIX = "post-office-"
 EVERY_COLLECTIVE_CASES = [("int64", "SUM", SMALL), ("float64", "SUM", LARGE),
                           ("float32", "MAX", 30_000), ("int32", "PRODUCT", 1),
@@ -111,16 +111,17 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
         outputs[f"reduce-{length}"] = tensor
     backend = current_registry().get(group).membership
     transport = backend.transport
-    post_offices = transport.post_offices
-    streams = transport._streams
-    stream_nodes = {transport.peers[peer].node for peer in transport._stream_to}
+    post_offices = transport.failures.post_offices
+    carrier = transport.stream_carrier
+    streams = carrier.streams if carrier is not None else None
+    stream_nodes = {transport.peers[peer].node for peer in transport.failures.streamed}
     return {"outputs": outputs, "membership": type(backend).__name__,
             "node": ray.get_runtime_context().get_node_id(),
             "node_of": None if backend.node_of is None else list(backend.node_of),
             "streams": streams is not None,
             "stream_sockets": [] if streams is None else sorted(
                 [_inode(streams.listener.fileno())]
-                + [_inode(fd) for fd in transport._streams_by_fd]),
+                + [_inode(stream.fd) for stream in carrier.open_streams()]),
             "sent_to_nodes": sorted(stream_nodes if streams is not None
                                     else set(post_offices._handles) if post_offices is not None
                                     else ())}
@@ -271,7 +272,7 @@ def stranger_with_a_wrong_key(members: list, group: str) -> dict:
         while not stranger.closed and ray.wait(refs, num_returns=len(refs), timeout=0.01)[1]:
             try:
                 stranger.receive()
-            except tcp.HandshakeError:
+            except handshake.HandshakeError:
                 refused_by_stranger = True
         correct += ray.get(refs)
     stranger_closed = stranger.closed

@@ -40,7 +40,7 @@ from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTime
 from ...tensors import TensorView
 from ...types import Collective, ReduceOp
 from ..base import BackendFactory, GroupCall, Membership
-from .arguments import MultiGpuCall, device_of
+from .arguments import GpuArguments, MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
 from .library import NcclLibrary, load_library
@@ -65,7 +65,7 @@ class _Lane:
 
 
 @dataclass
-class _Plan:
+class _CallSteps:
     """What one call queues, in order, on the streams of its lanes.
 
     Attributes:
@@ -104,7 +104,6 @@ class NcclMembership(Membership):
     """
 
     accepts_gpu_tensors = True
-    multi_gpu = True
 
     def __init__(self, group_name: str, world_size: int, rank: int, devices: Sequence[int],
                  library: NcclLibrary, rendezvous: Rendezvous, options: NcclOptions,
@@ -142,6 +141,10 @@ class NcclMembership(Membership):
         # With one GPU per process the main clique is also the single-GPU clique.
         self._single: Dict[int, _Lane] = (
             {self.devices[0]: self._main[0]} if len(self.devices) == 1 else {})
+
+    def multi_gpu_arguments(self) -> GpuArguments:
+        """Checks of the ``*_multigpu`` calls' arguments against this process's GPUs."""
+        return GpuArguments(self.devices, self.group_name, self.world_size)
 
     def _lane(self, device: int, communicator: Any) -> _Lane:
         return _Lane(device, communicator, self._streams[device], self._done_events[device])
@@ -186,45 +189,45 @@ class NcclMembership(Membership):
         with self._lock:
             order = self._orders.pop(id(call), None)
         try:
-            plan = self._plan(call)
+            steps = self._steps(call)
             if order is None:
                 order = self._record_caller_order(call)
-            self._execute(call, plan, order)
+            self._execute(call, steps, order)
         finally:
             if order:
                 self._release(order)
 
-    def _execute(self, call: GroupCall, plan: _Plan, order: CallerOrder) -> None:
+    def _execute(self, call: GroupCall, steps: _CallSteps, order: CallerOrder) -> None:
         library = self._library
-        for lane in plan.lanes:
+        for lane in steps.lanes:
             if lane.device in order:
                 library.wait(lane.stream, order[lane.device][1])
         deadline = time.monotonic() + call.options.timeout
         self._watchdog.arm(deadline)
         try:
-            for step in plan.before:
+            for step in steps.before:
                 step()
-            self._launch(plan.launches)
-            for step in plan.after:
+            self._launch(steps.launches)
+            for step in steps.after:
                 step()
-            for lane in plan.lanes:
+            for lane in steps.lanes:
                 library.record(lane.done, lane.stream)
         except (library.nccl_error, library.cuda_error) as err:
             self._watchdog.disarm()
-            raise self._failure(call, plan, err) from err
+            raise self._failure(call, steps, err) from err
         if self._watchdog.disarm():
-            raise self._failure(call, plan, None)
-        for lane in plan.lanes:
+            raise self._failure(call, steps, None)
+        for lane in steps.lanes:
             if lane.device in order:
                 library.wait(order[lane.device][0], lane.done)
         try:
-            completed = wait_for_events(library, [lane.done for lane in plan.lanes],
-                                        [lane.communicator for lane in plan.lanes], deadline,
+            completed = wait_for_events(library, [lane.done for lane in steps.lanes],
+                                        [lane.communicator for lane in steps.lanes], deadline,
                                         self._options)
         except (library.nccl_error, library.cuda_error) as err:
-            raise self._failure(call, plan, err) from err
+            raise self._failure(call, steps, err) from err
         if not completed:
-            raise self._failure(call, plan, None)
+            raise self._failure(call, steps, None)
 
     def _launch(self, launches: Sequence[Callable[[], None]]) -> None:
         if len(launches) <= 1:
@@ -238,19 +241,20 @@ class NcclMembership(Membership):
         finally:
             self._library.group_end()
 
-    def _failure(self, call: GroupCall, plan: _Plan, error: Optional[BaseException]) -> Exception:
+    def _failure(self, call: GroupCall, steps: _CallSteps,
+                 error: Optional[BaseException]) -> Exception:
         """Abort the communicators and return the error the call raises."""
         timed_out = error is None or self._watchdog.expired
         self._abort_communicators()
         name, seq, rank = _call_name(call), call.seq, self.rank
         if timed_out:
-            return CollectiveTimeoutError(self.group_name, rank, name, seq, plan.peers,
+            return CollectiveTimeoutError(self.group_name, rank, name, seq, steps.peers,
                                           call.options.timeout)
         status = getattr(error, "status", None)
         if isinstance(error, self._library.nccl_error) and status not in (
                 _NCCL_INVALID_ARGUMENT, _NCCL_INVALID_USAGE):
             return PeerDiedError(
-                self.group_name, rank, name, seq, plan.peers,
+                self.group_name, rank, name, seq, steps.peers,
                 f"NCCL reported '{error}'; NCCL does not say which peer failed, so every rank "
                 f"this call needed is listed")
         return CollectiveError(
@@ -258,23 +262,23 @@ class NcclMembership(Membership):
             f"({type(error).__name__}: {error}). The communicators are aborted and the group "
             f"is broken: destroy it and create it again.")
 
-    # ------------------------------------------------------------ planning
+    # ------------------------------------------------------------ building the steps
 
-    def _plan(self, call: GroupCall) -> _Plan:
+    def _steps(self, call: GroupCall) -> _CallSteps:
         if isinstance(call, MultiGpuCall):
-            return self._plan_multigpu(call)
+            return self._steps_multigpu(call)
         collective = call.options.collective
         device = self._device_of_call(call)
         lane = self._single_lane(device, call)
         others = tuple(r for r in range(self.world_size) if r != self.rank)
         peers = (call.options.peer,) if collective in (Collective.SEND, Collective.RECV) \
             else others
-        plan = _Plan((lane,), peers)
+        steps = _CallSteps((lane,), peers)
         if collective is Collective.BARRIER:
-            self._plan_barrier(plan, lane)
+            self._add_barrier(steps, lane)
         else:
-            _SINGLE_PLANNERS[collective](self, plan, lane, call)
-        return plan
+            _SINGLE_PLANNERS[collective](self, steps, lane, call)
+        return steps
 
     def _device_of_call(self, call: GroupCall) -> int:
         # The API layer has checked that every tensor of a call shares the first one's kind
@@ -302,91 +306,92 @@ class NcclMembership(Membership):
     def _movement(self, view: TensorView) -> WireFormat:
         return movement_format(self._library, view.dtype_name, view.wire_dtype.itemsize)
 
-    def _plan_barrier(self, plan: _Plan, lane: _Lane) -> None:
+    def _add_barrier(self, steps: _CallSteps, lane: _Lane) -> None:
         # NCCL has no barrier: a one-byte allreduce completes only once every rank has joined.
         scratch = self._barrier_scratch.get(lane.device)
         if scratch is None:
             scratch = self._barrier_scratch[lane.device] = self._library.allocate(lane.device, 1)
         uint8, nccl_max = self._library.constant("NCCL_UINT8"), self._library.constant("NCCL_MAX")
-        plan.launches.append(functools.partial(lane.communicator.allReduce, scratch.ptr,
+        steps.launches.append(functools.partial(lane.communicator.allReduce, scratch.ptr,
                                                scratch.ptr, 1, uint8, nccl_max, lane.stream))
 
-    def _add_allreduce(self, plan: _Plan, lane: _Lane, view: TensorView, op: ReduceOp) -> None:
+    def _add_allreduce(self, steps: _CallSteps, lane: _Lane, view: TensorView,
+                       op: ReduceOp) -> None:
         fmt = self._reduction(view, op)
-        _add_launch(plan, view, lane.communicator.allReduce, self._ptr(view), self._ptr(view),
+        _add_launch(steps, view, lane.communicator.allReduce, self._ptr(view), self._ptr(view),
                     view.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream)
 
-    def _add_reduce(self, plan: _Plan, lane: _Lane, view: TensorView, op: ReduceOp,
+    def _add_reduce(self, steps: _CallSteps, lane: _Lane, view: TensorView, op: ReduceOp,
                     root: int) -> None:
         fmt = self._reduction(view, op)
-        _add_launch(plan, view, lane.communicator.reduce, self._ptr(view), self._ptr(view),
+        _add_launch(steps, view, lane.communicator.reduce, self._ptr(view), self._ptr(view),
                     view.count * fmt.per_element, fmt.datatype, fmt.op, root, lane.stream)
 
-    def _add_broadcast(self, plan: _Plan, lane: _Lane, view: TensorView, root: int) -> None:
+    def _add_broadcast(self, steps: _CallSteps, lane: _Lane, view: TensorView, root: int) -> None:
         fmt = self._movement(view)
-        _add_launch(plan, view, lane.communicator.broadcast, self._ptr(view), self._ptr(view),
+        _add_launch(steps, view, lane.communicator.broadcast, self._ptr(view), self._ptr(view),
                     view.count * fmt.per_element, fmt.datatype, root, lane.stream)
 
-    def _allreduce(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
-        self._add_allreduce(plan, lane, call.tensor, call.options.op)
+    def _allreduce(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
+        self._add_allreduce(steps, lane, call.tensor, call.options.op)
 
-    def _reduce(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
-        self._add_reduce(plan, lane, call.tensor, call.options.op, call.options.root)
+    def _reduce(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
+        self._add_reduce(steps, lane, call.tensor, call.options.op, call.options.root)
 
-    def _broadcast(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
-        self._add_broadcast(plan, lane, call.tensor, call.options.root)
+    def _broadcast(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
+        self._add_broadcast(steps, lane, call.tensor, call.options.root)
 
-    def _allgather(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
-        self._gather_through_scratch(plan, lane, call.tensor, call.outputs)
+    def _allgather(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
+        self._gather_through_scratch(steps, lane, call.tensor, call.outputs)
 
-    def _reducescatter(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
-        self._reduce_scatter_through_scratch(plan, lane, call.inputs, call.tensor,
+    def _reducescatter(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
+        self._reduce_scatter_through_scratch(steps, lane, call.inputs, call.tensor,
                                              call.options.op)
 
-    def _point_to_point(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+    def _point_to_point(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
         if call.options.collective is Collective.SEND:
-            self._add_send(plan, lane, call.tensor, call.options.peer)
+            self._add_send(steps, lane, call.tensor, call.options.peer)
         else:
-            self._add_recv(plan, lane, call.tensor, call.options.peer)
+            self._add_recv(steps, lane, call.tensor, call.options.peer)
 
-    def _gather(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+    def _gather(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
         view, root = call.tensor, call.options.root
         if self.rank != root:
-            self._add_send(plan, lane, view, root)
+            self._add_send(steps, lane, view, root)
             return
         for peer, output in enumerate(call.outputs):
             if peer == self.rank:
-                self._add_copy(plan.before, lane, output, view)
+                self._add_copy(steps.before, lane, output, view)
             else:
-                self._add_recv(plan, lane, output, peer)
+                self._add_recv(steps, lane, output, peer)
 
-    def _scatter(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+    def _scatter(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
         view, root = call.tensor, call.options.root
         if self.rank != root:
-            self._add_recv(plan, lane, view, root)
+            self._add_recv(steps, lane, view, root)
             return
         for peer, part in enumerate(call.inputs):
             if peer == self.rank:
-                self._add_copy(plan.before, lane, view, part)
+                self._add_copy(steps.before, lane, view, part)
             else:
-                self._add_send(plan, lane, part, peer)
+                self._add_send(steps, lane, part, peer)
 
-    def _alltoall(self, plan: _Plan, lane: _Lane, call: GroupCall) -> None:
+    def _alltoall(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
         for peer, (part, output) in enumerate(zip(call.inputs, call.outputs, strict=True)):
             if peer == self.rank:
-                self._add_copy(plan.before, lane, output, part)
+                self._add_copy(steps.before, lane, output, part)
             else:
-                self._add_send(plan, lane, part, peer)
-                self._add_recv(plan, lane, output, peer)
+                self._add_send(steps, lane, part, peer)
+                self._add_recv(steps, lane, output, peer)
 
-    def _add_send(self, plan: _Plan, lane: _Lane, view: TensorView, peer: int) -> None:
+    def _add_send(self, steps: _CallSteps, lane: _Lane, view: TensorView, peer: int) -> None:
         fmt = self._movement(view)
-        _add_launch(plan, view, lane.communicator.send, self._ptr(view),
+        _add_launch(steps, view, lane.communicator.send, self._ptr(view),
                     view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
 
-    def _add_recv(self, plan: _Plan, lane: _Lane, view: TensorView, peer: int) -> None:
+    def _add_recv(self, steps: _CallSteps, lane: _Lane, view: TensorView, peer: int) -> None:
         fmt = self._movement(view)
-        _add_launch(plan, view, lane.communicator.recv, self._ptr(view),
+        _add_launch(steps, view, lane.communicator.recv, self._ptr(view),
                     view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
 
     def _add_copy(self, steps: List[Callable[[], None]], lane: _Lane, destination: TensorView,
@@ -396,22 +401,22 @@ class NcclMembership(Membership):
             steps.append(functools.partial(self._library.copy, self._ptr(destination),
                                            self._ptr(source), nbytes, lane.stream))
 
-    def _gather_through_scratch(self, plan: _Plan, lane: _Lane, source: TensorView,
+    def _gather_through_scratch(self, steps: _CallSteps, lane: _Lane, source: TensorView,
                                 outputs: Sequence[TensorView]) -> None:
         nbytes = _nbytes(source)
         if not nbytes:
             return
         fmt = self._movement(source)
         scratch = self._library.allocate(lane.device, nbytes * len(outputs))
-        plan.scratch.append(scratch)
-        plan.launches.append(functools.partial(
+        steps.scratch.append(scratch)
+        steps.launches.append(functools.partial(
             lane.communicator.allGather, self._ptr(source), scratch.ptr,
             source.count * fmt.per_element, fmt.datatype, lane.stream))
         for i, output in enumerate(outputs):
-            plan.after.append(functools.partial(self._library.copy, self._ptr(output),
+            steps.after.append(functools.partial(self._library.copy, self._ptr(output),
                                                 scratch.ptr + i * nbytes, nbytes, lane.stream))
 
-    def _reduce_scatter_through_scratch(self, plan: _Plan, lane: _Lane,
+    def _reduce_scatter_through_scratch(self, steps: _CallSteps, lane: _Lane,
                                         inputs: Sequence[TensorView], output: TensorView,
                                         op: ReduceOp) -> None:
         nbytes = _nbytes(output)
@@ -419,50 +424,50 @@ class NcclMembership(Membership):
         if not nbytes:
             return
         scratch = self._library.allocate(lane.device, nbytes * len(inputs))
-        plan.scratch.append(scratch)
+        steps.scratch.append(scratch)
         for i, part in enumerate(inputs):
-            plan.before.append(functools.partial(self._library.copy, scratch.ptr + i * nbytes,
+            steps.before.append(functools.partial(self._library.copy, scratch.ptr + i * nbytes,
                                                  self._ptr(part), nbytes, lane.stream))
-        plan.launches.append(functools.partial(
+        steps.launches.append(functools.partial(
             lane.communicator.reduceScatter, scratch.ptr, self._ptr(output),
             output.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream))
 
     def _ptr(self, view: TensorView) -> int:
         return self._library.pointer(view)
 
-    # ------------------------------------------------------------ multi-GPU planning
+    # ------------------------------------------------------------ multi-GPU steps
 
-    def _plan_multigpu(self, call: MultiGpuCall) -> _Plan:
+    def _steps_multigpu(self, call: MultiGpuCall) -> _CallSteps:
         options = call.options
         gpus = len(self.devices)
         if options.collective in (Collective.SEND, Collective.RECV):
             view = call.device_tensors[0]
             lane = self._main[self.devices.index(int(view.device.split(":", 1)[1]))]
-            plan = _Plan((lane,), (options.peer,))
+            steps = _CallSteps((lane,), (options.peer,))
             fmt = self._movement(view)
             nccl_call = (lane.communicator.send if options.collective is Collective.SEND
                          else lane.communicator.recv)
             if call.n_elements:
-                plan.launches.append(functools.partial(
+                steps.launches.append(functools.partial(
                     nccl_call, self._ptr(view), call.n_elements * fmt.per_element,
                     fmt.datatype, options.peer * gpus + call.peer_index, lane.stream))
-            return plan
-        plan = _Plan(self._main, tuple(r for r in range(self.world_size) if r != self.rank))
+            return steps
+        steps = _CallSteps(self._main, tuple(r for r in range(self.world_size) if r != self.rank))
         # GPU i of rank r is NCCL rank r * gpus + i of the main clique.
         root = options.root * gpus + call.root_index
         for i, (lane, view) in enumerate(zip(self._main, call.device_tensors, strict=True)):
             if options.collective is Collective.ALLGATHER:
-                self._gather_through_scratch(plan, lane, view, call.device_lists[i])
+                self._gather_through_scratch(steps, lane, view, call.device_lists[i])
             elif options.collective is Collective.REDUCESCATTER:
-                self._reduce_scatter_through_scratch(plan, lane, call.device_lists[i], view,
+                self._reduce_scatter_through_scratch(steps, lane, call.device_lists[i], view,
                                                      options.op)
             elif options.collective is Collective.BROADCAST:
-                self._add_broadcast(plan, lane, view, root)
+                self._add_broadcast(steps, lane, view, root)
             elif options.collective is Collective.REDUCE:
-                self._add_reduce(plan, lane, view, options.op, root)
+                self._add_reduce(steps, lane, view, options.op, root)
             else:
-                self._add_allreduce(plan, lane, view, options.op)
-        return plan
+                self._add_allreduce(steps, lane, view, options.op)
+        return steps
 
     # ------------------------------------------------------------ failure and release
 
@@ -504,10 +509,10 @@ class NcclMembership(Membership):
             self._library.destroy_stream(stream)
 
 
-def _add_launch(plan: _Plan, view: TensorView, nccl_call: Callable, *args: Any) -> None:
+def _add_launch(steps: _CallSteps, view: TensorView, nccl_call: Callable, *args: Any) -> None:
     # An empty tensor moves nothing; every rank holds the same shape, so all skip alike.
     if view.count:
-        plan.launches.append(functools.partial(nccl_call, *args))
+        steps.launches.append(functools.partial(nccl_call, *args))
 
 
 def _nbytes(view: TensorView) -> int:
@@ -620,6 +625,11 @@ class NcclBackendFactory(BackendFactory):
                                    devices, "init", 0, timeout).run()
         return NcclMembership(group_name, world_size, rank, devices, library, rendezvous,
                            self._options, communicators)
+
+    def synchronize(self, gpu_id: int) -> bool:
+        """Wait for GPU ``gpu_id`` (see :func:`synchronize_device`); True once it has."""
+        synchronize_device(gpu_id, self._library)
+        return True
 
     def _resolve_devices(self, library: NcclLibrary, group_name: str,
                          rank: int) -> Tuple[int, ...]:

@@ -24,8 +24,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Dict, Optional
 
 from ...errors import BackendNotAvailableError
+from ..key_value import KeyValue
 
-NAMESPACE = "ray_collective"
 
 
 class Rendezvous(ABC):
@@ -109,7 +109,7 @@ class RayRendezvous(Rendezvous):
     Args:
         job_id: the scope of the keys; defaults to the current Ray job's id.
         store: the module with ``_internal_kv_put/_get/_del`` and ``_internal_kv_initialized``;
-            defaults to ``ray.experimental.internal_kv``.
+            defaults to ``ray.experimental.internal_kv`` (see ``backends.key_value``).
 
     Raises:
         BackendNotAvailableError: Ray is not initialized in this process (so there is no job
@@ -117,9 +117,8 @@ class RayRendezvous(Rendezvous):
     """
 
     def __init__(self, job_id: Optional[str] = None, store: Optional[Any] = None):
-        if store is None:
-            from ray.experimental import internal_kv as store
-        if not store._internal_kv_initialized():
+        kv = KeyValue(store)
+        if not kv.initialized():
             raise BackendNotAvailableError(
                 "the 'nccl' backend hands its NCCL unique id to the other ranks through Ray, "
                 "and Ray is not initialized in this process: call ray.init() first (inside a "
@@ -129,21 +128,17 @@ class RayRendezvous(Rendezvous):
         if job_id is None:
             import ray
             job_id = ray.get_runtime_context().get_job_id()
-        self._store = store
+        self._kv = kv
         self._prefix = f"nccl/{job_id}/"
 
-    def _key(self, key: str) -> bytes:
-        return (self._prefix + key).encode()
-
     def publish(self, key: str, value: bytes) -> None:
-        self._store._internal_kv_put(self._key(key), bytes(value), overwrite=True,
-                                     namespace=NAMESPACE)
+        self._kv.put(self._prefix + key, value)
 
     def fetch(self, key: str, timeout: float) -> Optional[bytes]:
         deadline = time.monotonic() + timeout
         pause = _FIRST_POLL_S
         while True:
-            value = self._store._internal_kv_get(self._key(key), namespace=NAMESPACE)
+            value = self._kv.get_bytes(self._prefix + key)
             if value is not None:
                 return value
             remaining = deadline - time.monotonic()
@@ -153,4 +148,4 @@ class RayRendezvous(Rendezvous):
             pause = min(pause * 2, _LAST_POLL_S)
 
     def delete(self, key: str) -> None:
-        self._store._internal_kv_del(self._key(key), namespace=NAMESPACE)
+        self._kv.delete(self._prefix + key)

@@ -1,0 +1,170 @@
+"""Calls of a known shape: after a shape's first call, later blocking calls on numpy arrays of
+the same dtype, shape and strides skip the API's per-call checks (``api._run_known_shape``).
+They must give the same results and fail the same way as the full path."""
+
+import time
+
+import numpy as np
+import pytest
+
+import ray_collective as col
+from ray_collective.group import current_registry
+from ray_collective.testing import run_ranks
+
+
+def _runners():
+    return current_registry().get("default").shape_runners
+
+
+def _counting_full_path(monkeypatch):
+    """Count the calls that take the full path (``Membership.run``) in every rank."""
+    from ray_collective.backends.transport_membership import TransportMembership
+    taken = []
+    original = TransportMembership.run
+
+    def run(self, call):
+        taken.append(call.options.collective.value)
+        return original(self, call)
+
+    monkeypatch.setattr(TransportMembership, "run", run)
+    return taken
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, monkeypatch):
+    taken = _counting_full_path(monkeypatch)
+
+    def body(rank):
+        results = []
+        for step in range(4):
+            x = np.arange(5, dtype=np.float64) * (rank + 1) + step
+            col.allreduce(x)
+            results.append(x.copy())
+            y = np.full(3, rank + step, np.int32)
+            col.broadcast(y, src_rank=world_size - 1)
+            results.append(y.copy())
+            z = np.full(2, rank + 1.0)
+            col.reduce(z, dst_rank=0, op=col.ReduceOp.MAX)
+            results.append(z.copy())
+            col.barrier()
+        return results, len(_runners())
+
+    outcome = run_ranks(world_size, body)
+    for rank, (results, learnt) in enumerate(outcome):
+        assert learnt == 4  # allreduce, broadcast, reduce, barrier
+        for step in range(4):
+            expected = sum(np.arange(5, dtype=np.float64) * (r + 1) + step
+                           for r in range(world_size))
+            np.testing.assert_array_equal(results[3 * step], expected)
+            np.testing.assert_array_equal(results[3 * step + 1],
+                                          np.full(3, world_size - 1 + step, np.int32))
+            if rank == 0:
+                np.testing.assert_array_equal(results[3 * step + 2],
+                                              np.full(2, float(world_size)))
+    # Only each shape's first call took the full path, on every rank.
+    assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce", "barrier"] * world_size)
+
+
+def test_average_divides_on_the_known_shape_path_too():
+    def body(rank):
+        outs = []
+        for _ in range(3):
+            x = np.full(4, float(rank))
+            col.allreduce(x, op=col.ReduceOp.AVG)
+            outs.append(x[0])
+        return outs
+
+    for outs in run_ranks(4, body):
+        assert outs == [1.5, 1.5, 1.5]
+
+
+def test_another_dtype_layout_or_op_takes_the_full_path(monkeypatch):
+    taken = _counting_full_path(monkeypatch)
+
+    def body(rank):
+        base = np.ones((4, 4))
+        col.allreduce(base)
+        col.allreduce(np.ones((4, 4)))                  # known
+        col.allreduce(np.ones((4, 4), np.float32))      # another dtype
+        col.allreduce(np.ones(16))                      # another shape
+        col.allreduce(np.ones((4, 4)), op=col.ReduceOp.MAX)   # another op
+        with pytest.raises(col.ArgumentValueError, match="non-contiguous"):
+            col.allreduce(np.ones((4, 8))[:, ::2])      # same shape, other strides
+        return True
+
+    run_ranks(1, body)
+    assert taken == ["allreduce"] * 4
+
+
+def test_a_read_only_array_of_a_known_shape_is_written_through_with_the_warning():
+    def body(rank):
+        col.allreduce(np.ones(3))
+        frozen = np.ones(3)
+        frozen.setflags(write=False)
+        with pytest.warns(col.ReadOnlyTensorWarning):
+            col.allreduce(frozen)
+        return frozen.copy()
+
+    for result in run_ranks(2, body):
+        np.testing.assert_array_equal(result, [2.0, 2.0, 2.0])
+
+
+def test_a_bad_argument_of_a_known_shape_is_still_refused():
+    def body(rank):
+        col.allreduce(np.ones(2))
+        with pytest.raises(col.ArgumentError, match="group_name"):
+            col.allreduce(np.ones(2), group_name=["default"])
+        with pytest.raises(col.GroupNotInitializedError):
+            col.allreduce(np.ones(2), group_name="other")
+        col.broadcast(np.ones(2), src_rank=0)
+        with pytest.raises(col.ArgumentValueError):
+            col.broadcast(np.ones(2), src_rank=5)
+        return True
+
+    run_ranks(1, body)
+
+
+def test_a_broken_group_fails_fast_on_the_known_shape_path():
+    def body(rank):
+        col.allreduce(np.ones(2), timeout=5)
+        col.allreduce(np.ones(2))                      # learnt, group deadline
+        if rank == 1:
+            return "left"
+        with pytest.raises(col.CollectiveTimeoutError):
+            col.allreduce(np.ones(2), timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(col.GroupBrokenError):
+            col.allreduce(np.ones(2))
+        return time.monotonic() - started
+
+    elapsed, _ = run_ranks(2, body, timeout=30)
+    assert elapsed < 5  # raised at once, not after the group's 30 s deadline
+
+
+def test_queued_asynchronous_calls_keep_their_order_before_a_known_shape():
+    def body(rank):
+        x = np.ones(2)
+        col.allreduce(x)                               # learnt
+        works = [col.allreduce(np.full(2, float(i)), async_op=True) for i in range(3)]
+        y = np.full(2, 10.0 * (rank + 1))
+        col.allreduce(y)                               # must run after the three
+        for work in works:
+            work.wait()
+        return y.copy()
+
+    for result in run_ranks(2, body):
+        np.testing.assert_array_equal(result, [30.0, 30.0])
+
+
+def test_a_mismatch_on_the_known_shape_path_is_named_on_every_rank():
+    def body(rank):
+        col.allreduce(np.ones(2))
+        col.allreduce(np.ones(2))
+        if rank == 0:
+            col.allreduce(np.ones(2))
+        else:
+            col.broadcast(np.ones(2), src_rank=0)
+        return None
+
+    outcome = run_ranks(2, body, return_exceptions=True, timeout=10)
+    assert all(isinstance(err, col.CollectiveMismatchError) for err in outcome)
