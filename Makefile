@@ -1,6 +1,6 @@
-# The commands of the README: `make demo`, `make test` and `make bench` (reruns every table and
-# plot of benchmarks/README.md's results page, both timing modes, about an hour; `make
-# bench-nodes` only its part across nodes); `make
+# The commands of the README: `make demo`, `make test` (see its "Testing") and `make bench`
+# (reruns every table and plot of benchmarks/README.md's results page, both timing modes, about
+# an hour; `make bench-nodes` only its part across nodes); `make
 # ps-example` (the parameter-server example, one short run of six variants) and `make ps-bench`
 # (its whole table: 1000 updates x 3 trials x 1-16 workers x 9 variants, hours on 2 cores).
 # Each builds the virtual environment in .venv first, so a fresh machine needs nothing but
@@ -35,10 +35,14 @@ demo: $(STAMP_BASE)
 	$(BIN)/python examples/imperative_allreduce.py
 	$(BIN)/python -m ray_collective.sim --collective allreduce --ranks 4096 --bytes 1048576
 
-# The native core must have built here: a missing C extension fails the run (tests/test_engines.py)
-# instead of falling back to the pure-Python engine as an installed package would.
+# The whole suite, every test extra required (a missing one fails the run instead of skipping
+# the tests that need it) and the native core too (a missing C extension fails the run,
+# tests/test_engines.py, instead of falling back to the pure-Python engine as an installed
+# package would); a part of it with, for example, `make test PYTEST_ARGS="-m unit"`.
+# pytest's exit status is make's: a run that selects no test (status 5) fails too.
+PYTEST_ARGS ?=
 test: $(STAMP_TEST)
-	RAY_COLLECTIVE_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q
+	RAY_COLLECTIVE_REQUIRE_EXTRAS=1 RAY_COLLECTIVE_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP_TEST)
 	PYTHON=$(BIN)/python benchmarks/reproduce.sh

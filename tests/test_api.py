@@ -10,7 +10,8 @@ import pytest
 
 import ray_collective as col
 from ray_collective.testing import RanksFailed, run_ranks
-from helpers import numpy_reduce, rank_data
+from support import extras
+from support.helpers import numpy_reduce, rank_data
 
 OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
        col.ReduceOp.AVG]
@@ -32,7 +33,7 @@ def _expect_equal(got, want, dtype):
 
 # ------------------------------------------------------------------ every dtype and op
 
-# Every collective at every size is the contract of tests/contract.py (tests/test_contract.py).
+# Every collective at every size is the contract of tests/support/contract.py (tests/test_contract.py).
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -88,7 +89,7 @@ def test_avg_on_bool_is_refused_before_communication():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "bool"])
 def test_torch_tensors(dtype):
-    torch = pytest.importorskip("torch", reason="torch is a test extra: pip install -e .[test]")
+    torch = extras.need("torch", "torch tensors")
     torch_dtype = getattr(torch, dtype)
     inputs = [torch.arange(6, dtype=torch.float32).reshape(2, 3).mul(r + 1).to(torch_dtype)
               for r in range(3)]
@@ -518,6 +519,22 @@ def test_double_init_and_recreate_after_destroy():
         col.destroy_collective_group("g")
 
 
+def test_group_errors_are_caught_by_their_public_base_class():
+    from ray_collective.backends.local import LocalBackendFactory
+    from ray_collective.transport.local import LocalFabric
+
+    with col.use_registry(col.GroupRegistry()):
+        with pytest.raises(col.GroupError) as missing:
+            col.allreduce(np.ones(2), group_name="never-made")
+        assert type(missing.value) is col.GroupNotInitializedError
+        col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        with pytest.raises(col.GroupError) as twice:
+            col.init_collective_group(1, 0, LocalBackendFactory(LocalFabric(1)), "g")
+        assert type(twice.value) is col.GroupAlreadyInitializedError
+        col.destroy_collective_group("g")
+    assert issubclass(col.GroupError, col.CollectiveError)
+
+
 def test_gloo_timeout_in_milliseconds_sets_the_group_default():
     from ray_collective.backends.local import LocalBackendFactory
     from ray_collective.transport.local import LocalFabric
@@ -597,7 +614,7 @@ def test_multigpu_variants_need_the_nccl_backend(call):
 
 
 def test_ray_util_collective_reduce_op_is_accepted_by_name():
-    ray_types = pytest.importorskip("ray.util.collective.types", reason="ray is not installed")
+    import ray.util.collective.types as ray_types
 
     def body(rank):
         x = np.full(2, rank + 1.0)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import ray_collective as col
-from helpers import process_resources, run_in, start_members
+from support.helpers import process_resources, run_in, start_members
 
 CALLS = 200
 SMALL = 2

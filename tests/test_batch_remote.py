@@ -137,6 +137,17 @@ def test_handle_rejects_what_is_not_a_list_of_actors(ray_session, recorders):
         col.batch_remote(recorders[0])
 
 
+def test_the_handle_class_by_its_public_name_is_what_batch_remote_gives(ray_session, recorders):
+    ray = ray_session
+    handle = col.BatchRemoteHandle(recorders[:2])
+    assert isinstance(col.batch_remote(recorders), col.BatchRemoteHandle)
+    assert handle.actors == tuple(recorders[:2]) and len(handle) == 2
+    assert repr(handle) == "BatchRemoteHandle(2 actors)"
+    assert ray.get(handle.echo.remote(5)) == [(0, "int", 5), (1, "int", 5)]
+    with pytest.raises(ValueError, match="at least one"):
+        col.BatchRemoteHandle([])
+
+
 def test_options_apply_to_every_call(ray_session, recorders):
     ray = ray_session
     refs = col.batch_remote(recorders).pair.options(num_returns=2, name="batched").remote()

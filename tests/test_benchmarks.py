@@ -32,7 +32,8 @@ from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeas
 from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
-from helpers import run_benchmark, run_in, start_members
+from support import extras
+from support.helpers import run_benchmark, run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
                               iteration_latencies, percentiles, speedup)
 
@@ -435,13 +436,6 @@ def test_the_cost_model_reads_the_rows_of_one_timing_mode(tmp_path):
         load_points(ScaleOptions(inputs, backend="torch", timing=BACK_TO_BACK))
 
 
-def _ray_backend_unavailable_reason():
-    if col.is_backend_available("ray"):
-        return None
-    return ("ray_collective's 'ray' backend is not available yet "
-            "(is_backend_available('ray') is False), so there is nothing to compare with Gloo")
-
-
 TORCH_CHECKED = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter", "gather",
                  "scatter", "alltoall", "sendrecv", "barrier")
 
@@ -490,7 +484,7 @@ def _torch_peer_results(rank, address, world_size, gloo_group_first):
 
 
 def test_torch_peer_runs_every_collective_like_numpy(ray_session):
-    pytest.importorskip("torch", reason="the torch peer needs torch (pip install '.[bench]')")
+    extras.need("torch", "the torch peer")
     from benchmarks.peers import store_address
     world_size = 2
     actors = start_members(ray_session, world_size)
@@ -529,7 +523,7 @@ def test_torch_peer_runs_every_collective_like_numpy(ray_session):
 
 
 def test_torch_peer_needs_the_store_address_on_rank_0s_node(ray_session):
-    pytest.importorskip("torch", reason="the torch peer needs torch (pip install '.[bench]')")
+    extras.need("torch", "the torch peer")
     with pytest.raises(ValueError, match="needs the store address"):
         PEERS["torch"]().setup(2, 1, "unused", 1.0, None)
     elsewhere = "tcp://192.0.2.1:29500"    # TEST-NET-1: never this machine's address
@@ -537,14 +531,12 @@ def test_torch_peer_needs_the_store_address_on_rank_0s_node(ray_session):
         PEERS["torch"]().setup(2, 0, "unused", 1.0, elsewhere)
 
 
+@pytest.mark.ray
 def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_plots(tmp_path):
-    reason = _ray_backend_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("torch", reason="the torch and gloo peers need torch "
-                                        "(pip install '.[bench]')")
-    pytest.importorskip("mpi4py", reason="the mpi4py peer needs mpi4py and mpich")
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install '.[bench]')")
+    assert col.is_backend_available("ray")
+    extras.need("torch", "the torch and gloo peers")
+    extras.need_mpiexec("the mpi4py peer")
+    extras.need("matplotlib", "plots")
     out, plots = tmp_path / "tiny.json", tmp_path / "plots"
     backends = ["ray", "torch", "gloo", "ray-plain", "mpi4py"]
     completed = run_benchmark("benchmarks", "--collective", "allreduce,gather",
@@ -607,8 +599,9 @@ def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp
     # recursive doubling inside a node: 3 rounds of one send and one receive at rank 0; across
     # 8 nodes the hierarchy adds rounds, so the replay grows while the choice is one lookup.
     assert rows[0]["messages"] == 6 and rows[1]["messages"] > rows[0]["messages"]
-    assert all(0 < r["choice_s"] < r["call_s"] for r in rows)
-    assert "| 64 | 8 |" in capsys.readouterr().out
+    assert all(r["choice_s"] > 0 and r["call_s"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "| 64 | 8 |" in out and "choice below the whole call at every world size: " in out
     with pytest.raises(SystemExit):
         call_overhead.main(["--ranks", "1"])
 
@@ -816,10 +809,9 @@ def test_table_and_progress_name_nodes_and_ranks():
     assert summarize_point(options, "allreduce", 4, 8, {"ray": [[1e-3]] * 4}, {})[0].nodes == 2
 
 
+@pytest.mark.multinode
 def test_a_tiny_sweep_across_two_nodes_of_a_local_cluster(tmp_path):
-    reason = _ray_backend_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+    assert col.is_backend_available("ray")
     out = tmp_path / "nodes.json"
     completed = run_benchmark("benchmarks", "--nodes", "2", "--ranks-per-node", "1",
                               "--backends", "ray", "--bytes", "8", "--iters", "2",

@@ -1,6 +1,6 @@
 """Compatibility with ``ray.util.collective``: code written for it runs here unchanged.
 
-The actors are ``compat_members.CollectiveUser``: code written for ``ray.util.collective`` that
+The actors are ``support.compat_members.CollectiveUser``: code written for ``ray.util.collective`` that
 receives its tensors as task arguments or from ``ray.get`` (read-only numpy arrays) and runs
 in-place collectives on them. The same class runs on ``ray_collective`` with
 ``backend="ray"`` and on ``ray.util.collective`` with Gloo (two ranks each: a Gloo rank loads
@@ -18,14 +18,14 @@ import sys
 
 import numpy as np
 import pytest
+import ray.util.collective as ray_util_collective
 
 import ray_collective as col
-from compat_members import CollectiveUser
-from helpers import REPO_DIR, TESTS_DIR
+from support import extras
+from support.compat_members import CollectiveUser
+from support.paths import python_path
 
-torch = pytest.importorskip("torch", reason="the Gloo side of these tests needs torch")
-ray_util_collective = pytest.importorskip("ray.util.collective",
-                                          reason="ray.util.collective is the reference")
+torch = extras.need("torch", "the Gloo side of these tests")
 
 WORLD = 2
 GROUP = "compat"
@@ -417,7 +417,7 @@ _JOB = r"""
 import json, sys
 import numpy as np
 import ray
-from compat_members import CollectiveUser
+from support.compat_members import CollectiveUser
 
 address, register = sys.argv[1], sys.argv[2] == "register"
 runtime_env = {"env_vars": {"PYTHONPATH": sys.argv[3]}}
@@ -447,7 +447,7 @@ print(json.dumps(out))
 
 
 def _run_job(ray, register):
-    path = os.pathsep.join([TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")])
+    path = python_path()
     address = ray.get_runtime_context().gcs_address
     done = subprocess.run([sys.executable, "-c", _JOB, address,
                            "register" if register else "plain", path],

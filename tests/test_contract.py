@@ -1,4 +1,4 @@
-"""The contract of tests/contract.py bound to the backends whose ranks run as threads here: the
+"""The contract of tests/support/contract.py bound to the backends whose ranks run as threads here: the
 in-process backend (flat and with a pretend rank→node map), a backend registered from outside
 the package under a name of its own, and the NCCL backend over its recording stand-in. The
 ``ray`` backend's binding is in tests/test_ray_backend.py (actors), real NCCL's in
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from contract import CASES, TensorKind, check_every_collective, every_collective
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import StandInGpus
+from support.contract import CASES, check_every_collective, every_collective
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import StandInGpus, StandInKind
 from ray_collective.backends.base import BackendFactory
 from ray_collective.backends.transport_membership import TransportMembership
 from ray_collective.testing import run_ranks
@@ -54,19 +54,6 @@ class ThreadFabrics(BackendFactory):
 col.register_backend("contract-threads", ThreadFabrics())
 col.register_backend("contract-no-alltoall",
                      ThreadFabrics(frozenset(Collective) - {Collective.ALLTOALL}))
-
-
-class StandInKind(TensorKind):
-    """Tensors on the stand-in GPU of each rank (rank r uses device r)."""
-
-    def __init__(self, gpus):
-        self.gpus = gpus
-
-    def tensor(self, array, rank):
-        return self.gpus.array(array, device=rank)
-
-    def array(self, tensor):
-        return tensor.host.copy()
 
 
 GROUP = "contract"

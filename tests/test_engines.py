@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, run_in
+from support.helpers import numpy_reduce, run_in
 from ray_collective import native
 from ray_collective.backends.local import LocalBackendFactory
 from ray_collective.testing import run_ranks

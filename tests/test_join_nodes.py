@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from benchmarks.join_nodes import summary
-from helpers import REPO_DIR, run_benchmark
+from support.helpers import run_benchmark
+from support.paths import REPO_DIR
 
 
 def test_summary_is_the_median_per_transport():
@@ -19,6 +20,7 @@ def test_summary_is_the_median_per_transport():
     assert summary(repeats) == {"streams": {"join_s": 2.0, "join_and_call_s": 5.0}}
 
 
+@pytest.mark.multinode
 def test_a_two_node_run_joins_over_both_transports_and_checks_the_first_call(tmp_path):
     out = tmp_path / "join.json"
     completed = run_benchmark("benchmarks.join_nodes", "--nodes", "2", "--ranks-per-node", "1",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import process_resources, run_in, start_members
+from support.helpers import process_resources, run_in, start_members
 from ray_collective.types import MAX_GROUP_NAME_BYTES, MAX_TIMEOUT_S, MAX_WORLD_SIZE
 
 LARGE = 1 << 18

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import run_in
+from support.helpers import run_in
 
 WORLD = 3
 ODD_RANK = 2
 DEADLINE_S = 20.0
-BOUND_S = 5.0
-"""A failed call must end this long after it started at most: well below its deadline."""
+BOUND_S = DEADLINE_S / 4
+"""A failed call must end this long after it started at most: well before its deadline, so it
+was not waited out; and so must a call on a broken group, which fails before sending."""
 SIZES = {"8 B": 2, "1 MiB": 1 << 18}
 
 
@@ -72,7 +73,7 @@ def test_every_rank_of_a_mismatched_call_fails_fast_and_the_group_stays_broken(
         assert elapsed < BOUND_S, (rank, first)
         assert f"rank {ODD_RANK}" in message, (rank, first)
         kind, message, elapsed = second
-        assert kind == "GroupBrokenError" and elapsed < 0.5, (rank, second)
+        assert kind == "GroupBrokenError" and elapsed < BOUND_S, (rank, second)
 
 
 def _on_group(rank, groups, timeout):
@@ -115,4 +116,5 @@ def test_ranks_calling_on_differently_named_groups_time_out_naming_the_absent_ra
         # a rank may learn of the timeout from a peer whose call started a little earlier
         assert timeout / 2 < elapsed < timeout + BOUND_S, (rank, first)
         for kind, message, elapsed in (again, elsewhere[rank]):
-            assert kind == "GroupBrokenError" and elapsed < 0.5, (rank, again, elsewhere[rank])
+            assert kind == "GroupBrokenError" and elapsed < BOUND_S, (rank, again,
+                                                                      elsewhere[rank])

@@ -6,7 +6,7 @@ declared group over streams and over the object store, and an imperative group o
 Over streams: a stranger with a wrong key refused by a live listener, and a rank SIGKILLed on
 another node named by every survivor.
 
-The cluster runs in a subprocess (tests/multinode_cluster.py), since it cannot share the test
+The cluster runs in a subprocess (tests/support/multinode_cluster.py), since it cannot share the test
 session's Ray instance; the script reports what it saw as JSON and the assertions live here.
 """
 
@@ -17,8 +17,10 @@ import sys
 
 import pytest
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
+from support.paths import python_path
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
 SCRIPT_TIMEOUT_S = 420
 RANKS_PER_NODE = 2
 WORLD_SIZE = 6
@@ -26,9 +28,8 @@ WORLD_SIZE = 6
 
 @pytest.fixture(scope="module")
 def summary():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")]))
-    finished = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "multinode_cluster.py")],
+    env = dict(os.environ, PYTHONPATH=python_path())
+    finished = subprocess.run([sys.executable, "-m", "support.multinode_cluster"],
                               check=False, capture_output=True, text=True,
                               timeout=SCRIPT_TIMEOUT_S, env=env)
     lines = [line for line in finished.stdout.splitlines() if line.startswith("SUMMARY ")]

@@ -4,9 +4,12 @@ Marked ``gpu`` and skipped, with the reason, where CuPy, NCCL or a GPU is missin
 needed: ranks are threads of this process, one GPU each, meeting through an
 ``InProcessRendezvous``. World size 1 covers every collective and every multi-GPU variant (with
 all visible GPUs in the one process); the multi-rank tests need two or more GPUs. Results are
-compared with what CuPy (or torch) computes itself.
+compared with what numpy, CuPy or torch computes itself. At world size 1 every output starts as
+a sentinel and reductions also run out of place, so that a launch that did nothing fails them:
+``support.gpu_world_one`` holds those bodies, and ``tests/test_nccl_standin.py`` runs them on
+the NCCL stand-in, as they are and with launches that move nothing.
 
-    PYTHONPATH=. python -m pytest -q -m gpu tests/test_nccl_gpu.py
+    python -m pytest -q -m gpu tests/test_nccl_gpu.py
 """
 
 import threading
@@ -16,9 +19,11 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from contract import CASES, TensorKind, check_every_collective, every_collective
-from helpers import rank_data
-from nccl_ranks import run_nccl_ranks, values_of
+from support.contract import CASES, TensorKind, check_every_collective, every_collective
+from support import extras
+from support import gpu_world_one as world_one
+from support.helpers import rank_data
+from support.nccl_ranks import run_nccl_ranks, values_of
 
 
 def _find_gpus():
@@ -44,12 +49,6 @@ _FOUND, _WHY_NOT = _find_gpus()
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(_FOUND is None, reason=f"needs a GPU, CuPy and NCCL: {_WHY_NOT}")]
 
-OPS = [col.ReduceOp.SUM, col.ReduceOp.PRODUCT, col.ReduceOp.MIN, col.ReduceOp.MAX,
-       col.ReduceOp.AVG]
-REDUCIBLE = ["bool", "int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
-             "float32", "float64", "complex64", "complex128"]
-
-
 def _cupy():
     return _FOUND[0]
 
@@ -60,14 +59,6 @@ def _library():
 
 def _gpu_count():
     return _FOUND[2]
-
-
-def _ops_for(dtype):
-    if dtype == "bool":
-        return OPS[:4]
-    if dtype.startswith("complex"):
-        return [col.ReduceOp.SUM, col.ReduceOp.AVG]
-    return OPS
 
 
 def _cupy_reduce(arrays, op):
@@ -107,103 +98,61 @@ def _on(device, values):
         return cupy.asarray(values)
 
 
-def _copy(array):
-    # CuPy copies onto the *current* device; keep each copy on its array's own GPU.
-    with _cupy().cuda.Device(array.device.id):
-        return array.copy()
-
-
 # ------------------------------------------------------------------ world size 1
 
+class CupyGpus:
+    """The visible GPUs through CuPy, for the bodies of ``support.gpu_world_one``."""
+
+    def __init__(self):
+        self.device_count = _gpu_count()
+
+    def library(self):
+        return _library()
+
+    def array(self, values, device=0):
+        return _on(device, values)
+
+    def host(self, tensor):
+        return _cupy().asnumpy(tensor)
+
+
 def test_every_collective_at_world_size_one():
-    cupy = _cupy()
-
-    def body(rank):
-        for dtype in REDUCIBLE:
-            for op in _ops_for(dtype):
-                data = rank_data(0, (7, 3), dtype, op)
-                tensor = cupy.asarray(data)
-                col.allreduce(tensor, op=op)
-                _assert_same(tensor, _cupy_reduce([cupy.asarray(data)], op))
-                col.reduce(tensor, dst_rank=0, op=op)
-                _assert_same(tensor, _cupy_reduce([cupy.asarray(data)], op))
-        source = cupy.arange(1000, dtype=cupy.float32)
-        expected = source.copy()
-        col.broadcast(source, src_rank=0)
-        _assert_same(source, expected)
-        for dtype in ("int16", "complex128", "bool", "float64"):
-            source = cupy.asarray(rank_data(1, 5, dtype))
-            outputs = [cupy.zeros_like(source)]
-            col.allgather(outputs, source)
-            _assert_same(outputs[0], source)
-            if dtype != "int16":  # NCCL cannot reduce 16-bit integers; they only move
-                outputs[0][...] = 0
-                col.reducescatter(outputs[0], [source])
-                _assert_same(outputs[0], source)
-            col.gather(outputs, source, dst_rank=0)
-            _assert_same(outputs[0], source)
-            col.scatter(outputs[0], [source], src_rank=0)
-            col.alltoall(outputs, [source])
-            _assert_same(outputs[0], source)
-        col.barrier()
-        empty = cupy.zeros(0, cupy.float32)
-        col.allreduce(empty)
-        return True
-
+    body = world_one.every_collective(CupyGpus())
     assert values_of(run_nccl_ranks(_library(), 1, body, devices_of=lambda rank: [0]))
 
 
 def test_multigpu_variants_at_world_size_one():
-    gpus = list(range(_gpu_count()))
-
-    def body(rank):
-        inputs = [_on(d, np.full(6, d + 1.0, np.float32)) for d in gpus]
-        expected = np.full(6, sum(d + 1.0 for d in gpus), np.float32)
-        tensors = [_copy(x) for x in inputs]
-        col.allreduce_multigpu(tensors)
-        for tensor in tensors:
-            np.testing.assert_allclose(tensor.get(), expected)
-        tensors = [_copy(x) for x in inputs]
-        col.reduce_multigpu(tensors, dst_rank=0, dst_tensor=len(gpus) - 1)
-        np.testing.assert_allclose(tensors[-1].get(), expected)
-        tensors = [_copy(x) for x in inputs]
-        col.broadcast_multigpu(tensors, src_rank=0, src_tensor=0)
-        for tensor in tensors:
-            np.testing.assert_allclose(tensor.get(), inputs[0].get())
-        outputs = [[_on(d, np.zeros(6, np.float32)) for _ in gpus] for d in gpus]
-        col.allgather_multigpu(outputs, inputs)
-        for per_gpu in outputs:
-            for j, got in enumerate(per_gpu):
-                np.testing.assert_allclose(got.get(), inputs[j].get())
-        parts = [[_on(d, np.full(6, 10.0 * d + j, np.float32)) for j in gpus] for d in gpus]
-        scattered = [_on(d, np.zeros(6, np.float32)) for d in gpus]
-        col.reducescatter_multigpu(scattered, parts)
-        for i, got in enumerate(scattered):
-            np.testing.assert_allclose(got.get(), sum(10.0 * d + i for d in gpus))
-        return True
-
-    assert values_of(run_nccl_ranks(_library(), 1, body, devices_of=lambda rank: gpus))
+    gpus = CupyGpus()
+    body = world_one.multigpu_variants(gpus)
+    assert values_of(run_nccl_ranks(_library(), 1, body,
+                                    devices_of=lambda rank: list(range(gpus.device_count))))
 
 
 def test_torch_cuda_tensors_including_bfloat16():
-    torch = pytest.importorskip("torch")
+    torch = extras.need("torch", "torch CUDA tensors")
     if not torch.cuda.is_available():
         pytest.skip("this torch has no CUDA")
 
     def body(rank):
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
-            tensor = torch.arange(12, device="cuda:0").to(dtype)
-            expected = tensor.clone()
+            source = torch.arange(12, device="cuda:0").to(dtype)
+            expected = source.clone()
+            tensor = source.clone()
             col.allreduce(tensor, op=col.ReduceOp.MAX)
             assert torch.equal(tensor, expected)
-            col.broadcast(tensor, src_rank=0)
-            assert torch.equal(tensor, expected)
+            # out of place, so that a launch that did nothing leaves the sentinel
+            output = torch.full_like(source, -1)
+            col.reducescatter(output, [source.clone()], op=col.ReduceOp.MAX)
+            assert torch.equal(output, expected), dtype
+            output = torch.full_like(source, -1)
+            col.allgather([output], source)
+            assert torch.equal(output, expected), dtype
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             tensor = torch.zeros(1 << 20, device="cuda:0")
             for _ in range(20):
                 tensor += 1
-            outputs = [torch.empty_like(tensor)]
+            outputs = [torch.full_like(tensor, -1)]
             col.allgather(outputs, tensor)
             total = float(outputs[0].sum())
         return total
@@ -221,7 +170,7 @@ def test_collective_sees_the_work_queued_on_the_callers_stream():
             tensor = cupy.zeros(1 << 22, cupy.float32)
             for _ in range(20):
                 tensor += 1  # still running on the GPU when the collective is called
-            outputs = [cupy.empty_like(tensor)]
+            outputs = [cupy.full_like(tensor, -1)]
             col.allgather(outputs, tensor)
             outputs[0] *= 2  # queued after the collective on the caller's stream
             total = float(outputs[0].sum())
@@ -235,12 +184,13 @@ def test_async_op_completes_when_the_gpu_has():
     cupy = _cupy()
 
     def body(rank):
-        tensor = cupy.ones(1 << 20, cupy.float64)
-        work = col.allreduce(tensor, async_op=True)
+        source = cupy.ones(1 << 20, cupy.float64)
+        output = cupy.full_like(source, -1)
+        work = col.reducescatter(output, [source], async_op=True)
         work.wait(60)
         assert work.is_completed()
         col.synchronize(0)
-        return float(tensor.sum())
+        return float(output.sum())
 
     assert values_of(run_nccl_ranks(_library(), 1, body, devices_of=lambda rank: [0])) == [
         float(1 << 20)]
@@ -266,7 +216,7 @@ def test_every_collective_across_ranks():
     def body(rank):
         with cupy.cuda.Device(rank):
             for dtype in ("float32", "int64", "bool", "complex64"):
-                for op in _ops_for(dtype):
+                for op in world_one.ops_for(dtype):
                     tensor = cupy.asarray(data(rank, op, dtype))
                     col.allreduce(tensor, op=op)
                     _assert_same(tensor, _cupy_reduce(
@@ -286,7 +236,11 @@ def test_every_collective_across_ranks():
             col.alltoall(received, parts)
             for r, got in enumerate(received):
                 _assert_same(got, cupy.asarray(data(10 * r + rank)))
-            col.gather(outputs if rank == 0 else None, cupy.asarray(data(rank)), dst_rank=0)
+            gathered = [cupy.full(257, -1, cupy.float32) for _ in range(world)]
+            col.gather(gathered if rank == 0 else None, cupy.asarray(data(rank)), dst_rank=0)
+            for r, got in enumerate(gathered if rank == 0 else []):
+                _assert_same(got, cupy.asarray(data(r)))
+            mine = cupy.full(257, -1, cupy.float32)
             col.scatter(mine, parts if rank == 1 else None, src_rank=1)
             _assert_same(mine, cupy.asarray(data(10 + rank)))
             if rank == 0:

@@ -2,6 +2,7 @@
 stand-in for Ray's key-value store), the dtype and op mapping, the CuPy adapter's conversions,
 and how the library behaves in this process, which has no CuPy."""
 
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import NCCL_CONSTANTS, StandInGpus
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import NCCL_CONSTANTS, StandInGpus
 from ray_collective.backends.nccl import (InProcessRendezvous, NcclBackendFactory,
                                           RayRendezvous, synchronize_device)
 from ray_collective.backends.nccl import library as library_module
@@ -186,6 +187,8 @@ def test_world_size_one_needs_no_ray_and_defaults_to_every_visible_gpu():
         np.testing.assert_array_equal(tensor.host, [3.0, 3.0])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None,
+                    reason="CuPy is installed here; the test needs a process without it")
 def test_without_cupy_the_backend_says_what_to_install():
     assert not col.nccl_available()
     assert not NcclBackendFactory().available()
@@ -205,6 +208,24 @@ def test_synchronize_waits_for_the_device():
     for bad in (2, -1, True):
         with pytest.raises(ValueError, match="visible GPU"):
             synchronize_device(bad, library=gpus.library())
+
+
+def test_synchronize_returns_once_the_work_queued_on_the_gpu_has_run(monkeypatch):
+    from ray_collective.backends.nccl import backend
+    gpus = StandInGpus(device_count=2)
+    monkeypatch.setattr(backend, "load_library", gpus.library)  # CuPy's stand-in
+    release = gpus.hold(gpus.default_streams[1])
+    released, seen = threading.Event(), []
+    waiter = threading.Thread(target=lambda: (col.synchronize(1),
+                                              seen.append(released.is_set())))
+    waiter.start()
+    gpus.wait_for_call("deviceSynchronize")
+    released.set()
+    release()
+    waiter.join(10)
+    assert seen == [True] and gpus.calls("deviceSynchronize")[0][2] == 1
+    with pytest.raises(ValueError, match="visible GPU"):
+        col.synchronize(2)
 
 
 def test_multigpu_variants_refuse_cpu_groups():

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from nccl_ranks import run_nccl_ranks, values_of
-from nccl_standin import StandInGpus
+from support.nccl_ranks import run_nccl_ranks, values_of
+from support.nccl_standin import StandInGpus
 from ray_collective.backends.nccl import InProcessRendezvous, NcclOptions
 from ray_collective.tensors import TensorView, as_view
 
@@ -26,7 +26,9 @@ FAST_WATCHDOG = NcclOptions(watchdog_period_seconds=0.01)
 
 @pytest.fixture
 def gpus():
-    return StandInGpus(device_count=4)
+    gpus = StandInGpus(device_count=4)
+    yield gpus
+    gpus.close()  # what still waits (a rank that never came) raises instead
 
 
 def _two_gpus(rank):
@@ -255,6 +257,20 @@ def test_deadline_in_the_wait_aborts_and_raises_timeout(gpus):
     assert (error.collective, error.seq, error.missing_ranks) == ("allreduce", 0, (1,))
     _assert_aborted_never_destroyed(gpus, 0)
     assert next(c for c in gpus.communicators() if c.rank == 1).destroyed
+
+
+def test_ranks_that_disagree_wait_out_the_deadline_as_nccl_makes_them(gpus):
+    """NCCL does not see that two ranks disagree on a call: it hangs (or corrupts memory), and
+    so does the stand-in; the deadline ends the call on each rank and breaks the group."""
+    def body(rank):
+        with pytest.raises(col.CollectiveTimeoutError) as caught:
+            col.allreduce(gpus.array(np.ones(2 + rank), device=rank), timeout=0.3)
+        return caught.value.missing_ranks
+
+    assert values_of(run_nccl_ranks(gpus.library(), 2, body)) == [(1,), (0,)]
+    assert [what for *_, what in gpus.calls("mismatch")] == ["count [2, 3]"]
+    _assert_aborted_never_destroyed(gpus, 0)
+    _assert_aborted_never_destroyed(gpus, 1)
 
 
 def test_asynchronous_nccl_error_aborts_and_raises_peer_died(gpus):

@@ -14,8 +14,10 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("thinc", reason="the example needs thinc: pip install '.[example]'")
-pytest.importorskip("sklearn", reason="the example needs scikit-learn: pip install '.[example]'")
+from support import extras
+
+extras.need("thinc", "the parameter-server example")
+extras.need("sklearn", "the parameter-server example")
 
 from examples.parameter_server import collective_variants as cv  # noqa: E402
 from examples.parameter_server.sharded_ps import PeerProxy, divide_keys  # noqa: E402

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from test_ray_backend import check_every_collective, every_collective
+from support.contract import check_every_collective, every_collective
 from test_tcp import KEY, StreamFactory, pretend_nodes, two_node_transports
 from ray_collective.backends.ray.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
                                                  PostOffice, pack_round, unpack_round)
@@ -129,7 +129,8 @@ def _transports(tmp_path, world_size, post_offices=None):
 @pytest.mark.parametrize("dtype,op_name,count", [
     ("float64", "SUM", 0), ("int64", "SUM", 1), ("float32", "MAX", 1000),
     ("float64", "SUM", 3 * INLINE_ARGUMENT_BYTES // 8 + 3),      # rounds cut into parts
-    ("float32", "SUM", INLINE_ROUND_BYTES // 4 + 7)])            # rounds sent whole
+    ("float32", "SUM", INLINE_ROUND_BYTES // 4 + 7),             # rounds sent whole
+    ("float64", "AVG", 1003), ("float32", "PRODUCT", 9)])
 def test_every_collective_across_two_nodes_over_post_offices_matches_numpy(tmp_path, dtype,
                                                                            op_name, count):
     p = 4

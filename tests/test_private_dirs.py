@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 import ray_collective as col
-from helpers import NOBODY, attempts_as, writable_by_everyone
+from support.helpers import NOBODY, attempts_as, writable_by_everyone
 from ray_collective.backends.ray import private_dirs
 from ray_collective.types import MAX_WORLD_SIZE
 

@@ -10,19 +10,10 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, process_resources, rank_data, run_in, start_members
-from contract import CASES, check_every_collective, every_collective
 from ray_collective.types import MAX_GROUP_NAME_BYTES
-
-
-def join(rank, group, world_size, timeout=60.0):
-    col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
-    return col.get_rank(group), col.get_collective_group_size(group)
-
-
-def leave(rank, group):
-    col.destroy_collective_group(group)
-    return col.is_group_initialized(group)
+from support.helpers import group_keys, join, leave, process_resources, run_in, start_members
+from support.contract import CASES, LARGE_CASES, check_every_collective, every_collective
+from support.paths import python_path
 
 
 # ------------------------------------------------------------------ correctness
@@ -34,7 +25,7 @@ def test_declared_group_every_collective(ray_session, members, world_size):
     group = f"declared-{world_size}"
     col.declare_collective_group(actors, backend="ray", group_name=group)
     try:
-        for dtype, op_name, length in CASES:
+        for dtype, op_name, length in CASES + LARGE_CASES:
             results = run_in(ray_session, actors, every_collective, group, world_size, dtype,
                              op_name, length, "numpy")
             check_every_collective(results, world_size, dtype, op_name, length)
@@ -109,12 +100,6 @@ def _group_dirs(ray):
     return set(os.listdir(root)) if root is not None and os.path.isdir(root) else set()
 
 
-def _group_keys(ray, group):
-    from ray.experimental import internal_kv
-    job = ray.get_runtime_context().get_job_id()
-    return internal_kv._internal_kv_list(f"{job}/{group}/".encode(), namespace="ray_collective")
-
-
 def _named_actors(ray):
     return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
 
@@ -127,12 +112,12 @@ def test_destroy_leaves_nothing_and_name_can_be_reused(ray_session, members):
         assert run_in(ray_session, members[:2], _allreduce_loop, "reused", attempt, 2) == [
             [2 * attempt + 1] * 2] * 2
         col.destroy_collective_group("reused")
-        assert _group_keys(ray_session, "reused") == []
+        assert group_keys(ray_session, "reused") == []
         assert _group_dirs(ray_session) == before_dirs
     assert _named_actors(ray_session) == before_actors
     assert run_in(ray_session, members[:2], join, "reused", 2) == [(0, 2), (1, 2)]
     assert run_in(ray_session, members[:2], leave, "reused") == [False, False]
-    assert _group_keys(ray_session, "reused") == []
+    assert group_keys(ray_session, "reused") == []
     assert _group_dirs(ray_session) == before_dirs
 
 
@@ -392,9 +377,9 @@ def test_what_a_finished_job_left_is_swept_when_a_later_job_opens_a_group(ray_se
     import sys
     from ray_collective.backends.ray import rendezvous
     address = ray_session.get_runtime_context().gcs_address
-    script = os.path.join(os.path.dirname(__file__), "abandoned_job.py")
-    finished = subprocess.run([sys.executable, script, address], capture_output=True,
-                              text=True, timeout=120, check=True)
+    finished = subprocess.run([sys.executable, "-m", "support.abandoned_job", address],
+                              env=dict(os.environ, PYTHONPATH=python_path()),
+                              capture_output=True, text=True, timeout=120, check=True)
     left = json.loads(finished.stdout.strip().splitlines()[-1])
     kv = rendezvous.KeyValue()
     assert left["exists"] and kv.keys(f"{left['job']}/abandoned/")

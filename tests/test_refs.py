@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
+from support import extras
+from support.helpers import numpy_reduce, rank_data
 
 WORLD = 3
 
@@ -100,7 +101,7 @@ def test_refs_made_by_the_members_themselves(ray_session, holders, group):
 
 def test_send_ref_delivers_numpy_and_torch_tensors(ray_session, holders, group):
     ray = ray_session
-    torch = pytest.importorskip("torch", reason="the torch case needs torch (test extra)")
+    torch = extras.need("torch", "the torch case")
     array = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
     received = ray.get(col.send_ref(ray.put(array), src_rank=0, dst_rank=2, group_name=group))
     assert received.dtype == np.int16 and received.shape == (2, 3, 4)
@@ -178,8 +179,15 @@ def test_failed_ref_breaks_the_group_fast_instead_of_hanging(ray_session, holder
     with pytest.raises(col.TensorRefError, match="rank 1 .* could not get its tensor"):
         ray.get(results[1], timeout=60)
     for rank in (0, 2):
-        with pytest.raises(col.GroupBrokenError, match="rank 1"):
+        with pytest.raises(col.GroupBrokenError, match="rank 1") as broken:
             ray.get(results[rank], timeout=60)
+        # what broke it: rank 1's own failure, as a RankFailedError naming it and its kind
+        cause = broken.value.cause
+        while isinstance(cause, col.GroupBrokenError):
+            cause = cause.cause
+        assert isinstance(cause, col.RankFailedError), repr(cause)
+        assert (cause.failed_rank, cause.kind) == (1, "TensorRefError")
+        assert "holder 1 cannot make its buffer" in str(cause)
     assert time.monotonic() - started < 30  # the group's deadline is 120 s
 
 

@@ -87,11 +87,26 @@ def _member(rank):
     return rendezvous.Member(rank, "node", 1000 + rank, 2, "streams", f"10.0.0.{rank % 3}")
 
 
-def _join_in_threads(kv, world_size, stagger_s):
+def _join_in_threads(kv, world_size, looks_between):
+    """Every rank joins in a thread of its own, rank r once the ranks already waiting have
+    looked up ``r * looks_between`` keys: each waits through many looks at the store, however
+    fast or slow this machine runs them."""
     results, errors = {}, []
+    looks = [0]
+    looked = threading.Condition()
+    get = kv.get
+
+    def counted_get(key):
+        with looked:
+            looks[0] += 1
+            looked.notify_all()
+        return get(key)
+
+    kv.get = counted_get
 
     def join(rank):
-        time.sleep(rank * stagger_s)
+        with looked:
+            assert looked.wait_for(lambda: looks[0] >= rank * looks_between, 60)
         try:
             results[rank] = rendezvous.join(
                 kv, "p/", "g", world_size, _member(rank),
@@ -115,8 +130,7 @@ def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they
     kv.keys = lambda prefix: (full_listings.append(prefix) if prefix.endswith("/member/")
                               else None, original(prefix))[1]
     world_size = 12
-    # The first ranks wait about 0.3 s for the last: many looks at the store each.
-    results = _join_in_threads(kv, world_size, stagger_s=0.025)
+    results = _join_in_threads(kv, world_size, looks_between=4)
     expected = [_member(rank) for rank in range(world_size)]
     assert all(result == ("t", expected) for result in results.values())
     assert kv.get("p/t/complete") is not None
@@ -147,17 +161,20 @@ def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_s
     kv.get = lambda key: (looked_at.append(key), original(key))[1]
     waiting = threading.Thread(target=rendezvous.join, args=(
         kv, "p/", "g", 2, rendezvous.Member(1, "node", 1001), 10, lambda token: None))
+    started = time.monotonic()
     waiting.start()
-    time.sleep(0.7)
-    polled = list(looked_at)
+    # Until it has looked at the token again at least once after registering, and polled the
+    # complete key many times.
+    deadline = started + 10
+    while looked_at.count("p/token") < 2 or looked_at.count("p/t/complete") < 8:
+        assert time.monotonic() < deadline, looked_at
+        time.sleep(0.01)
+    polled, elapsed = list(looked_at), time.monotonic() - started
     rendezvous.join(kv, "p/", "g", 2, rendezvous.Member(0, "node", 1000), 10,
                     lambda token: None)
     waiting.join()
-    completes = polled.count("p/t/complete")
-    rechecks = polled.count("p/token")
-    assert completes >= 8
-    # One look at the token before registering, then one per RECHECK_S (0.7 s: 3 or 4).
-    assert 2 <= rechecks <= 6
+    # One look at the token before registering, then at most one per RECHECK_S.
+    assert polled.count("p/token") <= 2 + elapsed / rendezvous.RECHECK_S
     assert set(polled) <= {"p/token", "p/t/complete", "p/t/broken", "p/t/left/1"}
 
 

@@ -1,11 +1,11 @@
-"""The simulator at scale (64 to 4096 ranks) and its command line."""
+"""The simulator at scale (64 to 4096 ranks; 4096 is marked slow) and its command line."""
 
 import pytest
 
 from ray_collective.sim.__main__ import main
 from ray_collective.sim.runner import COLLECTIVES, simulate
 
-SCALE = [64, 400, 1000, 4096]
+SCALE = [64, 400, 1000, pytest.param(4096, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
@@ -20,6 +20,7 @@ def test_every_collective_at_scale_is_correct_and_within_its_formula(collective,
     assert report.seconds < 60
 
 
+@pytest.mark.slow
 def test_allreduce_4096_ranks_1mib_is_rabenseifner_within_formula():
     count = (1 << 20) // 4
     report = simulate("allreduce", 4096, count, dtype="float32", check=False)
@@ -38,7 +39,8 @@ def test_ring_allreduce_sends_2_p_minus_1_over_p_of_the_buffer(ranks):
     assert report.max_bytes_sent == 2 * (ranks - 1) * 25 * report.itemsize
 
 
-@pytest.mark.parametrize("ranks, rounds", [(64, 6), (400, 8 + 2), (1000, 9 + 2), (4096, 12)])
+@pytest.mark.parametrize("ranks, rounds", [(64, 6), (400, 8 + 2), (1000, 9 + 2),
+                                           pytest.param(4096, 12, marks=pytest.mark.slow)])
 def test_recursive_doubling_takes_log2_rounds_plus_the_fold(ranks, rounds):
     assert simulate("allreduce", ranks, 4, algorithm="recursive_doubling").rounds == rounds
 

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.socket_floor import (PATTERNS, WORLD_SIZE, counterpart_of, mate_of,
                                      receive_value, run_iterations, slowest_rank_p50)
-from helpers import run_benchmark
+from support.helpers import run_benchmark
 
 
 def _wired_ranks():
@@ -61,6 +61,7 @@ def test_a_peer_that_closes_before_sending_is_an_error():
     mine.close()
 
 
+@pytest.mark.multinode
 def test_a_two_node_run_times_both_patterns(tmp_path):
     out = tmp_path / "floor.json"
     run_benchmark("benchmarks.socket_floor", "--iterations", "50", "--repeats", "1",

@@ -29,6 +29,7 @@ from ray_collective.tensors import (
 )
 from ray_collective.errors import ArgumentValueError, ReadOnlyTensorWarning
 from ray_collective.types import ReduceOp
+from support import extras
 
 NUMPY_DTYPES = [d for d in SUPPORTED_DTYPES if d != "bfloat16"]
 ALL_OPS = list(ReduceOp)
@@ -42,7 +43,7 @@ REFERENCE_UFUNC = {
 
 
 def _torch():
-    return pytest.importorskip("torch", reason="torch is needed for the torch tensor tests")
+    return extras.need("torch", "the torch tensor tests")
 
 
 def _random(dtype_name: str, n: int, rng: np.random.Generator) -> np.ndarray:

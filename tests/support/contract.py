@@ -4,7 +4,7 @@ gives, for each rank, whatever runs the ranks.
 Written once and bound to each backend by the tests that run ranks their way:
 tests/test_contract.py (threads of this process: the in-process backend, a backend registered
 from outside the package, the NCCL backend over its stand-in), tests/test_ray_backend.py and
-tests/multinode_cluster.py (Ray actors: the ``ray`` backend on one node and across nodes),
+tests/support/multinode_cluster.py (Ray actors: the ``ray`` backend on one node and across nodes),
 tests/test_nccl_gpu.py (real NCCL, on a GPU machine).
 
 :func:`every_collective` runs inside a rank and returns plain numpy outputs;
@@ -14,14 +14,50 @@ tests/test_nccl_gpu.py (real NCCL, on a GPU machine).
 import numpy as np
 
 import ray_collective as col
-from helpers import numpy_reduce, rank_data
+from support.reference import assert_reduced
 
 OPS = {"SUM": col.ReduceOp.SUM, "MAX": col.ReduceOp.MAX, "PRODUCT": col.ReduceOp.PRODUCT,
        "AVG": col.ReduceOp.AVG, "MIN": col.ReduceOp.MIN}
 
 CASES = [("int64", "SUM", 7), ("float32", "MAX", 1000), ("int32", "PRODUCT", 1),
-         ("float64", "AVG", 0), ("uint8", "MIN", 5000)]
-"""(dtype, op, elements): small, empty and shared-memory sizes, every op."""
+         ("float64", "AVG", 0), ("uint8", "MIN", 5000), ("float64", "AVG", 1003),
+         ("float32", "SUM", 1003), ("float64", "PRODUCT", 7), ("int32", "AVG", 9)]
+"""(dtype, op, elements): every op, on one element, none and a few; floats that round
+(:func:`rank_input`) and integers that truncate (int32 AVG)."""
+LARGE_CASES = [("float64", "AVG", 10_001)]
+"""Cases past what the ``ray`` backend sends inline (64 KiB: 10_001 float64), for the bindings
+where the size changes the path a message takes."""
+
+
+def rank_input(rank: int, length: int, dtype: str, op_name: str, block: int = -1) -> np.ndarray:
+    """Rank ``rank``'s deterministic input for a case: its tensor, or its ``block``-th block.
+
+    Floats are not integers, so that sums, averages and products round: normal values over
+    five magnitudes, and for PRODUCT factors of magnitude 0.5 to 2 with either sign (17 of
+    them stay far from overflow). Integers are small (-20..19, from 1..2 for PRODUCT, none
+    negative when unsigned), so that sums and products are those of the integers.
+
+    Args:
+        rank: the rank.
+        length: the number of elements.
+        dtype: the dtype's name.
+        op_name: the case's reduction.
+        block: the block of its input list (reducescatter, scatter, alltoall), or -1 for its
+            tensor.
+
+    Returns:
+        The array.
+    """
+    rng = np.random.default_rng([rank, block + 1])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        if op_name == "PRODUCT":
+            values = rng.uniform(0.5, 2.0, length) * rng.choice([-1.0, 1.0], length)
+        else:
+            values = rng.standard_normal(length) * 10.0 ** rng.integers(-2, 3, length)
+        return values.astype(dtype)
+    low, high = (1, 3) if op_name == "PRODUCT" else (0 if dtype.kind == "u" else -20, 20)
+    return rng.integers(low, high, length).astype(dtype)
 
 
 class TensorKind:
@@ -65,8 +101,8 @@ def every_collective(rank, group, world_size, dtype, op_name, length, kind="nump
     kind = _NAMED_KINDS[kind] if isinstance(kind, str) else kind
     op = OPS[op_name]
     p, root = world_size, world_size - 1
-    mine = rank_data(rank, length, dtype, op)
-    blocks = [rank_data(rank * 100 + j, length, dtype, op) for j in range(p)]
+    mine = rank_input(rank, length, dtype, op_name)
+    blocks = [rank_input(rank, length, dtype, op_name, j) for j in range(p)]
 
     def fresh(array):
         return kind.tensor(array.copy(), rank)
@@ -112,27 +148,33 @@ def every_collective(rank, group, world_size, dtype, op_name, length, kind="nump
 
 
 def check_every_collective(results, world_size, dtype, op_name, length):
-    """Compare each rank's outputs of :func:`every_collective` with numpy."""
-    op = OPS[op_name]
+    """Compare each rank's outputs of :func:`every_collective` with numpy.
+
+    Reductions are those of numpy bit for bit where their order cannot matter, else within the
+    rounding bound of their dtype (``support.reference``); every rank's allreduce holds the same
+    bits; what is only moved is moved bit for bit.
+    """
     p, root = world_size, world_size - 1
-    mine = [rank_data(r, length, dtype, op) for r in range(p)]
-    blocks = [[rank_data(r * 100 + j, length, dtype, op) for j in range(p)] for r in range(p)]
-    close = (np.testing.assert_allclose if np.dtype(dtype).kind == "f"
-             else np.testing.assert_array_equal)
+    mine = [rank_input(r, length, dtype, op_name) for r in range(p)]
+    blocks = [[rank_input(r, length, dtype, op_name, j) for j in range(p)] for r in range(p)]
+    case = f"{dtype} {op_name} of {length} on {p} ranks"
     assert len(results) == p
+    assert_reduced(results[0]["allreduce"], mine, op_name, f"{case}: rank 0's allreduce")
     for rank, got in enumerate(results):
-        close(got["allreduce"], numpy_reduce(mine, op))
+        np.testing.assert_array_equal(got["allreduce"], results[0]["allreduce"],
+                                      err_msg=f"{case}: rank {rank}'s allreduce, rank 0's")
         if rank != root:
             np.testing.assert_array_equal(got["reduce"], mine[rank])
         else:
-            close(got["reduce"], numpy_reduce(mine, op))
+            assert_reduced(got["reduce"], mine, op_name, f"{case}: the root's reduce")
             for j in range(p):
                 np.testing.assert_array_equal(got["gather"][j], mine[j])
         np.testing.assert_array_equal(got["broadcast"], mine[root])
         for j in range(p):
             np.testing.assert_array_equal(got["allgather"][j], mine[j])
             np.testing.assert_array_equal(got["alltoall"][j], blocks[j][rank])
-        close(got["reducescatter"], numpy_reduce([blocks[r][rank] for r in range(p)], op))
+        assert_reduced(got["reducescatter"], [blocks[r][rank] for r in range(p)], op_name,
+                       f"{case}: rank {rank}'s reducescatter")
         np.testing.assert_array_equal(got["scatter"], blocks[root][rank])
         if p > 1:
             np.testing.assert_array_equal(got["sendrecv"], mine[(rank - 1) % p])

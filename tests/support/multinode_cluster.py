@@ -1,7 +1,8 @@
 """A ``ray`` group across a three-node Ray cluster on this machine (``ray.cluster_utils.Cluster``),
 observed from the driver and from inside the members; prints one ``SUMMARY {json}`` line.
 
-Run by tests/test_multinode.py in its own process: a Cluster cannot share the test session's Ray.
+Run by tests/test_multinode.py in its own process (``python -m support.multinode_cluster``): a
+Cluster cannot share the test session's Ray.
 
 Layout: the head (num_cpus=1) and two worker nodes, each with a custom resource ``node<k>``;
 two members per node pinned by that resource, rank r on node r // 2. What it records:
@@ -44,12 +45,10 @@ from ray_collective.backends.ray.environment import CROSS_NODE_VARIABLE
 from ray_collective.backends.ray.post_offices import POST_OFFICE_LOOKUP_S
 from ray_collective.backends.key_value import NAMESPACE
 from ray_collective.transport import handshake, tcp
-from helpers import Member, numpy_reduce, rank_data, run_in
-from contract import check_every_collective, every_collective
-from test_ray_backend import _group_keys, join, leave
+from support.helpers import Member, group_keys, join, leave, numpy_reduce, rank_data, run_in
+from support.contract import check_every_collective, every_collective
+from support.paths import python_path
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 NODES = 3
 RANKS_PER_NODE = 2
 WORLD_SIZE = NODES * RANKS_PER_NODE
@@ -60,7 +59,8 @@ KILLED_RANK = 3
 OBJECT_STORE_BYTES = 200 * 2**20
 POST_OFFICE_PREFIX = "post-office-"
 EVERY_COLLECTIVE_CASES = [("int64", "SUM", SMALL), ("float64", "SUM", LARGE),
-                          ("float32", "MAX", 30_000), ("int32", "PRODUCT", 1)]
+                          ("float32", "MAX", 30_000), ("int32", "PRODUCT", 1),
+                          ("float64", "AVG", LARGE), ("float32", "PRODUCT", SMALL)]
 HIERARCHICAL_COLLECTIVES = ("allreduce", "broadcast", "reduce")
 
 
@@ -74,9 +74,8 @@ def start_cluster() -> Cluster:
         cluster.add_node(num_cpus=0, resources={f"node{k}": 4},
                          object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
-    path = os.pathsep.join([TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")])
     ray.init(address=cluster.address, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": python_path()}})
     return cluster
 
 
@@ -236,7 +235,7 @@ def declared_group(members: list, cross_node: str = "streams") -> dict:
     summary["post_office_nodes"] = post_office_nodes()
     col.destroy_collective_group(group)
     summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)
-    summary["keys_left"] = [k.decode() for k in _group_keys(ray, group)]
+    summary["keys_left"] = [k.decode() for k in group_keys(ray, group)]
     still_open = run_in(ray, members, open_socket_inodes)
     summary["stream_sockets_left"] = [sorted(set(r["stream_sockets"]) & set(now))
                                       for r, now in zip(results, still_open)]
@@ -261,7 +260,7 @@ def stranger_with_a_wrong_key(members: list, group: str) -> dict:
     keys) with a key of its own, while the members run allreduces (a rank accepts while it
     waits): what the stranger saw, what rank 2 counted, and whether the group still works."""
     target = 2
-    endpoint = next(k.decode().rsplit("/", 3)[1:] for k in _group_keys(ray, group)
+    endpoint = next(k.decode().rsplit("/", 3)[1:] for k in group_keys(ray, group)
                     if f"/stream/{target}/" in k.decode())
     host, port = endpoint[1], int(endpoint[2])
     stranger = tcp.connect(host, port, 0, target, os.urandom(16), 10)
@@ -296,7 +295,7 @@ def imperative_group(members: list) -> dict:
     summary["post_office_nodes"] = post_office_nodes()
     summary["still_initialized_after_leave"] = run_in(ray, members, leave, group)
     summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)
-    summary["keys_left"] = [k.decode() for k in _group_keys(ray, group)]
+    summary["keys_left"] = [k.decode() for k in group_keys(ray, group)]
     return summary
 
 
@@ -335,7 +334,7 @@ def post_office_killed(members: list) -> dict:
             "seconds_after_kill": [at - killed_at for _, _, at, _ in outcomes],
             "post_offices_gone_after_s": post_offices_gone_within(10.0),
             "post_offices_left": post_office_names(),
-            "keys_left": [k.decode() for k in _group_keys(ray, group)]}
+            "keys_left": [k.decode() for k in group_keys(ray, group)]}
 
 
 def _wait_for_post_offices(count: int, seconds: float) -> float:

@@ -1,5 +1,7 @@
-"""What the tests share besides fixtures: reference results computed by numpy alone, and the
-plain member actors the Ray tests form groups around (and how to run code inside them)."""
+"""What the tests share besides fixtures: reference results computed by numpy alone (with
+``support.reference``), small integer inputs, the plain member actors the Ray tests form groups
+around (and how to run code inside them), acting while a transport waits, scripts and
+benchmarks run in a subprocess, and acting as another user (the security tests)."""
 
 import contextlib
 import errno
@@ -10,28 +12,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 
 import ray_collective as col
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
-
-UFUNCS = {col.ReduceOp.SUM: np.add, col.ReduceOp.PRODUCT: np.multiply,
-          col.ReduceOp.MIN: np.minimum, col.ReduceOp.MAX: np.maximum}
+from support import reference
+from support.kinds import refuse_ray_subprocess
+from support.paths import REPO_DIR, python_path
 
 
 def numpy_reduce(arrays, op):
     """What an allreduce of ``arrays`` with ``op`` must give, computed by numpy on the stack."""
-    stacked = np.stack(arrays)
-    if op is col.ReduceOp.AVG:
-        summed = np.add.reduce(stacked, axis=0, dtype=stacked.dtype)
-        if np.issubdtype(stacked.dtype, np.integer):
-            return (np.sign(summed) * (np.abs(summed.astype(object)) // len(arrays))).astype(
-                stacked.dtype)
-        return (summed / stacked.dtype.type(len(arrays))).astype(stacked.dtype)
-    return UFUNCS[op].reduce(stacked, axis=0, dtype=stacked.dtype)
+    return reference.reduce(arrays, op.name)
 
 
 def rank_data(rank, shape, dtype, op=col.ReduceOp.SUM, seed=0):
@@ -71,6 +64,25 @@ def run_in(ray, actors, function, *args, timeout=120):
     return ray.get(refs, timeout=timeout)
 
 
+def join(rank, group, world_size, timeout=60.0):
+    """Inside a member: join ``group`` on the ``ray`` backend; returns (rank, world size)."""
+    col.init_collective_group(world_size, rank, backend="ray", group_name=group, timeout=timeout)
+    return col.get_rank(group), col.get_collective_group_size(group)
+
+
+def leave(rank, group):
+    """Inside a member: destroy its part of ``group``; returns whether it is still a member."""
+    col.destroy_collective_group(group)
+    return col.is_group_initialized(group)
+
+
+def group_keys(ray, group):
+    """The keys this job's ``group`` holds in Ray's key-value store."""
+    from ray.experimental import internal_kv
+    job = ray.get_runtime_context().get_job_id()
+    return internal_kv._internal_kv_list(f"{job}/{group}/".encode(), namespace="ray_collective")
+
+
 def process_resources(rank):
     """Inside a member: open descriptors (memfds among them) and resident memory of its
     process."""
@@ -86,17 +98,44 @@ def process_resources(rank):
     return len(fds), memfds, rss
 
 
+def act_while_waiting(transport, action):
+    """Run ``action()`` in a thread as soon as ``transport`` polls inside a ``wait``, so that
+    it happens while the caller waits (what a fixed delay cannot promise on a busy machine).
+
+    Returns:
+        The thread (join it once the wait is over).
+    """
+    waiting = threading.Event()
+    engine = transport.engine
+    poll = engine.progress
+
+    def polled(*args, **kwargs):
+        waiting.set()
+        return poll(*args, **kwargs)
+
+    engine.progress = polled
+    thread = threading.Thread(target=lambda: waiting.wait(60) and action(), daemon=True)
+    thread.start()
+    return thread
+
+
 def run_benchmark(module, *arguments, timeout=300):
     """``python -m module *arguments`` from the repository in a subprocess; returns it once it
     exited with 0 (else fails with the end of its stderr)."""
-    # A benchmark starts a Ray (or a cluster) of its own: it must not join one the suite may
-    # point to.
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    environment["PYTHONPATH"] = os.pathsep.join([REPO_DIR, os.environ.get("PYTHONPATH", "")])
-    completed = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO_DIR,
-                               env=environment, capture_output=True, text=True, timeout=timeout)
+    refuse_ray_subprocess(f"python -m {module}")
+    completed = run_python(["-m", module, *arguments], timeout)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
+
+
+def run_python(arguments, timeout):
+    """``python *arguments`` in the repository, in a subprocess that starts a Ray of its own if
+    it needs one; returns the finished process (its output as text)."""
+    # It must not join a Ray (or a cluster) the suite may point to, nor one another program
+    # runs on this machine, which a bare ray.init() would find: "local" starts a new one.
+    environment = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=python_path())
+    return subprocess.run([sys.executable, *arguments], cwd=REPO_DIR, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 NOBODY = 65534

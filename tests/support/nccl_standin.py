@@ -7,21 +7,30 @@ in which order, on which stream and device, with which NCCL datatype, count, op,
 and that executes the data movement the calls describe on host memory, so results can be
 compared with numpy.
 
-The model:
+The model, no kinder than NCCL where the backend could tell:
 
 - "Device memory" is host memory (numpy buffers) tagged with a device; every address the
   backend passes is checked to lie inside one allocation.
 - A stream is a FIFO of tasks that complete in order: event markers, waits on events, device
   copies, and NCCL work. An event completes when the tasks queued before its record have.
+- Work moves only when the host looks: when it queries an event or synchronizes a device. A
+  launch or a copy returns before anything is done, so a backend that reads a result without
+  waiting for its completion event reads memory not yet written.
 - NCCL calls of one communicator match across ranks in issue order (collectives by their
   index, send/recv per peer pair); a call completes once every party has reached it on its
-  stream, and only then is its data moved. Calls issued inside ``groupStart/groupEnd`` on one
-  stream form one task, as NCCL launches them together.
+  stream and the parties agree, and only then is its data moved (``nccl_standin_moves``: no
+  defensive copy; bfloat16 reduced as bfloat16). Parties that disagree (kind, count, datatype,
+  op, root) or a party that never comes leave the others waiting, as NCCL hangs (or corrupts
+  memory): only the caller's deadline ends it. Calls issued inside ``groupStart/groupEnd`` on
+  one stream form one task, as NCCL launches them together.
 - Communicator creation blocks until the whole clique has constructed (outside a group) or
-  until ``groupEnd``, like ``ncclCommInitRank``.
+  until ``groupEnd``, like ``ncclCommInitRank``: without end, unless :meth:`StandInGpus.close`
+  releases it.
 - Failures can be injected: an asynchronous NCCL error, an error returned by a launch, a CUDA
-  error on events, launches that block (as a blocking communicator does while it connects to
-  an absent peer), and caller work that holds a stream until released.
+  error on events, launches that block until their communicator is aborted (as a blocking
+  communicator does while it connects to an absent peer), caller work that holds a stream until
+  released, and launches that complete without moving any data (``inert_launches``), to show
+  that a test notices.
 
 Every call is appended to ``StandInGpus.log`` as ``(thread name, call name, details...)``.
 """
@@ -37,24 +46,21 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ray_collective.backends.nccl import NcclLibrary
+from support.contract import TensorKind
+from support.nccl_standin_moves import (DATATYPE_DTYPES, NCCL_CONSTANTS, disagreement, move_p2p,
+                                        run_collective)
 
-NCCL_CONSTANTS = dict(
-    NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3, NCCL_AVG=4,
-    NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_UINT32=3, NCCL_INT64=4, NCCL_UINT64=5,
-    NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_BFLOAT16=9,
-)
-DATATYPE_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64,
-                   5: np.uint64, 6: np.float16, 7: np.float32, 8: np.float64, 9: np.uint16}
 NOT_READY = 600
-INIT_WAIT_S = 5.0
+NCCL_INTERNAL_ERROR = 3
+CUDA_ERROR_LAUNCH_TIMEOUT = 702
 
 
 class StandInNcclError(RuntimeError):
     """Stands for ``cupy.cuda.nccl.NcclError``."""
 
-    def __init__(self, status: int):
+    def __init__(self, status: int, detail: str = ""):
         self.status = status
-        super().__init__(f"stand-in NCCL error {status}")
+        super().__init__(f"stand-in NCCL error {status}" + (f" ({detail})" if detail else ""))
 
 
 class StandInCudaError(RuntimeError):
@@ -103,7 +109,32 @@ class _Allocation:
         self.ptr = int(self.buffer.ctypes.data)
         self.nbytes = nbytes
         self.device = device
-        gpus._register(self)
+        gpus.device_memory.register(self)
+
+
+class _DeviceMemory:
+    """Every live allocation of the stand-in GPUs, by address."""
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self._allocations: Dict[int, weakref.ref] = {}
+
+    def register(self, allocation: _Allocation) -> None:
+        with self._lock:
+            self._allocations[allocation.ptr] = weakref.ref(allocation)
+
+    def at(self, ptr: int, nbytes: int, device: Optional[int] = None) -> np.ndarray:
+        """The bytes at ``[ptr, ptr + nbytes)``, which must lie in one live allocation (on
+        ``device``, if given)."""
+        with self._lock:
+            for base, ref in self._allocations.items():
+                allocation = ref()
+                if allocation is not None and base <= ptr and ptr + nbytes <= base + max(
+                        allocation.nbytes, 1):
+                    assert device is None or allocation.device == device, (
+                        f"address on device {allocation.device} used on device {device}")
+                    return allocation.buffer[ptr - base:ptr - base + nbytes]
+        raise AssertionError(f"address {ptr:#x} (+{nbytes}) is not in a live allocation")
 
 
 class _Communicator:
@@ -127,7 +158,7 @@ class _Communicator:
         self.collectives_issued = 0
         self.sends_issued: Dict[int, int] = {}
         self.recvs_issued: Dict[int, int] = {}
-        gpus._join_clique(self)
+        gpus.cliques.join(self)
 
     # NCCL calls
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
@@ -168,11 +199,11 @@ class _Communicator:
         self._issue(kind, stream, ("coll", n), args)
 
     def _issue(self, kind, stream, key, args):
-        self._gpus._issue(self, kind, stream, key, args)
+        self._gpus.cliques.issue(self, kind, stream, key, args)
 
     # lifetime and errors
     def abort(self):
-        self._gpus._abort(self)
+        self._gpus.cliques.abort(self)
 
     def destroy(self):
         self._gpus._record("destroy", self.rank)
@@ -207,6 +238,12 @@ class StandInGpus:
         version: what ``nccl.get_version()`` returns.
         char_signed: whether the platform's C ``char`` is signed (checks the unique id form).
         without: NCCL constants this CuPy lacks.
+
+    Attributes (failures to inject; set them at any time):
+        block_launches: an NCCL launch blocks until its communicator is aborted, then fails.
+        launch_error: an NCCL launch raises this NCCL status (0: none).
+        event_error: querying an event returns this CUDA status (0: none).
+        inert_launches: NCCL calls complete without moving any data.
     """
 
     def __init__(self, device_count: int = 4, version: int = 22105, char_signed: bool = True,
@@ -217,23 +254,31 @@ class StandInGpus:
         self.log: List[tuple] = []
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+        self.closed = False
         self._ids = itertools.count(1000)
-        self._allocations: Dict[int, weakref.ref] = {}
+        self.device_memory = _DeviceMemory(self.lock)
         self._streams: Dict[int, dict] = {}
         self._events: Dict[int, dict] = {}
-        self._cliques: Dict[tuple, Dict[int, _Communicator]] = {}
-        self._matches: Dict[tuple, Dict[str, _Op]] = {}
         self._local = threading.local()
         self.block_launches = False
         self.launch_error = 0
         self.event_error = 0
+        self.inert_launches = False
+        self.cliques = _Cliques(self)
         self.default_streams = {d: self._new_stream(d, 0) for d in range(device_count)}
         self.cuda = self._cuda_module()
-        self.nccl = self._nccl_module(without)
+        self.nccl = self.cliques.module(without)
 
     def library(self) -> NcclLibrary:
         """The backend's adapter over these stand-ins."""
         return NcclLibrary(self.cuda, self.nccl)
+
+    def close(self) -> None:
+        """Release whatever still blocks (a communicator's creation, a blocked launch, a device
+        synchronize): each raises. For the end of a test."""
+        with self.lock:
+            self.closed = True
+            self.changed.notify_all()
 
     # ------------------------------------------------------------ tensors
 
@@ -244,6 +289,11 @@ class StandInGpus:
         host = allocation.buffer[:values.nbytes].view(values.dtype).reshape(values.shape)
         host[...] = values
         return StandInCupyArray(host, device, allocation)
+
+    @staticmethod
+    def host(tensor: StandInCupyArray) -> np.ndarray:
+        """A copy of ``tensor``'s memory as it is now."""
+        return tensor.host.copy()
 
     def use_stream(self, device: int, stream: int) -> None:
         """Make ``stream`` the calling thread's current stream of ``device``."""
@@ -263,19 +313,28 @@ class StandInGpus:
         def release() -> None:
             released.set()
             with self.lock:
-                self._pump()
+                self.changed.notify_all()
         return release
 
     def fail_communicators(self, status: int) -> None:
         """Make every communicator report asynchronous NCCL error ``status``."""
         with self.lock:
-            for clique in self._cliques.values():
-                for communicator in clique.values():
-                    communicator.async_error = status
+            for communicator in self.communicators():
+                communicator.async_error = status
 
     def calls(self, name: str) -> List[tuple]:
         """The logged calls named ``name``."""
         return [entry for entry in self.log if entry[1] == name]
+
+    def wait_for_call(self, name: str, timeout: float = 10.0) -> None:
+        """Block until another thread has made a call named ``name`` (it may still be in it).
+
+        Raises:
+            AssertionError: no such call within ``timeout`` seconds.
+        """
+        with self.lock:
+            assert self.changed.wait_for(lambda: self.calls(name), timeout), (
+                f"no {name} call within {timeout} s")
 
     def live_streams(self) -> List[int]:
         """Streams created and not destroyed (the callers' default streams excluded)."""
@@ -288,7 +347,7 @@ class StandInGpus:
 
     def communicators(self) -> List[_Communicator]:
         """Every communicator created."""
-        return [c for clique in self._cliques.values() for c in clique.values()]
+        return self.cliques.communicators()
 
     # ------------------------------------------------------------ the modules
 
@@ -316,21 +375,6 @@ class StandInGpus:
                 ptr=self._thread_state().streams.get(device_id, self.default_streams[device_id])),
         )
 
-    def _nccl_module(self, without: Sequence[str]):
-        module = types.SimpleNamespace(
-            available=True,
-            NcclError=StandInNcclError,
-            get_version=lambda: self.version,
-            get_unique_id=self._unique_id,
-            groupStart=self._group_start,
-            groupEnd=self._group_end,
-            NcclCommunicator=lambda ndev, commId, rank: _Communicator(self, ndev, commId, rank),
-        )
-        for name, value in NCCL_CONSTANTS.items():
-            if name not in without:
-                setattr(module, name, value)
-        return module
-
     # ------------------------------------------------------------ thread state
 
     def _thread_state(self):
@@ -346,6 +390,7 @@ class StandInGpus:
     def _record(self, name: str, *details) -> None:
         with self.lock:
             self.log.append((threading.current_thread().name, name) + details)
+            self.changed.notify_all()
 
     def _current_device(self) -> int:
         return self._thread_state().device
@@ -354,23 +399,17 @@ class StandInGpus:
         assert 0 <= device < self.device_count, f"no device {device}"
         self._thread_state().device = device
 
-    # ------------------------------------------------------------ memory
+    def wait_until(self, condition: Callable[[], bool], what: str) -> None:
+        """Block until ``condition()`` (checked under the lock at every change) holds, for ever
+        unless :meth:`close` is called.
 
-    def _register(self, allocation: _Allocation) -> None:
+        Raises:
+            StandInNcclError: closed while waiting (``what`` says who waited).
+        """
         with self.lock:
-            self._allocations[allocation.ptr] = weakref.ref(allocation)
-
-    def memory(self, ptr: int, nbytes: int, device: Optional[int] = None) -> np.ndarray:
-        """The bytes at ``[ptr, ptr + nbytes)``, which must lie in one live allocation."""
-        with self.lock:
-            for base, ref in self._allocations.items():
-                allocation = ref()
-                if allocation is not None and base <= ptr and ptr + nbytes <= base + max(
-                        allocation.nbytes, 1):
-                    assert device is None or allocation.device == device, (
-                        f"address on device {allocation.device} used on device {device}")
-                    return allocation.buffer[ptr - base:ptr - base + nbytes]
-        raise AssertionError(f"address {ptr:#x} (+{nbytes}) is not in a live allocation")
+            self.changed.wait_for(lambda: self.closed or condition())
+            if not condition():
+                raise StandInNcclError(NCCL_INTERNAL_ERROR, f"{what}: the stand-in was closed")
 
     # ------------------------------------------------------------ streams and events
 
@@ -419,20 +458,24 @@ class StandInGpus:
         assert not state["destroyed"], "use of a destroyed stream"
         return state
 
+    def queue(self, stream: int, step: Callable[[], bool], what: str) -> None:
+        """Append a task to ``stream``; it runs when the host next looks (:meth:`_pump`)."""
+        with self.lock:
+            self._live_stream(stream)["tasks"].append(_Task(step, what))
+            self.changed.notify_all()
+
     def _event_record(self, event: int, stream: int) -> None:
         self._record("eventRecord", event, stream)
         with self.lock:
             state = self._live_event(event)
-            stream_state = self._live_stream(stream)
-            assert state["device"] == stream_state["device"], (
+            assert state["device"] == self._live_stream(stream)["device"], (
                 "event and stream on different devices")
             marker = state["marker"] = _Marker()
 
             def step():
                 marker.done = True
                 return True
-            stream_state["tasks"].append(_Task(step, "marker"))
-            self._pump()
+            self.queue(stream, step, "marker")
 
     def _event_query(self, event: int) -> int:
         with self.lock:
@@ -446,9 +489,7 @@ class StandInGpus:
         self._record("streamWaitEvent", stream, event)
         with self.lock:
             marker = self._live_event(event)["marker"]
-            self._live_stream(stream)["tasks"].append(
-                _Task(lambda: marker is None or marker.done, "wait"))
-            self._pump()
+            self.queue(stream, lambda: marker is None or marker.done, "wait")
 
     def _memcpy_async(self, dst: int, src: int, size: int, kind: int, stream: int) -> None:
         self._record("memcpyAsync", dst, src, size, stream)
@@ -457,64 +498,95 @@ class StandInGpus:
             device = self._live_stream(stream)["device"]
 
             def step():
-                self.memory(dst, size, device)[...] = self.memory(src, size, device)
+                memory = self.device_memory
+                memory.at(dst, size, device)[...] = memory.at(src, size, device)
                 return True
-            self._streams[stream]["tasks"].append(_Task(step, "copy"))
-            self._pump()
+            self.queue(stream, step, "copy")
 
     def _device_synchronize(self) -> None:
-        self._record("deviceSynchronize", self._current_device())
-        with self.lock:
-            self._pump()
-            busy = [s for s, state in self._streams.items()
-                    if state["device"] == self._current_device() and state["tasks"]]
-            assert not busy, "deviceSynchronize would hang: streams with pending work"
+        device = self._current_device()
+        self._record("deviceSynchronize", device)
+        try:
+            self.wait_until(lambda: self._pump() or not any(
+                state["tasks"] for state in self._streams.values()
+                if state["device"] == device), f"deviceSynchronize({device})")
+        except StandInNcclError:
+            raise StandInCudaError(CUDA_ERROR_LAUNCH_TIMEOUT) from None
 
     def _pump(self) -> None:
-        """Complete every task that can complete, until nothing moves."""
-        progress = True
+        """Complete every task that can complete, until nothing moves (called with the lock
+        held, when the host looks)."""
+        moved, progress = False, True
         while progress:
             progress = False
             for state in self._streams.values():
                 while state["tasks"] and state["tasks"][0].step():
                     state["tasks"].pop(0)
-                    progress = True
-        self.changed.notify_all()
+                    progress = moved = True
+        if moved:
+            self.changed.notify_all()
 
-    # ------------------------------------------------------------ NCCL
 
-    def _unique_id(self) -> tuple:
-        self._record("get_unique_id")
+class _Cliques:
+    """The NCCL side of the stand-in: communicators by clique, groups, launches, and the
+    matching of each call's parties across ranks."""
+
+    def __init__(self, gpus: StandInGpus):
+        self._gpus = gpus
+        self._cliques: Dict[tuple, Dict[int, _Communicator]] = {}
+        self._matches: Dict[tuple, Dict[object, _Op]] = {}
+
+    def communicators(self) -> List[_Communicator]:
+        return [c for clique in self._cliques.values() for c in clique.values()]
+
+    def module(self, without: Sequence[str]):
+        """The stand-in for ``cupy.cuda.nccl``, lacking the constants named in ``without``."""
+        gpus = self._gpus
+        module = types.SimpleNamespace(
+            available=True,
+            NcclError=StandInNcclError,
+            get_version=lambda: gpus.version,
+            get_unique_id=self.unique_id,
+            groupStart=self.group_start,
+            groupEnd=self.group_end,
+            NcclCommunicator=lambda ndev, commId, rank: _Communicator(gpus, ndev, commId, rank),
+        )
+        for name, value in NCCL_CONSTANTS.items():
+            if name not in without:
+                setattr(module, name, value)
+        return module
+
+    def unique_id(self) -> tuple:
+        self._gpus._record("get_unique_id")
         raw = np.random.default_rng().integers(0, 256, 128, dtype=np.uint8)
-        return tuple(int(v) for v in (raw.view(np.int8) if self.char_signed else raw))
+        return tuple(int(v) for v in (raw.view(np.int8) if self._gpus.char_signed else raw))
 
-    def _join_clique(self, communicator: _Communicator) -> None:
-        with self.lock:
+    def join(self, communicator: _Communicator) -> None:
+        gpus = self._gpus
+        with gpus.lock:
             clique = self._cliques.setdefault(communicator.uid, {})
             assert communicator.rank not in clique, "two communicators with one NCCL rank"
             clique[communicator.rank] = communicator
-            self.changed.notify_all()
-        state = self._thread_state()
+            gpus.changed.notify_all()
+        state = gpus._thread_state()
         if state.group_depth:
             state.grouped_inits.append(communicator)
         else:
             self._wait_for_clique(communicator)
 
     def _wait_for_clique(self, communicator: _Communicator) -> None:
-        with self.lock:
-            complete = self.changed.wait_for(
-                lambda: len(self._cliques[communicator.uid]) >= communicator.nranks,
-                INIT_WAIT_S)
-        if not complete:
-            raise StandInNcclError(2)
+        self._gpus.wait_until(
+            lambda: len(self._cliques[communicator.uid]) >= communicator.nranks,
+            f"NCCL rank {communicator.rank}'s communicator creation")
 
-    def _group_start(self) -> None:
-        self._record("groupStart")
-        self._thread_state().group_depth += 1
+    def group_start(self) -> None:
+        self._gpus._record("groupStart")
+        self._gpus._thread_state().group_depth += 1
 
-    def _group_end(self) -> None:
-        self._record("groupEnd")
-        state = self._thread_state()
+    def group_end(self) -> None:
+        gpus = self._gpus
+        gpus._record("groupEnd")
+        state = gpus._thread_state()
         state.group_depth -= 1
         if state.group_depth:
             return
@@ -526,35 +598,33 @@ class StandInGpus:
         for op in ops:
             by_stream.setdefault(op.stream, []).append(op)
         self._block_if_asked([op.communicator for op in ops])
-        with self.lock:
-            for stream, batch in by_stream.items():
-                self._enqueue(stream, batch)
+        for stream, batch in by_stream.items():
+            self._enqueue(stream, batch)
 
     def _block_if_asked(self, communicators: Sequence[_Communicator]) -> None:
-        if not self.block_launches or not communicators:
+        if not self._gpus.block_launches or not communicators:
             return
-        self._record("blocked launch")
-        with self.lock:
-            self.changed.wait_for(lambda: any(c.aborted for c in communicators), INIT_WAIT_S)
-        raise StandInNcclError(3)
+        self._gpus._record("blocked launch")
+        self._gpus.wait_until(lambda: any(c.aborted for c in communicators), "a blocked launch")
+        raise StandInNcclError(NCCL_INTERNAL_ERROR)
 
-    def _issue(self, communicator: _Communicator, kind: str, stream: int, key: tuple,
-               args: dict) -> None:
-        self._record(kind, communicator.rank, stream, dict(args))
-        if self.launch_error:
-            raise StandInNcclError(self.launch_error)
+    def issue(self, communicator: _Communicator, kind: str, stream: int, key: tuple,
+              args: dict) -> None:
+        gpus = self._gpus
+        gpus._record(kind, communicator.rank, stream, dict(args))
+        if gpus.launch_error:
+            raise StandInNcclError(gpus.launch_error)
         assert not communicator.aborted and not communicator.destroyed, "call on a dead comm"
-        with self.lock:
-            assert self._live_stream(stream)["device"] == communicator.device, (
+        with gpus.lock:
+            assert gpus._live_stream(stream)["device"] == communicator.device, (
                 "NCCL call on a stream of another device")
         op = _Op(communicator, kind, stream, (communicator.uid,) + key, args)
-        state = self._thread_state()
+        state = gpus._thread_state()
         if state.group_depth:
             state.grouped_ops.append(op)
             return
         self._block_if_asked([communicator])
-        with self.lock:
-            self._enqueue(stream, [op])
+        self._enqueue(stream, [op])
 
     def _enqueue(self, stream: int, batch: List[_Op]) -> None:
         def step():
@@ -563,82 +633,56 @@ class StandInGpus:
                     op.posted = True
                     self._post(op)
             return all(op.done for op in batch)
-        self._live_stream(stream)["tasks"].append(_Task(step, "nccl"))
-        self._pump()
+        self._gpus.queue(stream, step, "nccl")
 
-    def _abort(self, communicator: _Communicator) -> None:
-        self._record("abort", communicator.rank)
-        with self.lock:
+    def abort(self, communicator: _Communicator) -> None:
+        gpus = self._gpus
+        gpus._record("abort", communicator.rank)
+        with gpus.lock:
             communicator.aborted = True
             # Aborting stops the communicator's kernels: its pending work ends.
             for parties in self._matches.values():
                 for op in parties.values():
                     if op.communicator is communicator:
                         op.done = True
-            self._pump()
+            gpus.changed.notify_all()
 
     def _post(self, op: _Op) -> None:
-        if op.kind in ("send", "recv"):
-            parties = self._matches.setdefault(op.key, {})
-            parties[op.kind] = op
-            if len(parties) == 2:
-                self._move_p2p(parties["send"], parties["recv"])
-            return
+        """Add ``op`` to its call's parties; run the call once they are all there and agree."""
+        p2p = op.kind in ("send", "recv")
         parties = self._matches.setdefault(op.key, {})
-        parties[op.communicator.rank] = op
-        if len(parties) == op.communicator.nranks:
-            self._run_collective([parties[r] for r in range(op.communicator.nranks)])
+        parties[op.kind if p2p else op.communicator.rank] = op
+        expected = 2 if p2p else op.communicator.nranks
+        if len(parties) < expected:
+            return
+        ordered = [parties["send"], parties["recv"]] if p2p else [parties[r] for r in
+                                                                   range(expected)]
+        differs = disagreement(ordered)
+        if differs:
+            self._gpus._record("mismatch", op.key, differs)  # NCCL would hang: so do its parties
+            return
+        if not self._gpus.inert_launches:
+            if p2p:
+                move_p2p(*ordered, self._typed)
+            else:
+                run_collective(ordered, self._typed)
+        for party in ordered:
+            party.done = True
 
     def _typed(self, op: _Op, ptr: int, count: int) -> np.ndarray:
         dtype = np.dtype(DATATYPE_DTYPES[op.args["datatype"]])
-        return self.memory(ptr, count * dtype.itemsize, op.communicator.device).view(dtype)
-
-    def _move_p2p(self, send: _Op, recv: _Op) -> None:
-        assert (send.args["count"], send.args["datatype"]) == (
-            recv.args["count"], recv.args["datatype"]), f"mismatch: {send.args} {recv.args}"
-        self._typed(recv, recv.args["buf"], recv.args["count"])[...] = self._typed(
-            send, send.args["buf"], send.args["count"])
-        send.done = recv.done = True
-
-    def _run_collective(self, ops: List[_Op]) -> None:
-        first = ops[0]
-        for op in ops:
-            for field in ("count", "datatype", "op", "root"):
-                assert op.args.get(field) == first.args.get(field), (
-                    f"{first.kind} mismatch in {field}: {op.args} vs {first.args}")
-            assert op.kind == first.kind, f"{op.kind} matched with {first.kind}"
-        n, count, kind = len(ops), first.args["count"], first.kind
-        if kind in ("allReduce", "reduce"):
-            result = _reduce([self._typed(op, op.args["sendbuf"], count).copy() for op in ops],
-                             first.args["op"])
-            targets = ops if kind == "allReduce" else [ops[first.args["root"]]]
-            for op in targets:
-                self._typed(op, op.args["recvbuf"], count)[...] = result
-        elif kind == "broadcast":
-            data = self._typed(ops[first.args["root"]], ops[first.args["root"]].args["sendbuf"],
-                               count).copy()
-            for op in ops:
-                self._typed(op, op.args["recvbuf"], count)[...] = data
-        elif kind == "allGather":
-            parts = [self._typed(op, op.args["sendbuf"], count).copy() for op in ops]
-            for op in ops:
-                self._typed(op, op.args["recvbuf"], count * n)[...] = np.concatenate(parts)
-        else:  # reduceScatter
-            inputs = [self._typed(op, op.args["sendbuf"], count * n).copy() for op in ops]
-            for r, op in enumerate(ops):
-                self._typed(op, op.args["recvbuf"], count)[...] = _reduce(
-                    [x[r * count:(r + 1) * count] for x in inputs], first.args["op"])
-        for op in ops:
-            op.done = True
+        return self._gpus.device_memory.at(ptr, count * dtype.itemsize,
+                                           op.communicator.device).view(dtype)
 
 
-def _reduce(arrays: List[np.ndarray], op: int) -> np.ndarray:
-    stacked = np.stack(arrays)
-    if op == NCCL_CONSTANTS["NCCL_AVG"]:
-        total = np.add.reduce(stacked, axis=0, dtype=stacked.dtype)
-        if stacked.dtype.kind in "iu":
-            return (np.sign(total) * (np.abs(total.astype(object)) // len(arrays))).astype(
-                stacked.dtype)
-        return (total / len(arrays)).astype(stacked.dtype)
-    ufunc = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}[op]
-    return ufunc.reduce(stacked, axis=0, dtype=stacked.dtype)
+class StandInKind(TensorKind):
+    """The contract's tensors on the stand-in GPU of each rank (rank r uses device r)."""
+
+    def __init__(self, gpus: StandInGpus):
+        self.gpus = gpus
+
+    def tensor(self, array: np.ndarray, rank: int) -> StandInCupyArray:
+        return self.gpus.array(array, device=rank)
+
+    def array(self, tensor: StandInCupyArray) -> np.ndarray:
+        return self.gpus.host(tensor)

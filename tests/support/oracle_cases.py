@@ -16,8 +16,10 @@ import numpy as np
 SEED = 20240611
 
 REDUCTIONS = (("float64", "SUM"), ("int32", "SUM"), ("float32", "MIN"), ("int64", "MAX"),
-              ("int32", "PRODUCT"))
-"""(dtype, op) of the reducing collectives: float sums compare with allclose, the rest exactly."""
+              ("int32", "PRODUCT"), ("float64", "AVG"), ("int32", "AVG"))
+"""(dtype, op) of the reducing collectives: float sums and averages compare within their
+rounding bound (``support.reference``), the rest bit for bit. MPI has no average: its side sums,
+then divides as ReduceOp.AVG does (``reference.average_of_sum``)."""
 
 MOVED_DTYPES = ("float64", "int32")
 """dtypes of the collectives that only move data (compared exactly)."""
@@ -58,8 +60,16 @@ class Case:
 
     @property
     def exact(self) -> bool:
-        """Whether both sides must agree bit for bit (everything but floating sums)."""
-        return not (self.op == "SUM" and np.dtype(self.dtype).kind == "f")
+        """Whether both sides must agree bit for bit (all but float sums and averages)."""
+        return not (self.op in ("SUM", "AVG") and np.dtype(self.dtype).kind == "f")
+
+    def reduced_inputs(self, seed: int, rank: int, world_size: int) -> list:
+        """The arrays (one per rank) whose reduction is rank ``rank``'s output of this
+        reducing case: every rank's tensor, or for reducescatter every rank's block ``rank``."""
+        inputs = [rank_input(seed, self, r, world_size) for r in range(world_size)]
+        if self.collective == "reducescatter":
+            return [np.split(data, world_size)[rank] for data in inputs]
+        return [data[:self.length] for data in inputs]
 
 
 def cases(world_size: int) -> list[Case]:

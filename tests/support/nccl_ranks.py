@@ -1,8 +1,9 @@
 """Run the ranks of an NCCL group as threads of this process, without Ray.
 
 Built on ``ray_collective.testing.run_ranks``: each rank (thread ``rank-<rank>``) gets its own
-group registry and joins through an :class:`NcclBackendFactory` that shares one :class:`InProcessRendezvous` and one NCCL library: the recording stand-in of
-``nccl_standin.py`` in CI, CuPy's real one in the GPU tests.
+group registry and joins through an :class:`NcclBackendFactory` that shares one
+:class:`InProcessRendezvous` and one NCCL library: the recording stand-in of ``nccl_standin``
+in CI, CuPy's real one in the GPU tests.
 """
 
 from typing import Any, Callable, List, Optional, Sequence

@@ -1,7 +1,7 @@
 """The MPI side of the oracle: runs every case of ``oracle_cases.cases(world size)`` through mpi4py
 and writes this rank's outputs to ``<output dir>/rank<r>.npz`` (keys ``Case.output_key``).
 
-Usage: mpiexec -n P python mpi_oracle.py SEED OUTPUT_DIR
+Usage: mpiexec -n P python -m support.mpi_oracle SEED OUTPUT_DIR (with ``tests/`` on PYTHONPATH)
 """
 
 import os
@@ -10,9 +10,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from oracle_cases import LIST_OUTPUT, Case, cases, rank_input
+from support.oracle_cases import LIST_OUTPUT, Case, cases, rank_input
+from support.reference import average_of_sum
 
-MPI_OPS = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PRODUCT": MPI.PROD}
+MPI_OPS = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PRODUCT": MPI.PROD,
+           "AVG": MPI.SUM}
+"""MPI has no average: AVG sums, and :func:`main` divides the sum."""
 
 
 def run_case(comm, case: Case, data: np.ndarray) -> np.ndarray:
@@ -51,7 +54,7 @@ def main(seed: int, output_dir: str) -> None:
     for case in cases(p):
         out = run_case(comm, case, rank_input(seed, case, rank, p))
         if case.has_output(rank):
-            outputs[case.output_key(rank)] = out
+            outputs[case.output_key(rank)] = average_of_sum(out, p) if case.op == "AVG" else out
     np.savez(os.path.join(output_dir, f"rank{rank}.npz"), **outputs)
 
 

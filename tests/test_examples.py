@@ -1,0 +1,87 @@
+"""Every script in ``examples/`` runs as the README says (``python examples/<name>.py``) and
+prints what numpy says it must, so that the README's examples cannot rot. The parameter-server
+example is ``tests/test_param_server.py``'s. Each Ray example starts a Ray of its own in its
+subprocess (marked ``ray``); the NCCL examples need GPUs, and where the Ray they start has too
+few they must say so and exit with status 1."""
+
+import ast
+
+import numpy as np
+import pytest
+
+from support.helpers import run_python
+
+TIMEOUT_S = 240
+
+
+def _run(script, *arguments, status=0):
+    finished = run_python([f"examples/{script}", *arguments], TIMEOUT_S)
+    assert finished.returncode == status, finished.stdout[-2000:] + finished.stderr[-3000:]
+    return finished.stdout.splitlines()
+
+
+def _after(lines, prefix):
+    """The text after ``prefix`` on the one line that starts with it."""
+    [line] = [line for line in lines if line.startswith(prefix)]
+    return line[len(prefix):].strip()
+
+
+def _printed_array(text):
+    """A numpy array as ``print`` shows it (``[3. 3. 3.]``)."""
+    return np.array(text.strip("[]").split(), float)
+
+
+def test_local_allreduce_runs_four_thread_ranks():
+    lines = _run("local_allreduce.py")
+    assert "rank 1 received 42 from rank 0" in lines
+    for rank in range(4):
+        result = ast.literal_eval(_after(lines, f"rank {rank}:"))
+        assert result == {"average": [np.mean([1.0, 2.0, 3.0, 4.0])] * 3,
+                          "weights": [0.0, 1.0, 2.0], "allgather": [0, 10, 20, 30]}
+
+
+@pytest.mark.ray
+def test_imperative_allreduce_averages_broadcasts_and_gathers():
+    lines = _run("imperative_allreduce.py")
+    assert ast.literal_eval(_after(lines, "joined ranks:")) == [0, 1, 2, 3]
+    results = [ast.literal_eval(line) for line in lines if line.startswith("{")]
+    assert results == [{"rank": rank, "mean gradient": np.mean([1.0, 2.0, 3.0, 4.0]),
+                        "weights": [0.0, 1.0, 2.0, 3.0], "allgather": [0, 1, 2, 3]}
+                       for rank in range(4)]
+
+
+@pytest.mark.ray
+def test_declarative_allreduce_sums_two_actors_buffers():
+    lines = _run("declarative_allreduce.py")
+    for rank in range(2):
+        assert ast.literal_eval(_after(lines, f"rank {rank}:")) == [1.0 + 1.0] * 10
+
+
+@pytest.mark.ray
+def test_declarative_refs_chain_two_calls_and_a_send():
+    lines = _run("declarative_refs.py")
+    total = np.full(10, 1.0 + 2.0)
+    np.testing.assert_array_equal(_printed_array(_after(lines, "sum, rank 0:")), total)
+    np.testing.assert_array_equal(_printed_array(_after(lines, "sum then max, rank 1:")),
+                                  total)
+    np.testing.assert_array_equal(
+        _printed_array(_after(lines, "rank 1 received from rank 0:")), np.full(10, 1.0))
+
+
+@pytest.mark.ray
+def test_send_recv_keeps_tagged_messages_apart():
+    lines = _run("send_recv.py")
+    assert f"rank 0 got the reply {sum(range(5))}" in lines
+    assert "rank 1 got [0, 1, 2, 3, 4] (tag 1) and [2.5, 2.5, 2.5] (tag 2)" in lines
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("script, arguments, needed", [
+    ("nccl_allreduce.py", (), 2), ("nccl_multigpu.py", ("--actors", "1"), 2)])
+def test_nccl_examples_say_what_they_need_without_enough_gpus(script, arguments, needed):
+    finished = run_python([f"examples/{script}", *arguments], TIMEOUT_S)
+    if finished.returncode == 0:  # a GPU machine: the example ran
+        assert finished.stdout.strip(), finished.stderr[-3000:]
+        return
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    assert f"this example needs {needed} GPUs in the Ray cluster; it has " in finished.stdout
