@@ -147,7 +147,7 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 
 
 LAYERS = (
-    ("types", "errors", "tensors", "validation"),
+    ("types", "errors", "tensors", "validation", "recorder", "metrics"),
     ("algorithms", "transport"),
     ("plan", "executor", "sim", "native"),
     ("backends",),
