@@ -153,7 +153,8 @@ LAYERS = (
     ("backends",),
     ("group",),
     ("declared",),
-    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__"),
+    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
+     "status", "__main__"),
 )
 """README's layers, bottom first: a module imports only from its own layer or those below."""
 
