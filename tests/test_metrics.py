@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from support.metrics_job import (ALLREDUCE_ELEMENTS, ALLREDUCES, BROADCAST_ELEMENTS, BROADCASTS)
+from support import extras
 from support.paths import python_path
 
 pytestmark = pytest.mark.ray
@@ -27,6 +28,7 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def scraped():
+    extras.need("prometheus_client", "Ray's metrics agent (the node's metrics endpoint)")
     env = dict(os.environ, PYTHONPATH=python_path())
     finished = subprocess.run([sys.executable, "-m", "support.metrics_job", str(_free_port())],
                               capture_output=True, text=True, timeout=300, env=env, check=False)
