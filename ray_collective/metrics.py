@@ -87,8 +87,11 @@ class MetricsFlush:
 
     def remove(self, recorder: FlightRecorder) -> None:
         """Hand ``recorder``'s last counts to Ray and forget it; the thread stops with the last
-        recorder."""
-        self.flush(recorder)
+        recorder. Leaving a group never fails for its metrics."""
+        try:
+            self.flush(recorder)
+        except Exception:  # noqa: BLE001 - Ray shutting down: those counts are lost, the group goes
+            pass
         with self._lock:
             if recorder in self._recorders:
                 self._recorders.remove(recorder)
@@ -147,7 +150,7 @@ class MetricsFlush:
         if seen is not None:
             for kind, count in dict(recorder.errors).items():
                 if count > seen.get(kind, 0):
-                    errors.inc(count - seen.get(kind, 0), {"group": recorder.group_name,
+                    errors.inc(count - seen.get(kind, 0), {"group": label(recorder.group_name),
                                                            "backend": recorder.backend,
                                                            "kind": kind})
                     seen[kind] = count
@@ -174,6 +177,12 @@ class MetricsFlush:
         return self._ray_metrics
 
 
+def label(text: str) -> str:
+    """``text`` as a label Ray takes: ASCII (a group's name may be any text), other characters
+    escaped as Python does (``\\u00e9``)."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
 class _Tags:
     """The labels of one recorder's metrics, one dict per collective (made once)."""
 
@@ -184,7 +193,7 @@ class _Tags:
     def __call__(self, collective: str) -> Dict[str, str]:
         tags = self._made.get(collective)
         if tags is None:
-            tags = self._made[collective] = {"group": self._recorder.group_name,
+            tags = self._made[collective] = {"group": label(self._recorder.group_name),
                                              "collective": collective,
                                              "backend": self._recorder.backend}
         return tags

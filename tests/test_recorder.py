@@ -193,3 +193,10 @@ def test_a_failed_call_counts_among_the_calls_and_its_kind():
     recorder.failed(shape, 1, 0.0, col.PeerDiedError("g", 0, "barrier", 1, [1]))
     assert shape.calls == 2
     assert recorder.errors == {"CollectiveTimeoutError": 1, "PeerDiedError": 1}
+
+
+def test_a_group_name_of_any_text_becomes_a_label_ray_takes():
+    from ray_collective.metrics import label
+    assert label("plain-name_1") == "plain-name_1"
+    assert label("gr\u00e9-\U0001f600").isascii()
+    assert label("gr\u00e9") != label("gre")
