@@ -332,6 +332,26 @@ def get_collective_group_size(group_name: str = "default") -> int:
     return registry.get(group_name).world_size if registry.is_initialized(group_name) else -1
 
 
+def get_collective_trace(group_name: str = "default") -> List[dict]:
+    """This rank's last calls on the group, from its flight recorder, oldest first.
+
+    Each rank keeps its last ``RAY_COLLECTIVE_TRACE_SIZE`` calls (256 unless set; 0 keeps none)
+    of each group; an error that breaks the group carries the same list (its ``trace``).
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        One dict per call: ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
+        ``algorithm``, ``peers``, ``start`` and ``end`` (Unix time, seconds), ``duration_s``
+        and ``outcome`` (``"ok"`` or the error's class name).
+
+    Raises:
+        GroupNotInitializedError: this process is not a member of ``group_name``.
+    """
+    return _group(group_name).trace()
+
+
 def register_backend(name: str, factory: BackendFactory) -> None:
     """Add a backend of your own, to be named by ``backend=name`` in this process.
 

@@ -20,7 +20,7 @@ from ..algorithms.catalog import flat_choice
 from ..algorithms.core import Blocks, Context, Team, Topology
 from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
-from ..plan import Plan, point_to_point, record
+from ..plan import Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import NativePlan, NativeRunner
@@ -222,6 +222,13 @@ class TransportMembership(Membership):
                 finalize_average(flat, dtype_name, world_size)
 
         return run
+
+    def describe(self, options: CallOptions, view: Optional[TensorView]
+                 ) -> Tuple[str, Tuple[int, ...]]:
+        prepared = self.prepared(options, view)
+        peers = {message.peer for step in prepared.plan.steps if type(step) is not Local
+                 for message in step}
+        return prepared.template.header.algorithm, tuple(sorted(peers))
 
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
