@@ -19,8 +19,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError
 from ..algorithms.core import Blocks
+from ..errors import CollectiveTimeoutError
 from ..plan import Local, Place, Plan
 from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
 from ..transport.wire import CallStamp, mismatch
@@ -179,12 +179,12 @@ class NativeRunner:
             PeerDiedError, GroupBrokenError: from the transport's failure check.
         """
         node, transport = self.node, self.transport
+        deadline = time.monotonic() + timeout
         transport.arrive(stamp)
         node.start(native.code, slots, stamp.packed, native.dtype_code, native.op_code,
                    COLLECTIVE_TAG)
         status = node.progress(self.slice_s)
         if status != DONE:
-            deadline = time.monotonic() + timeout
             while status != DONE:
                 if status == MISMATCH:
                     raise self._mismatch(stamp)
