@@ -246,7 +246,7 @@ class BenchmarkRank:
                 col.recv(action, 0, group_name=group_name, timeout=timeout)
             return int(action[0])
 
-        return _observe_loop(options, self.rank, request)
+        return observe_loop(options, self.rank, request)
 
     def rpc_join(self, world_size: int, init_method: str, timeout_s: float) -> str:
         """Join the ``torch-rpc`` world (``agent_observer_rpc.join``); returns torch's version."""
@@ -272,11 +272,21 @@ class BenchmarkRank:
             return ray.get(agent.select_action.remote(iteration, state),
                            timeout=options.timeout_s)
 
-        return _observe_loop(options, self.rank, request)
+        return observe_loop(options, self.rank, request)
 
 
-def _observe_loop(options: AgentObserverOptions, rank: int, request) -> ObserverRecord:
-    # ``request(state, iteration)`` sends one state and returns the action received.
+def observe_loop(options: AgentObserverOptions, rank: int, request) -> ObserverRecord:
+    """An observer's iterations, whatever carries its requests: each state sent, timed until
+    its action is back.
+
+    Args:
+        options: the run's options (iterations, warm-up, seed, state size, records kept).
+        rank: the observer's rank (its states depend on it).
+        request: ``request(state, iteration)`` sends one state and returns the action.
+
+    Returns:
+        The observer's latencies and its first recorded states and actions.
+    """
     latencies: List[float] = []
     states: List[np.ndarray] = []
     actions: List[int] = []

@@ -24,13 +24,15 @@ tensors, never as the benchmark's own classes, which exist twice when the benchm
 from __future__ import annotations
 
 import threading
+from dataclasses import asdict
 from typing import List, Tuple
 
 import numpy as np
 import torch
 import torch.distributed.rpc as rpc
 
-from .agent_observer import AgentState, ObserverRecord, _observe_loop, select_actions
+from .agent_observer import (AgentObserverOptions, AgentState, ObserverRecord, observe_loop,
+                             select_actions)
 
 AGENT_NAME = "agent"
 """The agent's (rank 0's) name in the RPC world."""
@@ -130,7 +132,6 @@ class RpcObserver:
         Returns:
             ``(latencies, states, actions)`` of ``ObserverRecord``'s fields.
         """
-        from .agent_observer import AgentObserverOptions
         options = AgentObserverOptions(**dict(self.settings))
         owner = agent_rref.owner()
         select = RpcAgent.select_action_batch if batch else RpcAgent.select_action
@@ -139,11 +140,12 @@ class RpcObserver:
             return rpc.rpc_sync(owner, select, args=(agent_rref, iteration,
                                                      torch.from_numpy(state)))
 
-        record = _observe_loop(options, self.rank, request)
+        record = observe_loop(options, self.rank, request)
         return record.latencies_s, record.states, record.actions
 
 
-def coordinate(options, world_size: int, batch: bool) -> Tuple[List[float], List[ObserverRecord]]:
+def coordinate(options: AgentObserverOptions, world_size: int,
+               batch: bool) -> Tuple[List[float], List[ObserverRecord]]:
     """On the agent's rank: create the agent and the observers, run every observer's episode
     at once (``rpc_async``), and collect what they measured.
 
@@ -155,7 +157,6 @@ def coordinate(options, world_size: int, batch: bool) -> Tuple[List[float], List
     Returns:
         The agent's iteration periods and each observer's record, in rank order.
     """
-    from dataclasses import asdict
     settings = tuple(sorted((name, value) for name, value in asdict(options).items()
                             if not isinstance(value, tuple)))
     agent = RpcAgent(options, world_size - 1, batch)
@@ -172,6 +173,6 @@ def coordinate(options, world_size: int, batch: bool) -> Tuple[List[float], List
     return agent.periods(), records
 
 
-def _episode_timeout(options) -> float:
+def _episode_timeout(options: AgentObserverOptions) -> float:
     # An episode is many requests, each with its own deadline; the whole gets a generous one.
     return options.timeout_s * 2
