@@ -22,8 +22,6 @@ group is identified by a random token:
   complete and read by a peer when it first connects.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
-- ``<prefix><token>/gave_up/<rank>`` marks a rank whose join timed out (it withdrew its member
-  key): ranks whose deadline passes later do not name it as missing.
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
   member raised a collective error in it (the key holds that error's record, which ranks
   waiting on other nodes read: see ``RayPostOffices.published_abort``), or a joining rank
@@ -135,6 +133,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     abandoned: Set[str] = set()
     pauses = _pauses(_longest_pause(world_size))
     members: List[Member] = []
+    # The ranks seen registered in this incarnation while this rank waited: one whose own
+    # deadline passed first withdrew its key, but it came, and is not named as missing.
+    seen: Set[int] = set()
     next_recheck = 0.0
     while True:
         # A registered rank polls one key; whether its incarnation was replaced or broken
@@ -146,7 +147,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
                 kv.delete_prefix(_member_key(prefix, registered, me))
                 abandoned.add(registered)
-                registered, members = None, []
+                registered, members, seen = None, [], set()
             # Never rejoin an incarnation this rank left: a re-init after a destroy waits for
             # the next one, which rank 0 opens once it has left too.
             if current is not None and current != registered and current not in abandoned \
@@ -162,6 +163,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         # The store is linearizable: the rank whose key went in last sees
                         # every key here, and tells the others with one key they can poll.
                         members = registered_members(kv, prefix, registered)
+                        seen = {m.rank for m in members}
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
                             return registered, sorted(members, key=lambda m: m.rank)
@@ -169,16 +171,11 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             members = registered_members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
-            present = {m.rank for m in (registered_members(kv, prefix, registered) if registered
-                                        else members)}
+            present = seen | {m.rank for m in (registered_members(kv, prefix, registered)
+                                               if registered else members)}
             if registered is not None:
-                # Ranks that came and gave up before this one are not missing: their deadline
-                # passed first. This one leaves the same note, then withdraws, so that a rank
-                # joining this incarnation later waits for a live member instead of counting
-                # this failed one.
-                present |= {int(k.rsplit("/", 1)[1])
-                            for k in kv.keys(f"{prefix}{registered}/gave_up/")}
-                kv.put(f"{prefix}{registered}/gave_up/{me.rank}")
+                # Withdraw, so that a rank joining this incarnation later waits for a live
+                # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)
