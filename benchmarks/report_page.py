@@ -406,9 +406,11 @@ def brief_section(documents: Sequence[dict], plots: Optional[pathlib.Path],
                           f"tables, `docs/results-tables.md`, and the JSON name each failure)."])
     if plots is not None:
         link = os.path.relpath(plots, relative_to)
-        lines.extend(_plots(plots, relative_to, "latency_*.png")
-                     + ["", f"Every plot of this run, bus bandwidth and time against ranks too: "
-                            f"[{link}/]({link}/)."])
+        images = _plots(plots, relative_to, "latency_*.png")[1:]
+        # Side by side on one line: the page shows them the same, in a line of its source.
+        lines.extend(["", "".join(images)] if images else [])
+        lines.extend(["", f"Every plot of this run, bus bandwidth and time against ranks too: "
+                          f"[{link}/]({link}/)."])
     return lines + [""]
 
 

@@ -462,8 +462,8 @@ def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp
     assert ("Run 2026-11-26 on 2 cores / 23.5 GiB, Ray 2.60.0, numpy 2, : `python -m benchmarks`"
             in lines)
     assert "failed: 1 point(s) where a backend failed" in generated
-    images = [line for line in lines if line.startswith("<img")]
-    assert [image.split('"')[1] for image in images] == [
+    [images] = [line for line in lines if line.startswith("<img")]   # one line, side by side
+    assert re.findall(r'src="([^"]+)"', images) == [
         "plots/latency_allreduce_2ranks.png", "plots/latency_allreduce_4ranks.png"]
     assert "bus bandwidth and time against ranks too: [plots/](plots/)." in generated
     assert page_main(["--brief", f"{source}={plots}"]) == 0   # the command line takes it too
