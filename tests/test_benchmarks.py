@@ -431,19 +431,30 @@ def test_results_page_ratios_and_markers(tmp_path):
         replace_between_markers("no markers", generated)
 
 
-def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp_path):
-    # back-to-back rows with ray 4x faster than its barrier rows, the others 2x; one failure.
+def _rows_in_both_modes():
+    """The page's rows in both timing modes: back to back twice as fast as the barrier rows,
+    and ray 2x faster in them only (4x its barrier time)."""
     rows = [dict(row, timing="barrier") for row in _rows_for_page()]
-    rows += [dict(row, timing="back-to-back",
-                  p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
-             for row in _rows_for_page()]
-    rows[-1] = dict(rows[-1], p50_s=None, error="rank 1: PeerDiedError")
-    document = {"metadata": {"date": "2026-11-26", "cpu_count": 2, "memory_gib": 23.5,
+    return rows + [dict(row, timing="back-to-back",
+                        p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
+                   for row in _rows_for_page()]
+
+
+def _page_source(directory, rows, date):
+    """A sweep's JSON file of ``rows`` (backends ray, gloo, mpi4py), written in ``directory``."""
+    document = {"metadata": {"date": date, "cpu_count": 2, "memory_gib": 23.5,
                              "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
                              "options": {"backends": ["ray", "gloo", "mpi4py"]}},
                 "rows": rows, "notes": []}
-    source = tmp_path / "both.json"
+    source = directory / "both.json"
     source.write_text(json.dumps(document))
+    return source
+
+
+def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp_path):
+    rows = _rows_in_both_modes()
+    rows[-1] = dict(rows[-1], p50_s=None, error="rank 1: PeerDiedError")
+    source = _page_source(tmp_path, rows, "2026-11-26")
     plots = tmp_path / "plots"
     write_plots(rows, plots)
     generated = render([([source], plots)], tmp_path, brief=True)
@@ -470,21 +481,12 @@ def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp
 
 
 def test_results_page_and_plots_show_both_timing_modes(tmp_path):
-    # back-to-back rows twice as fast as the barrier ones, and ray 2x faster in them only.
-    rows = [dict(row, timing="barrier") for row in _rows_for_page()]
-    rows += [dict(row, timing="back-to-back",
-                  p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
-             for row in _rows_for_page()]
+    rows = _rows_in_both_modes()
     # CPU per call in the back-to-back rows only: the busiest rank 80 %, the median 50 % of p50.
     rows = [dict(row, cpu_per_call_max_s=row["p50_s"] * 0.8,
                  cpu_per_call_median_s=row["p50_s"] * 0.5) if row["timing"] == "back-to-back"
             else row for row in rows]
-    document = {"metadata": {"date": "2026-11-23", "cpu_count": 2, "memory_gib": 23.5,
-                             "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
-                             "options": {"backends": ["ray", "gloo", "mpi4py"]}},
-                "rows": rows, "notes": []}
-    source = tmp_path / "both.json"
-    source.write_text(json.dumps(document))
+    source = _page_source(tmp_path, rows, "2026-11-23")
     generated = render([([source], None)], tmp_path)
     headings = [line.split("**")[1] for line in generated.splitlines() if line.startswith("**")]
     assert headings == ["allreduce, 2 ranks, back to back",
