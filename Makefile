@@ -1,4 +1,5 @@
-# The commands of the README: `make demo`, `make test` (see its "Testing") and `make bench`
+# The commands of the README: `make demo`, `make test` (see CONTRIBUTING.md), `make docs` (the
+# documentation site, strict) and `make bench`
 # (reruns every table and plot of benchmarks/README.md's results page, both timing modes, about
 # an hour; `make bench-nodes` only its part across nodes); `make
 # ps-example` (the parameter-server example, one short run of six variants) and `make ps-bench`
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test bench bench-nodes bench-400 ps-example ps-bench venv clean
+.PHONY: demo test docs bench bench-nodes bench-400 ps-example ps-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,16 @@ demo: $(STAMP_BASE)
 PYTEST_ARGS ?=
 test: $(STAMP_TEST)
 	RAY_COLLECTIVE_REQUIRE_EXTRAS=1 RAY_COLLECTIVE_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The documentation site (docs/, Sphinx with MyST pages and the API reference from the
+# docstrings) into docs/_build/html, every warning an error, as tests/test_docs.py builds it.
+STAMP_DOCS := $(VENV)/.installed-docs
+$(STAMP_DOCS): $(STAMP_BASE)
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(STAMP_DOCS)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 bench: $(STAMP_TEST)
 	PYTHON=$(BIN)/python benchmarks/reproduce.sh
@@ -82,4 +93,4 @@ ps-bench: $(STAMP_TEST)
 	    --plot benchmarks/results/plots/param_server_throughput.png $(PS_BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache docs/_build

@@ -4,13 +4,14 @@
 (``torch.distributed``'s own Gloo group, Gloo through ``ray.util.collective``, plain Ray with a
 central actor, mpi4py under ``mpiexec``) in one run, interleaved, back to back or with a barrier
 before every call, and prints latency, nccl-tests bandwidths, processes and memory side by side
-(see README.md); ``make bench`` reruns the README's results page.
+(the method: docs/benchmarking.md); ``make bench`` reruns the results page,
+benchmarks/README.md.
 
 Modules: ``cli`` (the command line), ``harness`` (actors, interleaved sweep, rows),
 ``worker`` (the rank that times calls), ``peers`` (one class per library), ``plain_ray`` (the
 plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and its channel),
 ``collectives`` (sizes and bus factors), ``stats`` (percentiles, bandwidths), ``report``
-(table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the README's tables).
+(table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the pages' tables).
 ``scale_real`` (with its rank actor, ``scale_rank``) runs real groups of up to 400 ranks
 (``make bench-400``). ``minimal_loop`` is the loop a user writes (this library beside Ray's
 Gloo group, call by call, in the same plain actors); ``agent_observer`` (with

@@ -16,7 +16,7 @@ the slowest rank per iteration, each rank's own p50 and each rank's CPU time per
 
 It shares only the two timers of ``worker`` with ``python -m benchmarks``: no harness, no peer
 classes. The trial options change one thing at a time, the candidates for why the two
-disagreed (see README.md, "The minimal loop and the CLI"):
+disagreed (the results page, benchmarks/README.md, "Across nodes"):
 
 - ``--timing per-call`` (default: ``perf_counter`` around each call) or ``back-to-back``
   (completion to completion, as the CLI);

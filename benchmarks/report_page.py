@@ -1,8 +1,17 @@
 """The results page: markdown tables (and plot links) generated from the sweeps' JSON files.
 
-    python -m benchmarks.report_page benchmarks/results/allreduce.json=benchmarks/results/plots/allreduce \\
+    python -m benchmarks.report_page --brief \\
+        benchmarks/results/allreduce.json=benchmarks/results/plots/allreduce \\
         benchmarks/results/collectives.json=benchmarks/results/plots/collectives \\
         --write benchmarks/README.md
+    python -m benchmarks.report_page benchmarks/results/allreduce.json \\
+        benchmarks/results/collectives.json --write docs/results-tables.md
+
+Two forms of the same numbers. ``--brief`` (the results page, ``benchmarks/README.md``, and the
+front page's headline table): per section the run's date, machine and command, then one table
+of the whole run in its headline timing mode (back to back where the run has it), a line per
+(collective, ranks, size) with this library's p50 and its ratio to each peer, and the latency
+plots. Without it (the full tables, ``docs/results-tables.md``), as follows.
 
 Each argument is a JSON file written by ``python -m benchmarks --json`` — or several joined
 with ``+``, whose rows make one section (runs of the same collective with different iteration
@@ -71,7 +80,7 @@ TIMING_TITLES = {BACK_TO_BACK: "back to back", BARRIER: "barrier before every ca
 """How a table's heading names its timing mode."""
 
 
-def _cell(row: Optional[dict]) -> str:
+def _cell(row: Optional[dict], with_bandwidth: bool = True) -> str:
     if row is None:
         return "-"
     if row.get("note"):
@@ -79,7 +88,7 @@ def _cell(row: Optional[dict]) -> str:
     if row.get("error") or row.get("p50_s") is None:
         return "failed"
     busbw = row.get("busbw_gbps") or 0.0
-    bandwidth = f" · {busbw:.3g} GB/s" if busbw > 0 else ""
+    bandwidth = f" · {busbw:.3g} GB/s" if busbw > 0 and with_bandwidth else ""
     return f"{format_seconds(row['p50_s'])}{bandwidth}"
 
 
@@ -142,6 +151,36 @@ def point_table(rows: Sequence[dict], backends: Sequence[str]) -> List[str]:
         cells = ([format_size(nbytes)] + [_cell(at.get(backend)) for backend in backends]
                  + [_ratio_cell(at.get(reference), at.get(other), other) for other in others])
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def summary_table(rows: Sequence[dict], backends: Sequence[str], timing: str) -> List[str]:
+    """One table for a whole run (``--brief``): a line per (collective, ranks, size) of one
+    timing mode, the first backend's p50 and its ratio to each other backend.
+
+    Args:
+        rows: the run's rows.
+        backends: the backends in table order; the first is the reference of the ratios.
+        timing: the timing mode whose rows the table shows.
+
+    Returns:
+        The table's lines.
+    """
+    reference, others = backends[0], list(backends[1:])
+    header = (["collective", "ranks", "size", f"{reference} p50"]
+              + [_ratio_title(reference, other) for other in others])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    of_timing = [row for row in rows if row_timing(row) == timing]
+    for collective in dict.fromkeys(row["collective"] for row in of_timing):
+        of_collective = [row for row in of_timing if row["collective"] == collective]
+        for world in _worlds(of_collective):
+            in_world = [row for row in of_collective if _in_world(row, world)]
+            for nbytes, at in _by_size(in_world).items():
+                cells = ([collective, format_ranks(world[1], world[0], short=True),
+                          format_size(nbytes), _cell(at.get(reference), with_bandwidth=False)]
+                         + [_ratio_cell(at.get(reference), at.get(other), other)
+                            for other in others])
+                lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -243,8 +282,8 @@ def _plot_order(image: pathlib.Path) -> Tuple[int, str, int]:
             int(digits or 0) * scale)
 
 
-def _plots(directory: pathlib.Path, relative_to: pathlib.Path) -> List[str]:
-    images = sorted(directory.glob("*.png"), key=_plot_order)
+def _plots(directory: pathlib.Path, relative_to: pathlib.Path, pattern: str = "*.png") -> List[str]:
+    images = sorted(directory.glob(pattern), key=_plot_order)
     if not images:
         return []
     lines = [""]
@@ -265,16 +304,20 @@ def _where(metadata: dict) -> str:
     return f", {options['nodes']} nodes of the Ray cluster at {options['ray_address']}"
 
 
-def _run_line(metadata: dict) -> List[str]:
+def _run_line(metadata: dict, brief: bool = False) -> List[str]:
+    """The run's date, machine, versions and command: the command as a block of its own, or
+    (``brief``) inline on the same line."""
     # A peer's facts are library versions, and for this library's peers the transport between
     # nodes each asked for, which differs between them and is told by the backend's name.
     versions = {name: version for info in metadata.get("backend_versions", {}).values()
                 for name, version in info.items() if name != CROSS_NODE_VARIABLE}
-    return [f"Run {metadata['date']} on {metadata['cpu_count']} cores / "
-            f"{metadata['memory_gib']} GiB{_where(metadata)}, Ray {metadata['ray']}, "
-            f"numpy {metadata['numpy']}, "
-            + ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
-            + ":", "", f"    {metadata['command']}", ""]
+    run = (f"Run {metadata['date']} on {metadata['cpu_count']} cores / "
+           f"{metadata['memory_gib']} GiB{_where(metadata)}, Ray {metadata['ray']}, "
+           f"numpy {metadata['numpy']}, "
+           + ", ".join(f"{name} {version}" for name, version in sorted(versions.items())))
+    if brief:
+        return [f"{run}: `{metadata['command']}`", ""]
+    return [run + ":", "", f"    {metadata['command']}", ""]
 
 
 def section(documents: Sequence[dict], plots: Optional[pathlib.Path],
@@ -331,23 +374,66 @@ def section(documents: Sequence[dict], plots: Optional[pathlib.Path],
     return lines + [""]
 
 
+def brief_section(documents: Sequence[dict], plots: Optional[pathlib.Path],
+                  relative_to: pathlib.Path) -> List[str]:
+    """The results page's part for one or more JSON files (``--brief``): the runs, one
+    :func:`summary_table` in the headline timing mode, the failed points, the latency plots.
+
+    Args:
+        documents: the JSON files' contents; the first one's backends give the table order.
+        plots: a directory of PNGs, whose latency plots the page shows, or None.
+        relative_to: the directory the page's image links are relative to.
+
+    Returns:
+        Markdown lines.
+    """
+    backends = documents[0]["metadata"]["options"]["backends"]
+    rows = [row for document in documents for row in document["rows"]]
+    lines = [line for document in documents
+             for line in _run_line(document["metadata"], brief=True)]
+    timing = (BACK_TO_BACK if any(row_timing(row) == BACK_TO_BACK for row in rows)
+              else BARRIER)
+    reference = backends[0]
+    floor = (f"; {reference} / {FLOOR_TITLE} = {reference} p50 / {FLOOR_BACKEND} p50"
+             if FLOOR_BACKEND in backends[1:] else "")
+    lines.extend([f"Timing {TIMING_MEANINGS[timing]}. {reference} p50: the slowest rank's "
+                  f"median latency; {reference} vs X = X p50 / {reference} p50{floor}.", ""])
+    lines.extend(summary_table(rows, backends, timing))
+    failed = {(row["collective"], row["world_size"], row.get("nodes"), row["nbytes"])
+              for row in rows if row_timing(row) == timing and row.get("error")}
+    if failed:
+        lines.extend(["", f"failed: {len(failed)} point(s) where a backend failed (the full "
+                          f"tables, `docs/results-tables.md`, and the JSON name each failure)."])
+    if plots is not None:
+        link = os.path.relpath(plots, relative_to)
+        images = _plots(plots, relative_to, "latency_*.png")[1:]
+        # Side by side on one line: the page shows them the same, in a line of its source.
+        lines.extend(["", "".join(images)] if images else [])
+        lines.extend(["", f"Every plot of this run, bus bandwidth and time against ranks too: "
+                          f"[{link}/]({link}/)."])
+    return lines + [""]
+
+
 def render(sources: Sequence[Tuple[Sequence[pathlib.Path], Optional[pathlib.Path]]],
-           relative_to: pathlib.Path, part: Optional[str] = None) -> str:
+           relative_to: pathlib.Path, part: Optional[str] = None, brief: bool = False) -> str:
     """The generated part of the page, a section per (JSON files, plots directory).
 
     Args:
         sources: the JSON files of each section and its plot directory (or None).
         relative_to: the directory the image links are relative to.
         part: which generated part of the page (``markers``); None: the main one.
+        brief: one summary table per section (:func:`brief_section`) instead of the full
+            tables (:func:`section`).
 
     Returns:
         The markdown, between the part's markers.
     """
     begin, end = markers(part)
     lines = [begin, ""]
+    render_section = brief_section if brief else section
     for json_paths, plots in sources:
-        lines.extend(section([json.loads(path.read_text()) for path in json_paths], plots,
-                             relative_to))
+        lines.extend(render_section([json.loads(path.read_text()) for path in json_paths],
+                                    plots, relative_to))
     return "\n".join(lines + [end])
 
 
@@ -396,9 +482,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="which generated part of the page: the one between the "
                              "results-page:PART:begin/end markers (default: the main one, "
                              "between results-page:begin/end)")
+    parser.add_argument("--brief", action="store_true",
+                        help="one summary table per section, in the headline timing mode, and "
+                             "the latency plots (the results page) instead of every table")
     arguments = parser.parse_args(sys.argv[1:] if argv is None else argv)
     relative_to = (arguments.write.parent if arguments.write else pathlib.Path.cwd())
-    generated = render(arguments.sources, relative_to.resolve(), arguments.part)
+    generated = render(arguments.sources, relative_to.resolve(), arguments.part,
+                       arguments.brief)
     if arguments.write is None:
         print(generated)
         return 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`);
-# `benchmarks/reproduce.sh across-nodes` (`make bench-nodes`) reruns only its across-nodes part.
+# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`), the
+# full tables of docs/results-tables.md and the README's headline table;
+# `benchmarks/reproduce.sh across-nodes` (`make bench-nodes`) reruns only the across-nodes part.
 # Heavy runs take a machine-wide lock so that two people's benchmarks never overlap on a shared
 # machine. The three sweeps of the page time five backends in both timing modes (back to back,
 # the headline, and with a barrier before every call); the whole script takes about an hour on
@@ -37,8 +38,10 @@ across_nodes() {
             --bytes "${sweep#*=}" --json "$RESULTS/nodes-$layout.json"
         sources+=("$RESULTS/nodes-$layout.json")
     done
+    "$PYTHON" -m benchmarks.report_page --brief --part across-nodes \
+        "$(IFS=+; echo "${sources[*]}")" --write benchmarks/README.md
     "$PYTHON" -m benchmarks.report_page --part across-nodes "$(IFS=+; echo "${sources[*]}")" \
-        --write benchmarks/README.md
+        --write docs/results-tables.md
     # The join of a group spanning 4 nodes, streams against the object store (the page quotes
     # its medians from this file).
     heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 15 \
@@ -70,13 +73,18 @@ heavy -m benchmarks \
     --collective allreduce,reduce,broadcast,allgather,reducescatter,gather,scatter,alltoall,sendrecv,barrier \
     --backends "$BACKENDS" --timing both --baseline torch --world-size 4 --bytes 8,1M,16M \
     --json "$RESULTS/collectives.json"
-# 4. plots and the page's tables, from the JSON files alone.
+# 4. plots and the tables, from the JSON files alone: the results page's summary (--brief), the
+#    full tables of the docs site, and the front page's headline (allreduce, back to back).
 rm -rf "$PLOTS/allreduce" "$PLOTS/collectives"
 "$PYTHON" -m benchmarks.plots "$PLOTS/allreduce" "$RESULTS/allreduce.json" "$RESULTS/allreduce-64.json"
 "$PYTHON" -m benchmarks.plots "$PLOTS/collectives" "$RESULTS/collectives.json"
-"$PYTHON" -m benchmarks.report_page \
+"$PYTHON" -m benchmarks.report_page --brief \
     "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json=$PLOTS/allreduce" \
     "$RESULTS/collectives.json=$PLOTS/collectives" --write benchmarks/README.md
+"$PYTHON" -m benchmarks.report_page "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json" \
+    "$RESULTS/collectives.json" --write docs/results-tables.md
+"$PYTHON" -m benchmarks.report_page --brief --part headline "$RESULTS/allreduce.json" \
+    --write README.md
 # 5. the other benchmarks of the page: scale and cost model, agent/observer, batch_remote.
 #    The cost model is fitted to the barrier-mode rows of the sweeps above, to issue 3's runs
 #    (kept in results/, timed that way), and to a ray-only sweep at 16 and 32 ranks (its 8 B

@@ -27,8 +27,8 @@ their memberships, rebuild a group of N-1 ranks, check one allreduce and destroy
 
 ``make bench-400`` runs the two runs of the results page and draws its table and plot
 (``--from-json``). Gloo (``ray.util.collective`` or ``torch.distributed``) is not run here: its
-ranks load torch, which this machine cannot hold 400 times (``benchmarks/README.md``, "400
-ranks").
+ranks load torch, which this machine cannot hold 400 times (``benchmarks/README.md``,
+"Known limits").
 """
 
 from __future__ import annotations

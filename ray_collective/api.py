@@ -342,7 +342,7 @@ def get_collective_trace(group_name: str = "default") -> List[dict]:
         group_name: the group.
 
     Returns:
-        One dict per call: ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
+        One dict per call, with ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
         ``algorithm``, ``peers``, ``start`` and ``end`` (Unix time, seconds), ``duration_s``
         and ``outcome`` (``"ok"`` or the error's class name).
 

@@ -76,7 +76,8 @@ def ray_util_collective_runtime_env(runtime_env: Optional[Mapping[str, Any]] = N
             it is copied, not modified.
 
     Returns:
-        A copy of ``runtime_env`` with ``worker_process_setup_hook`` set to :data:`SETUP_HOOK`.
+        A copy of ``runtime_env`` with ``worker_process_setup_hook`` set to ``SETUP_HOOK``
+        (``"ray_collective.interop.install"``).
 
     Raises:
         ArgumentValueError: ``runtime_env`` has another ``worker_process_setup_hook`` (Ray runs

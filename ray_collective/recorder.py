@@ -242,7 +242,7 @@ class FlightRecorder:
         """The calls kept, oldest first, as dictionaries.
 
         Returns:
-            One dict per call: ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
+            One dict per call, with ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
             ``algorithm``, ``peers``, ``start`` and ``end`` (Unix time, seconds),
             ``duration_s`` and ``outcome`` (``"ok"`` or the error's class name).
         """

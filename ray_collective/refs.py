@@ -145,8 +145,8 @@ def reduce_refs(tensor_refs: Sequence[Any], dst_rank: int = 0, group_name: str =
         timeout: as for :func:`allreduce_refs`.
 
     Returns:
-        One ObjectRef per rank, in rank order: the reduced tensor for ``dst_rank``, each other
-        rank's own tensor, unchanged, for the others.
+        One ObjectRef per rank, in rank order, to the reduced tensor for ``dst_rank`` and to
+        each other rank's own tensor, unchanged, for the others.
 
     Raises:
         TypeError, ValueError: bad refs, ``dst_rank`` out of range, bad op or timeout.

@@ -29,6 +29,7 @@ from benchmarks.report import (ProgressBar, format_progress, format_ranks, forma
                                format_table, row_timing, to_json)
 from benchmarks.report_page import (BEGIN, END, markers, point_table, ratio, render,
                                     replace_between_markers)
+from benchmarks.report_page import main as page_main
 from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeasured_rows
 from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
@@ -430,22 +431,62 @@ def test_results_page_ratios_and_markers(tmp_path):
         replace_between_markers("no markers", generated)
 
 
-def test_results_page_and_plots_show_both_timing_modes(tmp_path):
-    # back-to-back rows twice as fast as the barrier ones, and ray 2x faster in them only.
+def _rows_in_both_modes():
+    """The page's rows in both timing modes: back to back twice as fast as the barrier rows,
+    and ray 2x faster in them only (4x its barrier time)."""
     rows = [dict(row, timing="barrier") for row in _rows_for_page()]
-    rows += [dict(row, timing="back-to-back",
-                  p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
-             for row in _rows_for_page()]
+    return rows + [dict(row, timing="back-to-back",
+                        p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
+                   for row in _rows_for_page()]
+
+
+def _page_source(directory, rows, date):
+    """A sweep's JSON file of ``rows`` (backends ray, gloo, mpi4py), written in ``directory``."""
+    document = {"metadata": {"date": date, "cpu_count": 2, "memory_gib": 23.5,
+                             "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
+                             "options": {"backends": ["ray", "gloo", "mpi4py"]}},
+                "rows": rows, "notes": []}
+    source = directory / "both.json"
+    source.write_text(json.dumps(document))
+    return source
+
+
+def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp_path):
+    rows = _rows_in_both_modes()
+    rows[-1] = dict(rows[-1], p50_s=None, error="rank 1: PeerDiedError")
+    source = _page_source(tmp_path, rows, "2026-11-26")
+    plots = tmp_path / "plots"
+    write_plots(rows, plots)
+    generated = render([([source], plots)], tmp_path, brief=True)
+    assert generated.startswith(BEGIN) and generated.endswith(END)
+    lines = generated.splitlines()
+    header = lines.index("| collective | ranks | size | ray p50 | ray vs gloo | ray / MPICH |")
+    table = lines[header + 2:header + 6]
+    # back to back only: ray 50 µs against gloo's 300 µs (6x), MPICH's 50 µs (1x); MPICH
+    # failed at the last point.
+    assert table == ["| allreduce | 2 | 8 B | 50.0 µs | 6.00× | 1.00× |",
+                     "| allreduce | 2 | 1 KiB | 50.0 µs | 6.00× | 1.00× |",
+                     "| allreduce | 4 | 8 B | 100.0 µs | 6.00× | 1.00× |",
+                     "| allreduce | 4 | 1 KiB | 100.0 µs | 6.00× | - |"]
+    assert lines[header + 6] == ""
+    assert "Timing back-to-back: one barrier" in generated and "barrier before" not in generated
+    assert ("Run 2026-11-26 on 2 cores / 23.5 GiB, Ray 2.60.0, numpy 2, : `python -m benchmarks`"
+            in lines)
+    assert "failed: 1 point(s) where a backend failed" in generated
+    [images] = [line for line in lines if line.startswith("<img")]   # one line, side by side
+    assert re.findall(r'src="([^"]+)"', images) == [
+        "plots/latency_allreduce_2ranks.png", "plots/latency_allreduce_4ranks.png"]
+    assert "bus bandwidth and time against ranks too: [plots/](plots/)." in generated
+    assert page_main(["--brief", f"{source}={plots}"]) == 0   # the command line takes it too
+
+
+def test_results_page_and_plots_show_both_timing_modes(tmp_path):
+    rows = _rows_in_both_modes()
     # CPU per call in the back-to-back rows only: the busiest rank 80 %, the median 50 % of p50.
     rows = [dict(row, cpu_per_call_max_s=row["p50_s"] * 0.8,
                  cpu_per_call_median_s=row["p50_s"] * 0.5) if row["timing"] == "back-to-back"
             else row for row in rows]
-    document = {"metadata": {"date": "2026-11-23", "cpu_count": 2, "memory_gib": 23.5,
-                             "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
-                             "options": {"backends": ["ray", "gloo", "mpi4py"]}},
-                "rows": rows, "notes": []}
-    source = tmp_path / "both.json"
-    source.write_text(json.dumps(document))
+    source = _page_source(tmp_path, rows, "2026-11-23")
     generated = render([([source], None)], tmp_path)
     headings = [line.split("**")[1] for line in generated.splitlines() if line.startswith("**")]
     assert headings == ["allreduce, 2 ranks, back to back",

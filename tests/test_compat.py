@@ -120,7 +120,7 @@ def test_broadcast_and_recv_into_task_arguments(ray_session, pairs):
 
 def test_allreduce_on_ray_get_results_writes_into_the_object(ray_session, pairs):
     """An array from ``ray.get`` is Ray's copy of the object: the result is seen in it, and in
-    every later ``ray.get`` of the ref, with Gloo as here (the README says so)."""
+    every later ``ray.get`` of the ref, with Gloo as here (docs/semantics.md says so)."""
     def scenario(ray, actors):
         refs = [ray.put(np.full(1 << 15, r + 1.0, np.float32)) for r in range(WORLD)]
         assert ray.get([a.fetch_buffer.remote([ref]) for a, ref in zip(actors, refs)]) == \
@@ -390,9 +390,9 @@ DELIBERATE_DEFAULTS = {
 @pytest.mark.parametrize("name", sorted(set(ray_util_collective.__all__)
                                         - {"register_collective_backend"}))
 def test_every_function_takes_ray_util_collective_arguments(name):
-    """Same parameter names in the same order, with the same defaults unless the README lists
+    """Same parameter names in the same order, with the same defaults unless docs/compatibility.md lists
     the difference; extras are keyword-only. (``register_collective_backend`` registers a
-    class in ray.util.collective's own registry: deliberately absent, see the README.)"""
+    class in ray.util.collective's own registry: deliberately absent, see docs/compatibility.md.)"""
     theirs = inspect.signature(getattr(ray_util_collective, name)).parameters
     ours = inspect.signature(getattr(col, name)).parameters
     positional = [p for p in ours.values() if p.kind is not p.KEYWORD_ONLY]

@@ -1,5 +1,5 @@
-"""Every script in ``examples/`` runs as the README says (``python examples/<name>.py``) and
-prints what numpy says it must, so that the README's examples cannot rot. The parameter-server
+"""Every script in ``examples/`` runs as docs/examples.md says (``python examples/<name>.py``) and
+prints what numpy says it must, so that the examples cannot rot. The parameter-server
 example is ``tests/test_param_server.py``'s. Each Ray example starts a Ray of its own in its
 subprocess (marked ``ray``); the NCCL examples need GPUs, and where the Ray they start has too
 few they must say so and exit with status 1."""

@@ -156,7 +156,8 @@ LAYERS = (
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
      "status", "__main__"),
 )
-"""README's layers, bottom first: a module imports only from its own layer or those below."""
+"""The layers of docs/architecture.md, bottom first: a module imports only from its own layer
+or those below."""
 
 
 def _layer_of(module: str) -> int:
@@ -164,7 +165,8 @@ def _layer_of(module: str) -> int:
     for depth, names in enumerate(LAYERS):
         if top in names:
             return depth
-    raise AssertionError(f"{module} is in no layer of LAYERS: place it there and in README")
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it there and in "
+                         f"docs/architecture.md")
 
 
 def test_every_module_imports_only_its_layer_and_those_below():

@@ -58,7 +58,7 @@ def test_selecting_unit_leaves_out_ray_slow_and_multinode_tests():
 
 
 def test_a_run_that_selects_no_test_fails():
-    # pytest's own exit status 5; `make test` and .ci/run pass it on (see the README).
+    # pytest's own exit status 5; `make test` and .ci/run pass it on (see CONTRIBUTING.md).
     assert _pytest("-q", "-m", "unit and gpu", "tests/test_suite.py").returncode == 5
 
 

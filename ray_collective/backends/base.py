@@ -159,8 +159,8 @@ class BackendFactory(ABC):
             gpu_id: the GPU's index among the devices this process sees.
 
         Returns:
-            False when this backend runs nothing on GPUs (the default: nothing to wait for),
-            True once it has waited.
+            True once it has waited; False when this backend runs nothing on GPUs (the
+            default, with nothing to wait for).
 
         Raises:
             BackendNotAvailableError: the backend runs on GPUs but cannot here.
