@@ -154,6 +154,7 @@ LAYERS = (
     ("group",),
     ("declared",),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__"),
+    ("integrations",),
 )
 """README's layers, bottom first: a module imports only from its own layer or those below."""
 

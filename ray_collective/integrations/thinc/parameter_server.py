@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .task import KeyT, install_proxy, key_of_node, parameter_nodes
+from .params import KeyT, install_proxy, key_of_node, parameter_nodes
 
 INITIAL_VERSION = 1
 """Every array's version once the proxy is installed (spacy-ray's ``set_param`` bumps 0 to 1)."""
