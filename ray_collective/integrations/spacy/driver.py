@@ -82,7 +82,7 @@ def start_workers(settings: RunSettings) -> List[Any]:
         worker.remote() for _ in range(settings.workers - 1)]
 
 
-def train(config: Config, settings: RunSettings, *, stdout: IO = sys.stdout,
+def train(config: Config, settings: RunSettings, *, stdout: Optional[IO] = None,
           address: Optional[str] = None, workers: Optional[List[Any]] = None) -> TrainingResult:
     """Initialize the pipeline of ``config`` and train it on ``settings.workers`` actors.
 
@@ -90,7 +90,7 @@ def train(config: Config, settings: RunSettings, *, stdout: IO = sys.stdout,
         config: the loaded config, overrides applied, not interpolated (``spacy.util.
             load_config(path, overrides, interpolate=False)``).
         settings: the run.
-        stdout: where spaCy's messages and the progress table go.
+        stdout: where spaCy's messages and the progress table go (None: ``sys.stdout``).
         address: the Ray cluster to join when Ray is not started yet (None: a local one).
         workers: actors from ``start_workers`` to use instead of new ones (kept afterwards).
 
@@ -102,7 +102,7 @@ def train(config: Config, settings: RunSettings, *, stdout: IO = sys.stdout,
         RuntimeError: a worker failed (its rank and traceback in the message).
         spacy's and thinc's config errors: the config is invalid (``init_nlp``).
     """
-    msg = Printer(no_print=True)
+    msg, stdout = Printer(no_print=True), stdout or sys.stdout
     nlp = init_nlp(config, use_gpu=settings.gpu_id)
     stdout.write(msg.good("Initialized pipeline") + "\n")
     if not ray.is_initialized():
