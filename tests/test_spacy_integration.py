@@ -25,7 +25,7 @@ import typer.testing  # noqa: E402
 from spacy.cli._util import app as spacy_app  # noqa: E402
 from spacy.cli.init_config import init_config  # noqa: E402
 from spacy.util import load_config, registry  # noqa: E402
-from thinc.api import Adam, Relu, Softmax, chain, fix_random_seed  # noqa: E402
+from thinc.api import SGD, Adam, Relu, Softmax, chain, fix_random_seed  # noqa: E402
 
 import ray_collective as col  # noqa: E402
 from ray_collective.integrations.spacy import corpus, driver, exchanges  # noqa: E402
@@ -181,9 +181,16 @@ def per_rank_gradients(model, rank):
             for position, node in enumerate(model.walk()) for name in node.param_names}
 
 
-def reference_update(steps):
+OPTIMIZERS = {
+    # Adam barely notices a gradient's scale; plain SGD shows any clipping that is wrong.
+    "adam": lambda: Adam(0.01, L2=0.01, grad_clip=1.0, use_averages=False),
+    "sgd": lambda: SGD(0.1, L2=0.01, grad_clip=1.0, use_averages=False),
+}
+
+
+def reference_update(steps, make_optimizer):
     """thinc's own optimizer, per array, on the mean of the two ranks' gradients."""
-    model, optimizer = small_model(), Adam(0.01, L2=0.01, grad_clip=1.0, use_averages=False)
+    model, optimizer = small_model(), make_optimizer()
     for _ in range(steps):
         mean = {key: (a + b) / 2 for (key, a), b in zip(
             per_rank_gradients(model, 0).items(), per_rank_gradients(model, 1).values())}
@@ -195,15 +202,17 @@ def reference_update(steps):
     return parameter_vector(model)
 
 
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("exchange_class", [exchanges.AllreduceExchange,
                                             exchanges.ReduceScatterExchange])
-def test_an_exchange_updates_like_thincs_optimizer_on_the_mean_gradient(exchange_class):
+def test_an_exchange_updates_like_thincs_optimizer_on_the_mean_gradient(exchange_class,
+                                                                        optimizer_name):
     steps = 3
     models = [small_model(), small_model()]
 
     def body(rank):
         model = models[rank]
-        optimizer = Adam(0.01, L2=0.01, grad_clip=1.0, use_averages=False)
+        optimizer = OPTIMIZERS[optimizer_name]()
         communicator = JoinedCommunicator(2, rank)
         extra = (1,) if exchange_class is exchanges.ReduceScatterExchange else ()
         exchange = exchange_class(optimizer, model, communicator, *extra)
@@ -216,7 +225,8 @@ def test_an_exchange_updates_like_thincs_optimizer_on_the_mean_gradient(exchange
 
     results = run_ranks(2, body)
     assert np.array_equal(results[0], results[1])
-    np.testing.assert_allclose(results[0], reference_update(steps), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(results[0], reference_update(steps, OPTIMIZERS[optimizer_name]),
+                               rtol=2e-5, atol=1e-6)
     assert not np.allclose(results[0], parameter_vector(small_model()))
 
 
