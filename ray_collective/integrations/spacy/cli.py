@@ -23,7 +23,7 @@ from spacy.cli._util import (Arg, Opt, app, import_code, parse_config_overrides,
                              show_validation_error)
 from wasabi import msg
 
-from .settings import LIBRARIES, STRATEGIES
+from .settings import LIBRARIES, STRATEGIES, RunSettings
 
 NAME = "ray-collective"
 HELP = """Train spaCy pipelines on Ray actors whose gradients go through ray_collective's
@@ -63,7 +63,6 @@ def train_cli(
     overrides (e.g. --training.max_steps 1000), the progress table and the saved pipeline
     (OUTPUT/model-last, OUTPUT/model-best)."""
     from .driver import train
-    from .settings import RunSettings
     if verbose:
         util.logger.setLevel(logging.DEBUG)
     overrides = parse_config_overrides(ctx.args)
