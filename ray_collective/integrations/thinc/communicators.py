@@ -16,7 +16,7 @@ import abc
 import contextlib
 import datetime
 import time
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import numpy as np
 
@@ -128,7 +128,30 @@ def parts_of(flat: np.ndarray, world_size: int) -> List[np.ndarray]:
     return list(flat.reshape(world_size, -1))
 
 
-class RayCollectiveCommunicator(Communicator):
+class GroupApiCommunicator(Communicator, abc.ABC):
+    """A library with ``ray.util.collective``'s API (``_col``) and a group of it (``_group``):
+    this library and Ray's own share allgather, the sum, broadcast and leaving."""
+
+    _col: Any
+    _group: str
+
+    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
+        self._col.allgather(parts_of(flat, self.world_size), shard, self._group)
+        self._count_scatter_or_gather(flat.nbytes)
+
+    def allreduce_sum(self, buffer: np.ndarray) -> None:
+        self._col.allreduce(buffer, self._group)
+        self._count_allreduce(buffer.nbytes)
+
+    def broadcast(self, buffer: np.ndarray, root: int) -> None:
+        self._col.broadcast(buffer, root, self._group)
+        self._count_broadcast(buffer.nbytes)
+
+    def close(self) -> None:
+        self._col.destroy_collective_group(self._group)
+
+
+class RayCollectiveCommunicator(GroupApiCommunicator):
     """This library, ``ray_collective``, with the given backend (``ray`` on CPU)."""
 
     def __init__(self, world_size: int, rank: int, group_name: str, backend: str = "ray",
@@ -148,23 +171,9 @@ class RayCollectiveCommunicator(Communicator):
                                 op=self._col.ReduceOp.AVG)
         self._count_scatter_or_gather(flat.nbytes)
 
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        self._col.allgather(parts_of(flat, self.world_size), shard, self._group)
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def allreduce_sum(self, buffer: np.ndarray) -> None:
-        self._col.allreduce(buffer, self._group)
-        self._count_allreduce(buffer.nbytes)
-
-    def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        self._col.broadcast(buffer, root, self._group)
-        self._count_broadcast(buffer.nbytes)
-
-    def close(self) -> None:
-        self._col.destroy_collective_group(self._group)
 
 
-class RayUtilGlooCommunicator(Communicator):
+class RayUtilGlooCommunicator(GroupApiCommunicator):
     """``ray.util.collective`` with ``backend="gloo"`` (torch.distributed's Gloo inside).
 
     It has no mean: a sum, then a multiplication by 1/N. Its reducescatter is one allreduce per
@@ -192,20 +201,6 @@ class RayUtilGlooCommunicator(Communicator):
         for _ in range(self.world_size):
             self._count_allreduce(shard.nbytes)
 
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        self._col.allgather(parts_of(flat, self.world_size), shard, self._group)
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def allreduce_sum(self, buffer: np.ndarray) -> None:
-        self._col.allreduce(buffer, self._group)
-        self._count_allreduce(buffer.nbytes)
-
-    def broadcast(self, buffer: np.ndarray, root: int) -> None:
-        self._col.broadcast(buffer, root, self._group)
-        self._count_broadcast(buffer.nbytes)
-
-    def close(self) -> None:
-        self._col.destroy_collective_group(self._group)
 
 
 class TorchGlooCommunicator(Communicator):
