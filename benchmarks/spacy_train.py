@@ -11,6 +11,10 @@ spacy-ray), strategies interleaved inside each (trial, workers) block:
 - ``allreduce``, ``reducescatter``: this library's collectives;
 - ``gloo-allreduce``: the allreduce strategy over ``ray.util.collective``'s Gloo.
 
+With ``--accuracy-steps S``, the accuracy runs at equal samples follow: one worker taking
+``--accuracy-workers`` times the batch, and every strategy at ``--accuracy-workers`` workers,
+``S`` updates each, so that all see the same number of sentences.
+
 Each run's record has its time (first step to last step), the per-update compute and
 communication of its workers (evaluation apart), and rank 0's last dev F-score. The table is
 hours on a small machine: run it in parts (``--first-trial K --trials 1 --workers 8``), each to
@@ -58,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--train-sentences", type=at_least(1), default=20000)
     add("--dev-sentences", type=at_least(1), default=500)
     add("--eval-frequency", type=at_least(1), default=200)
+    add("--accuracy-workers", type=at_least(2), default=4)
+    add("--accuracy-steps", type=at_least(0), default=0,
+        help="updates of the accuracy runs at equal samples (0: none)")
     add("--timeout", type=float, default=3600.0)
     add("--json", type=pathlib.Path, help="write every run here")
     add("--markdown", type=pathlib.Path, help="also write the tables here")
@@ -66,25 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace, corpus: pathlib.Path, seed: int):
+def _config(args: argparse.Namespace, corpus: pathlib.Path, seed: int, steps: int,
+            batch: int):
     from spacy.cli.init_config import init_config
     config = init_config(lang="en", pipeline=["ner"], optimize="efficiency", silent=True)
     config["paths"]["train"] = str(corpus / "train.spacy")
     config["paths"]["dev"] = str(corpus / "dev.spacy")
     config["system"]["seed"] = seed
     config["training"]["batcher"] = {"@batchers": "spacy.batch_by_sequence.v1",
-                                     "size": args.batch, "get_length": None}
+                                     "size": batch, "get_length": None}
     # spaCy's loop makes max_steps + 1 updates (steps 0 to max_steps).
-    config["training"]["max_steps"] = args.steps - 1
-    config["training"]["eval_frequency"] = args.eval_frequency
+    config["training"]["max_steps"] = steps - 1
+    config["training"]["eval_frequency"] = min(args.eval_frequency, steps - 1)
     config["training"]["patience"] = 0
     return config
 
 
-def _record(result, strategy: str, seed: int, batch: int) -> dict:
+def _record(result, kind: str, strategy: str, seed: int, batch: int) -> dict:
     reports, steps = result.reports, result.reports[0].steps
     return {
-        "kind": "scaling", "variant": strategy, "workers": len(reports), "steps": steps,
+        "kind": kind, "variant": strategy, "workers": len(reports), "steps": steps,
         "seed": seed, "per_worker_batch": batch, "seconds": result.seconds,
         "compute_s_per_update": float(np.mean([r.compute_seconds for r in reports])) / steps,
         "communication_s_per_update":
@@ -98,6 +106,20 @@ def _record(result, strategy: str, seed: int, batch: int) -> dict:
         "ents_f": result.rows[-1]["other_scores"].get("ents_f") if result.rows else None,
         "parameters": reports[0].parameters,
     }
+
+
+def _plan(args: argparse.Namespace) -> List[Tuple[str, int, int, str, int, int]]:
+    """Every run in order: (kind, trial, workers, strategy, updates, batch per worker)."""
+    plan = [("scaling", trial, workers, strategy, args.steps, args.batch)
+            for trial in range(args.first_trial, args.first_trial + args.trials)
+            for workers in args.workers for strategy in args.strategies]
+    if args.accuracy_steps:
+        n = args.accuracy_workers
+        plan.append(("accuracy", args.first_trial, 1, "allreduce", args.accuracy_steps,
+                     n * args.batch))
+        plan += [("accuracy", args.first_trial, n, strategy, args.accuracy_steps, args.batch)
+                 for strategy in args.strategies]
+    return plan
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -122,21 +144,18 @@ def run_all(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as directory:
             data = pathlib.Path(directory)
             corpus.write_corpus(data, args.train_sentences, args.dev_sentences, seed=0)
-            for trial in range(args.first_trial, args.first_trial + args.trials):
-                for workers in args.workers:
-                    for strategy in args.strategies:
-                        library = ("ray.util.collective-gloo" if strategy == "gloo-allreduce"
-                                   else "ray_collective")
-                        settings = RunSettings(strategy.replace("gloo-", ""), workers,
-                                               library=library, timeout_s=args.timeout)
-                        started = time.monotonic()
-                        result = driver.train(_config(args, data, trial), settings,
-                                              stdout=io.StringIO())
-                        records.append(_record(result, strategy, trial, args.batch))
-                        print(f"trial {trial} x{workers} {strategy}: {result.seconds:.1f} s, "
-                              f"F {records[-1]['ents_f']} (wall "
-                              f"{time.monotonic() - started:.0f} s)", file=sys.stderr,
-                              flush=True)
+            for kind, trial, workers, strategy, steps, batch in _plan(args):
+                library = ("ray.util.collective-gloo" if strategy == "gloo-allreduce"
+                           else "ray_collective")
+                settings = RunSettings(strategy.replace("gloo-", ""), workers,
+                                       library=library, timeout_s=args.timeout)
+                started = time.monotonic()
+                result = driver.train(_config(args, data, trial, steps, batch), settings,
+                                      stdout=io.StringIO())
+                records.append(_record(result, kind, strategy, trial, batch))
+                print(f"{kind} trial {trial} x{workers} {strategy}: {result.seconds:.1f} s, "
+                      f"F {records[-1]['ents_f']} (wall {time.monotonic() - started:.0f} s)",
+                      file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
@@ -209,8 +228,47 @@ def tables(document: dict) -> str:
                          f"{100 * cells['stale_share']:.1f} %"])
     out += [_table(["workers", "strategy", "compute ms", "comm ms", "serving ms", "MiB",
                     "actor calls", "stale"], rows), ""]
+    out += _targets(mean, workers, strategies)
+    out += _accuracy([run for run in document["runs"] if run["kind"] == "accuracy"])
     out += [f"Model: {runs[0]['parameters']:,} parameters in the trainable components."]
     return "\n".join(out)
+
+
+def _targets(mean, workers: List[int], strategies: List[str]) -> List[str]:
+    """Communication per update: the server's (its serving included) and Gloo's over ours."""
+    def comm(strategy: str, n: int) -> Optional[float]:
+        found = mean(strategy, n, "communication_s_per_update")
+        serving = mean(strategy, n, "serve_s_per_update")
+        return found[0] + serving[0] if found else None
+
+    rows = []
+    for n in workers:
+        if n == 1:
+            continue
+        ours = {v: comm(v, n) for v in ("allreduce", "reducescatter")}
+        server, gloo = comm(BASELINE, n), comm("gloo-allreduce", n)
+        rows.append([str(n)] + [f"{server / ours[v]:.1f}x" if server and ours[v] else "–"
+                                for v in ours]
+                    + [f"{gloo / ours['allreduce']:.2f}x" if gloo and ours["allreduce"]
+                       else "–"])
+    return ["Communication per update, the parameter server's (its serving included) and "
+            "`ray.util.collective` Gloo's over this library's (above 1: ours is less):", "",
+            _table(["workers", "server / allreduce", "server / reducescatter",
+                    "Gloo allreduce / allreduce"], rows), ""]
+
+
+def _accuracy(runs: List[dict]) -> List[str]:
+    """Dev F-score at equal samples: each strategy against one worker taking the whole batch."""
+    if not runs:
+        return []
+    one = [run for run in runs if run["workers"] == 1][0]
+    rows = [[run["variant"], str(run["workers"]), str(run["per_worker_batch"]),
+             f"{100 * run['ents_f']:.2f}", f"{100 * (run['ents_f'] - one['ents_f']):+.2f}"]
+            for run in runs]
+    return [f"Dev NER F-score at equal samples ({one['steps']} updates of "
+            f"{one['per_worker_batch']} sentences in all; target: within one point of one "
+            f"worker):", "", _table(["strategy", "workers", "batch per worker", "F-score",
+                                      "vs one worker (points)"], rows), ""]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
