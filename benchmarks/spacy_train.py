@@ -188,8 +188,9 @@ def tables(document: dict) -> str:
         return _mean_std([run[key] for run in found]) if found else None
 
     trials = sorted({len(group) for group in groups.values()})
-    out = [f"Runtime of {runs[0]['steps']} updates (s, mean ± std over "
-           f"{'-'.join(str(t) for t in (trials[0], trials[-1]) if t)} trial(s)):", "",
+    count = f"{trials[0]}" if trials[0] == trials[-1] else f"{trials[0]}–{trials[-1]}"
+    out = [f"Runtime of {runs[0]['steps']} updates (s, mean ± std over {count} "
+           f"trial{'s' if trials[-1] > 1 else ''}):", "",
            _table(["workers"] + strategies, ([str(n)] + [
                f"{s[0]:.1f} ± {s[1]:.1f}" if (s := mean(v, n, "seconds")) else "–"
                for v in strategies] for n in workers)), ""]

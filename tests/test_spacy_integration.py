@@ -293,3 +293,33 @@ def test_the_parameter_server_trains_and_accounts_for_every_gradient(
     produced = sum(r.grads_accepted + r.grads_dropped for r in reports)
     assert produced > 0 and sum(r.grads_dropped for r in reports) < produced
     assert result.rows[-1]["other_scores"]["ents_f"] > 0.2
+
+
+# ------------------------------------------------------------------ the benchmark's tables
+
+
+def fake_run(strategy, workers, seconds, kind="scaling", ents_f=0.9, seed=0, batch=32):
+    return {"kind": kind, "variant": strategy, "workers": workers, "steps": 100, "seed": seed,
+            "per_worker_batch": batch, "seconds": seconds, "compute_s_per_update": 0.1,
+            "communication_s_per_update": 0.02 if strategy != "parameter-server" else 0.08,
+            "serve_s_per_update": 0.02 if strategy == "parameter-server" else 0.0,
+            "evaluation_s": 1.0, "bus_bytes_per_update": 1e6, "actor_calls_per_update": 0.0,
+            "stale_share": 0.0, "ents_f": ents_f, "parameters": 1000}
+
+
+def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets():
+    from benchmarks import spacy_train
+    meta = {"date": "2026-11-26", "ray": "2.60.0"}
+    part1 = {"meta": meta, "runs": [fake_run("parameter-server", 1, 10.0),
+                                    fake_run("allreduce", 1, 8.0)]}
+    part2 = {"meta": meta, "runs": [
+        fake_run("parameter-server", 2, 30.0), fake_run("allreduce", 2, 10.0),
+        fake_run("allreduce", 1, 40.0, kind="accuracy", ents_f=0.80, batch=64),
+        fake_run("allreduce", 2, 12.0, kind="accuracy", ents_f=0.795)]}
+    text = spacy_train.tables(spacy_train.join_documents([part1, part2]))
+    assert "| 2 | 3.00x |" in text                        # speed-up: 30 / 10
+    assert "| 2 | 0.67 | 1.60 |" in text                  # n·T1/Tn: 2·10/30, 2·8/10
+    assert "| 2 | 5.0x |" in text                         # (0.08 + 0.02) / 0.02
+    assert "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
+    with pytest.raises(ValueError, match="two parts ran"):
+        spacy_train.join_documents([part1, part1])
