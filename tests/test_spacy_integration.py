@@ -12,6 +12,7 @@ was saved, and the exact text of each generated entity.
 import hashlib
 import importlib.metadata
 import re
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ extras.need("faker", "the spaCy integration's corpus")
 
 import typer.testing  # noqa: E402
 from spacy.cli._util import app as spacy_app  # noqa: E402
+from spacy.cli._util import import_code  # noqa: E402
 from spacy.cli.init_config import init_config  # noqa: E402
 from spacy.util import load_config, registry  # noqa: E402
 from thinc.api import SGD, Adam, Relu, Softmax, chain, fix_random_seed  # noqa: E402
@@ -323,3 +325,39 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
     assert "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
     with pytest.raises(ValueError, match="two parts ran"):
         spacy_train.join_documents([part1, part1])
+
+
+FAILING_READER = '''
+import threading
+import spacy
+from spacy.training import Corpus
+
+
+@spacy.registry.readers("test_fails_on_rank_1.v1")
+def fails_on_rank_1(path):
+    """spaCy's reader, but in a worker's training thread example 1 (rank 1's first) is no
+    Example: nlp.update raises there, on rank 1 only."""
+    corpus = Corpus(path)
+
+    def read(nlp):
+        for index, example in enumerate(corpus(nlp)):
+            training = threading.current_thread().name == "spacy-training"
+            yield "not an example" if training and index == 1 else example
+    return read
+'''
+
+
+def test_a_worker_that_fails_ends_the_run_at_once_naming_its_rank(
+        ray_session, pool, config_path, corpus_dir, tmp_path):
+    code = tmp_path / "reader.py"
+    code.write_text(FAILING_READER)
+    config = load_config(config_path, interpolate=False)
+    config["corpora"]["train"] = {"@readers": "test_fails_on_rank_1.v1",
+                                  "path": str(corpus_dir / "train.spacy")}
+    import_code(code)
+    timeout = 120
+    settings = RunSettings("allreduce", 2, code_path=str(code), timeout_s=timeout)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed in spaCy's training loop"):
+        driver.train(config, settings, workers=pool)
+    assert time.monotonic() - started < timeout / 2, "rank 0 waited for its deadline"

@@ -270,8 +270,13 @@ class SpacyWorker:
     def _train_guarded(self) -> None:
         try:
             self._train()
-        except Exception:  # reported to the driver by result()
+        except Exception as err:  # reported to the driver by result()
             self.error = traceback.format_exc()
+            communicator = getattr(self.exchange, "communicator", None)
+            if communicator is not None:
+                # The others may be waiting for this rank in a collective: they fail now.
+                communicator.abort(RuntimeError(f"rank {self.rank} failed in spaCy's training "
+                                                f"loop: {type(err).__name__}: {err}"))
         finally:
             with self.changed:
                 self.done = True

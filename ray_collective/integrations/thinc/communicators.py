@@ -113,6 +113,14 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Leave the group."""
 
+    def abort(self, error: BaseException) -> None:
+        """This rank failed outside a collective: tell the others, where the library can, so
+        that they fail now instead of at their deadline (Gloo cannot: they wait for it).
+
+        Args:
+            error: what failed, for the others' messages.
+        """
+
     def _count_allreduce(self, nbytes: int) -> None:
         self.bus_bytes += 2 * (self.world_size - 1) * nbytes // self.world_size
 
@@ -165,6 +173,9 @@ class RayCollectiveCommunicator(GroupApiCommunicator):
     def allreduce_mean(self, buffer: np.ndarray) -> None:
         self._col.allreduce(buffer, self._group, op=self._col.ReduceOp.AVG)
         self._count_allreduce(buffer.nbytes)
+
+    def abort(self, error: BaseException) -> None:
+        self._col.get_group_handle(self._group).fail(error)
 
     def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
         self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group,
