@@ -52,7 +52,7 @@ TEMPLATES = (
 """Sentence shapes; ``{LABEL}`` is a slot, and a sentence may have none (a negative example)."""
 
 FIRST_DAY, LAST_DAY = datetime.date(1990, 1, 1), datetime.date(2025, 12, 31)
-"""The dates' range: fixed, not relative to today, so that a seed gives the same corpus on any day."""
+"""The dates' range: fixed, not relative to today, so a seed gives the same corpus any day."""
 
 
 def _fillers(fake: Faker, rng: random.Random) -> Dict[str, Callable[[], str]]:

@@ -75,6 +75,18 @@ class Communicator(abc.ABC):
         """
 
     @abc.abstractmethod
+    def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        """``shard`` = the sum over ranks of ``flat``'s part ``rank`` (N equal parts).
+
+        Args:
+            shard: overwritten; ``flat.size // world_size`` elements.
+            flat: every rank's full buffer (a library may use it as scratch space).
+
+        Raises:
+            Exception: whatever the library raises.
+        """
+
+    @abc.abstractmethod
     def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
         """``flat``'s part ``i`` = rank i's ``shard``, on every rank.
 
@@ -182,6 +194,10 @@ class RayCollectiveCommunicator(GroupApiCommunicator):
                                 op=self._col.ReduceOp.AVG)
         self._count_scatter_or_gather(flat.nbytes)
 
+    def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group)
+        self._count_scatter_or_gather(flat.nbytes)
+
 
 
 class RayUtilGlooCommunicator(GroupApiCommunicator):
@@ -207,8 +223,11 @@ class RayUtilGlooCommunicator(GroupApiCommunicator):
         self._count_allreduce(buffer.nbytes)
 
     def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group)
+        self.reducescatter_sum(shard, flat)
         shard *= self._scale
+
+    def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group)
         for _ in range(self.world_size):
             self._count_allreduce(shard.nbytes)
 
@@ -237,9 +256,12 @@ class TorchGlooCommunicator(Communicator):
         self._count_allreduce(buffer.nbytes)
 
     def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        self.reducescatter_sum(shard, flat)
+        shard *= self._scale
+
+    def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
         self._dist.reduce_scatter_tensor(self._torch.from_numpy(shard),
                                          self._torch.from_numpy(flat))
-        shard *= self._scale
         self._count_scatter_or_gather(flat.nbytes)
 
     def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
