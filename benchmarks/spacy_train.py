@@ -25,7 +25,6 @@ its own ``--json``, and join them with ``--from-json A.json,B.json`` (as
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -37,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .cli import at_least, choice, comma_list
-from .param_server import _mean_std, _table, join_documents
+from .param_server import _mean_std, _table, document_of
 
 STRATEGIES = ("parameter-server", "allreduce", "reducescatter", "gloo-allreduce")
 """The runs of each (trial, workers) block, in column order."""
@@ -282,14 +281,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    if args.from_json:
-        document = join_documents([json.loads(path.read_text()) for path in args.from_json])
-    else:
-        document = run_all(args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(document, indent=1))
-    text = tables(document)
+    text = tables(document_of(args, run_all))
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")

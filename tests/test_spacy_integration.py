@@ -312,6 +312,7 @@ def fake_run(strategy, workers, seconds, kind="scaling", ents_f=0.9, seed=0, bat
 
 def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets():
     from benchmarks import spacy_train
+    from benchmarks.param_server import join_documents
     meta = {"date": "2026-11-26", "ray": "2.60.0"}
     part1 = {"meta": meta, "runs": [fake_run("parameter-server", 1, 10.0),
                                     fake_run("allreduce", 1, 8.0)]}
@@ -319,13 +320,13 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
         fake_run("parameter-server", 2, 30.0), fake_run("allreduce", 2, 10.0),
         fake_run("allreduce", 1, 40.0, kind="accuracy", ents_f=0.80, batch=64),
         fake_run("allreduce", 2, 12.0, kind="accuracy", ents_f=0.795)]}
-    text = spacy_train.tables(spacy_train.join_documents([part1, part2]))
+    text = spacy_train.tables(join_documents([part1, part2]))
     assert "| 2 | 3.00x |" in text                        # speed-up: 30 / 10
     assert "| 2 | 0.67 | 1.60 |" in text                  # n·T1/Tn: 2·10/30, 2·8/10
     assert "| 2 | 5.0x |" in text                         # (0.08 + 0.02) / 0.02
     assert "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
     with pytest.raises(ValueError, match="two parts ran"):
-        spacy_train.join_documents([part1, part1])
+        join_documents([part1, part1])
 
 
 FAILING_READER = '''

@@ -76,15 +76,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        """``shard`` = the sum over ranks of ``flat``'s part ``rank`` (N equal parts).
-
-        Args:
-            shard: overwritten; ``flat.size // world_size`` elements.
-            flat: every rank's full buffer (a library may use it as scratch space).
-
-        Raises:
-            Exception: whatever the library raises.
-        """
+        """``reducescatter_mean``'s sum: ``shard`` = the sum over ranks of part ``rank``."""
 
     @abc.abstractmethod
     def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
@@ -199,8 +191,19 @@ class RayCollectiveCommunicator(GroupApiCommunicator):
         self._count_scatter_or_gather(flat.nbytes)
 
 
+class MeanFromSum(Communicator, abc.ABC):
+    """A library without a mean (Gloo: ``ReduceOp.AVG`` is NCCL-only): the sum, then 1/N."""
 
-class RayUtilGlooCommunicator(GroupApiCommunicator):
+    def allreduce_mean(self, buffer: np.ndarray) -> None:
+        self.allreduce_sum(buffer)
+        buffer *= buffer.dtype.type(1.0 / self.world_size)
+
+    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        self.reducescatter_sum(shard, flat)
+        shard *= shard.dtype.type(1.0 / self.world_size)
+
+
+class RayUtilGlooCommunicator(MeanFromSum, GroupApiCommunicator):
     """``ray.util.collective`` with ``backend="gloo"`` (torch.distributed's Gloo inside).
 
     It has no mean: a sum, then a multiplication by 1/N. Its reducescatter is one allreduce per
@@ -213,18 +216,8 @@ class RayUtilGlooCommunicator(GroupApiCommunicator):
         import ray.util.collective as rucol
         self._col = rucol
         self._group = group_name
-        self._scale = np.float32(1.0 / world_size)
         rucol.init_collective_group(world_size, rank, backend="gloo", group_name=group_name,
                                     gloo_timeout=int(timeout_s * 1000))
-
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        self._col.allreduce(buffer, self._group)
-        buffer *= self._scale
-        self._count_allreduce(buffer.nbytes)
-
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self.reducescatter_sum(shard, flat)
-        shard *= self._scale
 
     def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
         self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group)
@@ -232,8 +225,7 @@ class RayUtilGlooCommunicator(GroupApiCommunicator):
             self._count_allreduce(shard.nbytes)
 
 
-
-class TorchGlooCommunicator(Communicator):
+class TorchGlooCommunicator(MeanFromSum):
     """``torch.distributed``'s own Gloo process group (``init_process_group("gloo")``).
 
     Gloo has no mean either (``ReduceOp.AVG`` is NCCL-only): a sum, then 1/N. Its
@@ -246,18 +238,8 @@ class TorchGlooCommunicator(Communicator):
         import torch
         import torch.distributed as dist
         self._torch, self._dist = torch, dist
-        self._scale = np.float32(1.0 / world_size)
         dist.init_process_group("gloo", init_method=init_method, world_size=world_size,
                                 rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
-
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        self._dist.all_reduce(self._torch.from_numpy(buffer))
-        buffer *= self._scale
-        self._count_allreduce(buffer.nbytes)
-
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self.reducescatter_sum(shard, flat)
-        shard *= self._scale
 
     def reducescatter_sum(self, shard: np.ndarray, flat: np.ndarray) -> None:
         self._dist.reduce_scatter_tensor(self._torch.from_numpy(shard),
