@@ -188,7 +188,14 @@ OPTIMIZERS = {
     # Adam barely notices a gradient's scale; plain SGD shows any clipping that is wrong.
     "adam": lambda: Adam(0.01, L2=0.01, grad_clip=1.0, use_averages=False),
     "sgd": lambda: SGD(0.1, L2=0.01, grad_clip=1.0, use_averages=False),
+    "adam-averages": lambda: Adam(0.01, L2=0.01, grad_clip=1.0, use_averages=True),
 }
+
+
+def averages_vector(model, averages):
+    """The optimizer's moving averages of ``model``'s arrays, in walk order."""
+    return np.concatenate([np.asarray(averages[(node.id, name)]).ravel()
+                           for node in model.walk() for name in node.param_names])
 
 
 def reference_update(steps, make_optimizer):
@@ -202,7 +209,8 @@ def reference_update(steps, make_optimizer):
                 param, _ = optimizer((node.id, name), node.get_param(name).copy(),
                                      total[(position, name)].copy())
                 node.set_param(name, param)
-    return parameter_vector(model)
+    averages = averages_vector(model, optimizer.averages) if optimizer.averages else None
+    return parameter_vector(model), averages
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
@@ -224,13 +232,19 @@ def test_an_exchange_updates_like_thincs_optimizer_on_the_summed_gradient(exchan
                 list(model.walk())[position].inc_grad(name, gradient)
             model.finish_update(exchange)
             exchange.step_schedules()
-        return parameter_vector(model)
+        exchange.gather_averages()
+        averages = averages_vector(model, exchange.averages) if exchange.averages else None
+        return parameter_vector(model), averages
 
     results = run_ranks(2, body)
-    assert np.array_equal(results[0], results[1])
-    np.testing.assert_allclose(results[0], reference_update(steps, OPTIMIZERS[optimizer_name]),
-                               rtol=2e-5, atol=1e-6)
-    assert not np.allclose(results[0], parameter_vector(small_model()))
+    weights, averages = reference_update(steps, OPTIMIZERS[optimizer_name])
+    assert np.array_equal(results[0][0], results[1][0])
+    np.testing.assert_allclose(results[0][0], weights, rtol=2e-5, atol=1e-6)
+    assert not np.allclose(results[0][0], parameter_vector(small_model()))
+    if averages is None:
+        assert results[0][1] is None
+    else:
+        np.testing.assert_allclose(results[0][1], averages, rtol=2e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ tiny runs on Ray
