@@ -133,6 +133,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     abandoned: Set[str] = set()
     pauses = _pauses(_longest_pause(world_size))
     members: List[Member] = []
+    # The ranks seen registered in this incarnation while this rank waited: one whose own
+    # deadline passed first withdrew its key, but it came, and is not named as missing.
+    seen: Set[int] = set()
     next_recheck = 0.0
     while True:
         # A registered rank polls one key; whether its incarnation was replaced or broken
@@ -144,7 +147,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
                 kv.delete_prefix(_member_key(prefix, registered, me))
                 abandoned.add(registered)
-                registered, members = None, []
+                registered, members, seen = None, [], set()
             # Never rejoin an incarnation this rank left: a re-init after a destroy waits for
             # the next one, which rank 0 opens once it has left too.
             if current is not None and current != registered and current not in abandoned \
@@ -160,6 +163,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         # The store is linearizable: the rank whose key went in last sees
                         # every key here, and tells the others with one key they can poll.
                         members = registered_members(kv, prefix, registered)
+                        seen = {m.rank for m in members}
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
                             return registered, sorted(members, key=lambda m: m.rank)
@@ -167,8 +171,8 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             members = registered_members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
-            present = {m.rank for m in (registered_members(kv, prefix, registered) if registered
-                                        else members)}
+            present = seen | {m.rank for m in (registered_members(kv, prefix, registered)
+                                               if registered else members)}
             if registered is not None:
                 # Withdraw, so that a rank joining this incarnation later waits for a live
                 # member instead of counting this failed one.
