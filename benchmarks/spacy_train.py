@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--strategies", type=comma_list(choice(STRATEGIES)), default=STRATEGIES)
     add("--workers", type=comma_list(at_least(1)), default=(1, 2, 4, 8, 16))
-    add("--steps", type=at_least(1), default=1000, help="updates per run (1000)")
+    add("--steps", type=at_least(0), default=1000,
+        help="updates per scaling run (1000; 0: only the accuracy runs)")
     add("--trials", type=at_least(1), default=3)
     add("--first-trial", type=at_least(0), default=0, help="the first trial's number and seed")
     add("--batch", type=at_least(1), default=32, help="sentences per worker and update (32)")
@@ -111,7 +112,7 @@ def _plan(args: argparse.Namespace) -> List[Tuple[str, int, int, str, int, int]]
     """Every run in order: (kind, trial, workers, strategy, updates, batch per worker)."""
     plan = [("scaling", trial, workers, strategy, args.steps, args.batch)
             for trial in range(args.first_trial, args.first_trial + args.trials)
-            for workers in args.workers for strategy in args.strategies]
+            for workers in args.workers for strategy in args.strategies if args.steps]
     if args.accuracy_steps:
         n = args.accuracy_workers
         plan.append(("accuracy", args.first_trial, 1, "allreduce", args.accuracy_steps,
@@ -176,6 +177,15 @@ def tables(document: dict) -> str:
         Markdown.
     """
     runs = [run for run in document["runs"] if run["kind"] == "scaling"]
+    out = _scaling(runs) if runs else []
+    out += _accuracy([run for run in document["runs"] if run["kind"] == "accuracy"])
+    out += [f"Model: {document['runs'][0]['parameters']:,} parameters in the trainable "
+            f"components."]
+    return "\n".join(out)
+
+
+def _scaling(runs: List[dict]) -> List[str]:
+    """The tables of the scaling runs (the same updates at every worker count)."""
     groups: Dict[Tuple[str, int], List[dict]] = {}
     for run in runs:
         groups.setdefault((run["variant"], run["workers"]), []).append(run)
@@ -228,10 +238,7 @@ def tables(document: dict) -> str:
                          f"{100 * cells['stale_share']:.1f} %"])
     out += [_table(["workers", "strategy", "compute ms", "comm ms", "serving ms", "MiB",
                     "actor calls", "stale"], rows), ""]
-    out += _targets(mean, workers, strategies)
-    out += _accuracy([run for run in document["runs"] if run["kind"] == "accuracy"])
-    out += [f"Model: {runs[0]['parameters']:,} parameters in the trainable components."]
-    return "\n".join(out)
+    return out + _targets(mean, workers, strategies)
 
 
 def _targets(mean, workers: List[int], strategies: List[str]) -> List[str]:

@@ -341,6 +341,9 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
     assert "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
     with pytest.raises(ValueError, match="two parts ran"):
         join_documents([part1, part1])
+    accuracy_only = {"meta": meta, "runs": part2["runs"][2:]}
+    text = spacy_train.tables(accuracy_only)
+    assert "Runtime" not in text and "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
 
 
 FAILING_READER = '''
