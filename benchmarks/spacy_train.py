@@ -25,9 +25,7 @@ its own ``--json``, and join them with ``--from-json A.json,B.json`` (as
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .cli import at_least, choice, comma_list
-from .param_server import _mean_std, _table, document_of
+from .param_server import _mean_std, _meta, _table, document_of
 
 STRATEGIES = ("parameter-server", "allreduce", "reducescatter", "gloo-allreduce")
 """The runs of each (trial, workers) block, in column order."""
@@ -158,13 +156,7 @@ def run_all(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
-            "ray": ray.__version__, "spacy": spacy.__version__, "numpy": np.__version__,
-            "thinc": __import__("thinc").__version__, "cpus": os.cpu_count(),
-            "command": " ".join(sys.argv), "load_average": os.getloadavg(),
-            "options": {k: (str(v) if isinstance(v, pathlib.Path) else v)
-                        for k, v in vars(args).items()}}
-    return {"meta": meta, "runs": records}
+    return {"meta": dict(_meta(args), spacy=spacy.__version__), "runs": records}
 
 
 def tables(document: dict) -> str:
