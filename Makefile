@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test docs bench bench-nodes bench-400 ps-example ps-bench venv clean
+.PHONY: demo test docs bench bench-nodes bench-400 ps-example ps-bench spacy-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,15 @@ ps-bench: $(STAMP_TEST)
 	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.param_server \
 	    --json benchmarks/results/param_server.json --markdown benchmarks/results/param_server.md \
 	    --plot benchmarks/results/plots/param_server_throughput.png $(PS_BENCH_ARGS)
+
+# spaCy's tok2vec + ner on 1-16 Ray workers: parameter server, allreduce, reducescatter and
+# Gloo's allreduce, 1000 updates x 3 trials (many hours on 2 cores: run it in parts with
+# SPACY_BENCH_ARGS="--first-trial 1 --trials 1 --workers 8", then join them with --from-json).
+SPACY_BENCH_ARGS ?=
+spacy-bench: $(STAMP_TEST)
+	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.spacy_train \
+	    --json benchmarks/results/spacy_train.json --markdown benchmarks/results/spacy_train.md \
+	    $(SPACY_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache docs/_build

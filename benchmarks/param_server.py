@@ -31,7 +31,7 @@ import pathlib
 import platform
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -486,6 +486,26 @@ def report(document: dict) -> str:
     return "\n\n".join(filter(None, [head, scaling_tables(document), accuracy_table(document)]))
 
 
+def document_of(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict]) -> dict:
+    """The document to report: the ``--from-json`` files joined, or a new run (written to
+    ``--json`` if given).
+
+    Args:
+        args: the parsed command line (``from_json``, ``json``).
+        run: makes a new document from ``args``.
+
+    Returns:
+        The document.
+    """
+    if args.from_json:
+        return join_documents([json.loads(path.read_text()) for path in args.from_json])
+    document = run(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=1))
+    return document
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark (or read a previous run), print the tables, write JSON and plot.
 
@@ -496,13 +516,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    if args.from_json:
-        document = join_documents([json.loads(path.read_text()) for path in args.from_json])
-    else:
-        document = run_all(args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(document, indent=1))
+    document = document_of(args, run_all)
     tables = report(document)
     print(tables)
     if args.markdown:

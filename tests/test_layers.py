@@ -9,12 +9,15 @@ imports at run time), so a violation is found without importing anything.
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "ray_collective"
-OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy")
-"""Imported inside functions, so that ``import ray_collective`` needs none of them."""
+OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy", "spacy", "thinc", "faker")
+"""Imported inside functions, so that ``import ray_collective`` needs none of them (the last
+three only by ``ray_collective.integrations``, which nothing below it imports)."""
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -155,6 +158,7 @@ LAYERS = (
     ("declared",),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
      "status", "__main__"),
+    ("integrations",),
 )
 """The layers of docs/architecture.md, bottom first: a module imports only from its own layer
 or those below."""
@@ -215,3 +219,14 @@ def test_the_class_length_check_finds_a_long_class(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "ray_collective.transport.long_for_test", module)
     assert _long_classes("ray_collective.transport.long_for_test") == [
         f"ray_collective.transport.long_for_test.Long: {MAX_CLASS_LINES + 1} lines"]
+
+
+def test_importing_the_package_imports_no_integration_framework():
+    """``import ray_collective`` needs numpy and Ray only: the integrations' frameworks load
+    with the integration (``ray_collective.integrations``, the top layer), never before."""
+    frameworks = ("spacy", "thinc", "faker", "typer")
+    code = (f"import sys, ray_collective; "
+            f"print([m for m in {frameworks!r} if m in sys.modules])")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert found == "[]", f"import ray_collective imported {found}"

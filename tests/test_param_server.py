@@ -20,10 +20,10 @@ extras.need("thinc", "the parameter-server example")
 extras.need("sklearn", "the parameter-server example")
 
 from examples.parameter_server import collective_variants as cv  # noqa: E402
-from examples.parameter_server.sharded_ps import PeerProxy, divide_keys  # noqa: E402
 from examples.parameter_server.task import (BatchStream, TaskConfig, build_model,  # noqa: E402
-                                            load_digits, loss_and_gradients, make_optimizer,
-                                            parameter_keys, parameter_nodes)
+                                            load_digits, loss_and_gradients, make_optimizer)
+from ray_collective.integrations.thinc.parameter_server import PeerProxy, divide_keys  # noqa: E402
+from ray_collective.integrations.thinc.params import parameter_keys, parameter_nodes  # noqa: E402
 from examples.parameter_server.training import (VARIANTS, RunOptions, run_variant,  # noqa: E402
                                                 start_workers)
 

@@ -4,7 +4,8 @@ The task (``task``): a thinc MLP of about a million parameters learns scikit-lea
 handwritten digits. Every variant trains it from the same initial weights on the same global
 batches, each worker taking its own disjoint slice of every global batch:
 
-- ``ps-async`` / ``ps-sync`` (``sharded_ps``): spacy-ray's parameter server, re-implemented:
+- ``ps-async`` / ``ps-sync`` (``ray_collective.integrations.thinc.parameter_server``, shared
+  with spaCy's integration): spacy-ray's parameter server, re-implemented:
   parameters divided among the workers by model node, a proxy in thinc's parameter-server hook,
   gradients pushed to the owner with fire-and-forget actor calls, stale ones dropped, the owner
   running the optimizer and pushing parameters to every other worker.

@@ -16,206 +16,24 @@ Three ways to train data-parallel with collectives, each a ``Trainer`` with one 
 
 ``LocalTrainer`` is one process with no communication: the single-process reference.
 
-A ``Communicator`` is one library's mean-allreduce, mean-reducescatter and allgather on numpy
-float32 buffers: this library's ``ray`` backend, ``ray.util.collective`` with Gloo, or
-``torch.distributed``'s own Gloo group. Each counts the bytes its algorithm must send per rank
-(nccl-tests' bus factors), so the benchmark can report traffic without a packet capture.
+The libraries (``Communicator``: this library's ``ray`` backend, ``ray.util.collective`` with
+Gloo, ``torch.distributed``'s own Gloo group) and the flat buffers live in the package, in
+``ray_collective.integrations.thinc``, which spaCy's integration shares.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
-import hashlib
-import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .task import KeyT, install_proxy, key_of_node, loss_and_gradients, parameter_nodes
+from ray_collective.integrations.thinc.communicators import Communicator, StepClock, parts_of
+from ray_collective.integrations.thinc.params import (FlatBuffers, KeyT, install_proxy,
+                                                      key_of_node, parameter_digest,
+                                                      parameter_vector)
 
-
-class StepClock:
-    """Seconds spent communicating, out of the steps' total (the rest is computing)."""
-
-    def __init__(self) -> None:
-        self.communication_seconds = 0.0
-
-    @contextlib.contextmanager
-    def communicating(self) -> Iterator[None]:
-        """Count the time of the block as communication."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.communication_seconds += time.perf_counter() - started
-
-
-# ------------------------------------------------------------------ libraries
-
-
-class Communicator(abc.ABC):
-    """One collective library, as the trainers use it, on contiguous float32 numpy arrays."""
-
-    def __init__(self, world_size: int, rank: int) -> None:
-        self.world_size = world_size
-        self.rank = rank
-        self.bus_bytes = 0
-        """Bytes each rank's algorithm must send, summed over calls (nccl-tests' factors)."""
-
-    @abc.abstractmethod
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        """Replace ``buffer`` with the mean of every rank's ``buffer``.
-
-        Args:
-            buffer: contiguous float32, the same length on every rank; overwritten.
-
-        Raises:
-            Exception: whatever the library raises (timeout, dead peer, mismatch).
-        """
-
-    @abc.abstractmethod
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        """``shard`` = the mean over ranks of ``flat``'s part ``rank`` (N equal parts).
-
-        Args:
-            shard: overwritten; ``flat.size // world_size`` elements.
-            flat: every rank's full buffer (a library may use it as scratch space).
-
-        Raises:
-            Exception: whatever the library raises.
-        """
-
-    @abc.abstractmethod
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        """``flat``'s part ``i`` = rank i's ``shard``, on every rank.
-
-        Args:
-            flat: overwritten, ``world_size`` times the shard's length.
-            shard: this rank's part.
-
-        Raises:
-            Exception: whatever the library raises.
-        """
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Leave the group."""
-
-    def _count_allreduce(self, nbytes: int) -> None:
-        self.bus_bytes += 2 * (self.world_size - 1) * nbytes // self.world_size
-
-    def _count_scatter_or_gather(self, nbytes: int) -> None:
-        self.bus_bytes += (self.world_size - 1) * nbytes // self.world_size
-
-
-def parts_of(flat: np.ndarray, world_size: int) -> List[np.ndarray]:
-    """``flat`` cut into ``world_size`` equal views (its length is a multiple of it)."""
-    return list(flat.reshape(world_size, -1))
-
-
-class RayCollectiveCommunicator(Communicator):
-    """This library, ``ray_collective``, with the given backend (``ray`` on CPU)."""
-
-    def __init__(self, world_size: int, rank: int, group_name: str, backend: str = "ray",
-                 timeout_s: float = 600.0) -> None:
-        super().__init__(world_size, rank)
-        import ray_collective
-        self._col = ray_collective
-        self._group = group_name
-        ray_collective.init_collective_group(world_size, rank, backend=backend,
-                                             group_name=group_name, timeout=timeout_s)
-
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        self._col.allreduce(buffer, self._group, op=self._col.ReduceOp.AVG)
-        self._count_allreduce(buffer.nbytes)
-
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group,
-                                op=self._col.ReduceOp.AVG)
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        self._col.allgather(parts_of(flat, self.world_size), shard, self._group)
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def close(self) -> None:
-        self._col.destroy_collective_group(self._group)
-
-
-class RayUtilGlooCommunicator(Communicator):
-    """``ray.util.collective`` with ``backend="gloo"`` (torch.distributed's Gloo inside).
-
-    It has no mean: a sum, then a multiplication by 1/N. Its reducescatter is one allreduce per
-    rank's part (Ray 2.60's ``TorchGLOOGroup``), so that is what it sends.
-    """
-
-    def __init__(self, world_size: int, rank: int, group_name: str,
-                 timeout_s: float = 600.0) -> None:
-        super().__init__(world_size, rank)
-        import ray.util.collective as rucol
-        self._col = rucol
-        self._group = group_name
-        self._scale = np.float32(1.0 / world_size)
-        rucol.init_collective_group(world_size, rank, backend="gloo", group_name=group_name,
-                                    gloo_timeout=int(timeout_s * 1000))
-
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        self._col.allreduce(buffer, self._group)
-        buffer *= self._scale
-        self._count_allreduce(buffer.nbytes)
-
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self._col.reducescatter(shard, parts_of(flat, self.world_size), self._group)
-        shard *= self._scale
-        for _ in range(self.world_size):
-            self._count_allreduce(shard.nbytes)
-
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        self._col.allgather(parts_of(flat, self.world_size), shard, self._group)
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def close(self) -> None:
-        self._col.destroy_collective_group(self._group)
-
-
-class TorchGlooCommunicator(Communicator):
-    """``torch.distributed``'s own Gloo process group (``init_process_group("gloo")``).
-
-    Gloo has no mean either (``ReduceOp.AVG`` is NCCL-only): a sum, then 1/N. Its
-    ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` work on the flat buffers directly.
-    """
-
-    def __init__(self, world_size: int, rank: int, init_method: str,
-                 timeout_s: float = 600.0) -> None:
-        super().__init__(world_size, rank)
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-        self._torch, self._dist = torch, dist
-        self._scale = np.float32(1.0 / world_size)
-        dist.init_process_group("gloo", init_method=init_method, world_size=world_size,
-                                rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
-
-    def allreduce_mean(self, buffer: np.ndarray) -> None:
-        self._dist.all_reduce(self._torch.from_numpy(buffer))
-        buffer *= self._scale
-        self._count_allreduce(buffer.nbytes)
-
-    def reducescatter_mean(self, shard: np.ndarray, flat: np.ndarray) -> None:
-        self._dist.reduce_scatter_tensor(self._torch.from_numpy(shard),
-                                         self._torch.from_numpy(flat))
-        shard *= self._scale
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def allgather(self, flat: np.ndarray, shard: np.ndarray) -> None:
-        self._dist.all_gather_into_tensor(self._torch.from_numpy(flat),
-                                          self._torch.from_numpy(shard))
-        self._count_scatter_or_gather(flat.nbytes)
-
-    def close(self) -> None:
-        self._dist.destroy_process_group()
+from .task import loss_and_gradients
 
 
 # ------------------------------------------------------------------ trainers
@@ -258,10 +76,7 @@ class Trainer(abc.ABC):
         Returns:
             A float32 vector.
         """
-        ops = self.model.ops
-        return np.concatenate([ops.to_numpy(node.get_param(name)).ravel()
-                               for _, node in parameter_nodes(self.model)
-                               for name in node.param_names])
+        return parameter_vector(self.model)
 
     def digest(self) -> str:
         """A hash of ``parameters()``: equal on two workers only if the weights are bitwise equal.
@@ -269,7 +84,7 @@ class Trainer(abc.ABC):
         Returns:
             Hex SHA-256.
         """
-        return hashlib.sha256(self.parameters().tobytes()).hexdigest()
+        return parameter_digest(self.model)
 
 
 class LocalTrainer(Trainer):
@@ -279,30 +94,6 @@ class LocalTrainer(Trainer):
         loss = loss_and_gradients(self.model, x, y)
         self.model.finish_update(self.optimizer)
         return loss
-
-
-class FlatBuffers:
-    """Flat float32 buffers whose views are the model's gradients (and, if asked, parameters).
-
-    Both are padded with zeros to a multiple of ``world_size`` so that they split in equal parts.
-    """
-
-    def __init__(self, model: Any, world_size: int, parameters_too: bool) -> None:
-        arrays = [(node, name, node.get_param(name)) for _, node in parameter_nodes(model)
-                  for name in node.param_names]
-        size = sum(array.size for _, _, array in arrays)
-        padded = -(-size // world_size) * world_size
-        xp = model.ops.xp
-        self.grads = xp.zeros(padded, dtype=xp.float32)
-        self.params = xp.zeros(padded, dtype=xp.float32) if parameters_too else None
-        offset = 0
-        for node, name, array in arrays:
-            window = slice(offset, offset + array.size)
-            node.set_grad(name, self.grads[window].reshape(array.shape))
-            if self.params is not None:
-                self.params[window] = array.ravel()
-                node.set_param(name, self.params[window].reshape(array.shape))
-            offset += array.size
 
 
 class FlatAllreduce(Trainer):

@@ -19,13 +19,9 @@ thinc, numpy and scikit-learn are imported lazily: importing this module needs n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict
 
 import numpy as np
-
-KeyT = Tuple[int, str]
-"""A parameter's key shared by all workers: (its node's position in ``model.walk()``, name).
-thinc's own node ids count models built in a process, so they can differ between processes."""
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -115,74 +111,6 @@ def make_optimizer(config: TaskConfig) -> Any:
     """
     from thinc.api import Adam
     return Adam(config.learn_rate, grad_clip=0.0, use_averages=False)
-
-
-def parameter_nodes(model: Any) -> List[Tuple[int, Any]]:
-    """The nodes that hold parameters, with their position in ``model.walk()``.
-
-    Args:
-        model: a thinc Model.
-
-    Returns:
-        ``(position, node)`` pairs in walk order.
-    """
-    return [(position, node) for position, node in enumerate(model.walk()) if node.param_names]
-
-
-def install_proxy(model: Any, proxy: Any) -> None:
-    """Route every node's ``ParamServer`` through ``proxy``, handing it the current parameters.
-
-    thinc's ``ParamServer`` calls ``proxy.get_param / set_param / set_grad / inc_grad`` once a
-    proxy is set: the hook spacy-ray was built on (the attribute is private and experimental).
-
-    Args:
-        model: a thinc Model.
-        proxy: an object with those four methods, taking ``(model_id, name[, value])``.
-    """
-    for _, node in parameter_nodes(model):
-        node._params.proxy = None
-        for name in node.param_names:
-            proxy.set_param(node.id, name, node.get_param(name))
-    for node in model.walk():
-        node._params.proxy = proxy
-
-
-def parameter_keys(model: Any) -> List[KeyT]:
-    """Every parameter's shared key, in walk order.
-
-    Args:
-        model: a thinc Model.
-
-    Returns:
-        The keys.
-    """
-    return [(position, name) for position, node in parameter_nodes(model)
-            for name in node.param_names]
-
-
-def key_of_node(model: Any) -> Dict[int, int]:
-    """thinc's node id -> the node's position in the walk (the first half of a ``KeyT``).
-
-    Args:
-        model: a thinc Model.
-
-    Returns:
-        The mapping.
-    """
-    return {node.id: position for position, node in parameter_nodes(model)}
-
-
-def parameter_count(model: Any) -> int:
-    """The number of parameters (floats) of the model.
-
-    Args:
-        model: a thinc Model.
-
-    Returns:
-        The count.
-    """
-    return sum(node.get_param(name).size for _, node in parameter_nodes(model)
-               for name in node.param_names)
 
 
 class BatchStream:

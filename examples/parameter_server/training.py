@@ -24,10 +24,14 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ray_collective.integrations.thinc import communicators
+from ray_collective.integrations.thinc.parameter_server import (PeerProxy, ServerCounters,
+                                                                divide_keys)
+from ray_collective.integrations.thinc.params import parameter_count, parameter_nodes
+
 from . import collective_variants as cv
-from .sharded_ps import PeerProxy, ServerCounters, divide_keys
 from .task import (BatchStream, Digits, TaskConfig, build_model, held_out_accuracy,
-                   loss_and_gradients, make_optimizer, parameter_count, parameter_nodes)
+                   loss_and_gradients, make_optimizer)
 
 CONTROL_GROUP = "control"
 """The actor's concurrency group for the driver's waiting call."""
@@ -199,7 +203,7 @@ class TrainingWorker:
         self._rank = 0
         self._options: Optional[RunOptions] = None
         self._proxy: Optional[PeerProxy] = None
-        self._communicator: Optional[cv.Communicator] = None
+        self._communicator: Optional[communicators.Communicator] = None
 
     def prepare(self, rank: int, options: RunOptions, data: Digits) -> int:
         """Build the model and optimizer of a run from scratch.
@@ -252,14 +256,14 @@ class TrainingWorker:
             self._trainer = ParameterServerTrainer(self._model, self._optimizer, self._proxy)
             return
         if library == "ray_collective":
-            self._communicator = cv.RayCollectiveCommunicator(
+            self._communicator = communicators.RayCollectiveCommunicator(
                 world, self._rank, rendezvous, self._options.backend, self._options.timeout_s)
         elif library == "ray.util.collective-gloo":
-            self._communicator = cv.RayUtilGlooCommunicator(world, self._rank, rendezvous,
-                                                            self._options.timeout_s)
+            self._communicator = communicators.RayUtilGlooCommunicator(
+                world, self._rank, rendezvous, self._options.timeout_s)
         else:
-            self._communicator = cv.TorchGlooCommunicator(world, self._rank, rendezvous,
-                                                          self._options.timeout_s)
+            self._communicator = communicators.TorchGlooCommunicator(
+                world, self._rank, rendezvous, self._options.timeout_s)
         trainer_class = {"flat": cv.FlatAllreduce, "sharded": cv.ShardedUpdate,
                          "per_array": cv.PerArrayAllreduce}[scheme]
         self._trainer = trainer_class(self._model, self._optimizer, self._communicator)

@@ -22,8 +22,8 @@ import pytest
 REQUIRE_VARIABLE = "RAY_COLLECTIVE_REQUIRE_EXTRAS"
 INSTALL = "pip install -e '.[test]'"
 MODULES = {"torch": "torch", "mpi4py": "mpi4py", "matplotlib": "matplotlib", "thinc": "thinc",
-           "sklearn": "scikit-learn", "prometheus_client": "ray[default]", "sphinx": "sphinx",
-           "myst_parser": "myst-parser"}
+           "sklearn": "scikit-learn", "prometheus_client": "ray[default]", "spacy": "spacy",
+           "faker": "faker", "sphinx": "sphinx", "myst_parser": "myst-parser"}
 """Each module of the test extras, and the package that brings it."""
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 """MPICH's launcher, installed next to the interpreter by the ``mpich`` package."""

@@ -18,10 +18,11 @@ module does:
 - Training runs on a thread while the actor's own thread serves the incoming calls: no barrier
   anywhere, so the run is asynchronous (``synchronous=False``).
 
-Two deliberate differences from spacy-ray, both for a fair comparison: the owner applies the
-*mean* of the accumulated gradients (spacy-ray their sum; Adam is nearly scale-free, so this
-changes little, but it makes the synchronous variant compute exactly the global batch's
-gradient), and parameters go to every other worker (spacy-ray sends only to workers that own
+Two deliberate differences from spacy-ray, both for a fair comparison: by default the owner
+applies the *mean* of the accumulated gradients (spacy-ray their sum, which ``average=False``
+keeps: spaCy's losses are sums over a batch's examples, so there the sum is the global batch's
+gradient; the example's loss is a mean, so there the mean is), and parameters go to every
+other worker (spacy-ray sends only to workers that own
 some array, so a worker owning nothing never receives an update when workers outnumber nodes).
 One lock guards the proxy's tables: spacy-ray relies on the GIL alone while two threads add
 into the same gradient arrays.
@@ -42,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .task import KeyT, install_proxy, key_of_node, parameter_nodes
+from .params import KeyT, install_proxy, key_of_node, parameter_nodes
 
 INITIAL_VERSION = 1
 """Every array's version once the proxy is installed (spacy-ray's ``set_param`` bumps 0 to 1)."""
@@ -101,7 +102,7 @@ class PeerProxy:
 
     def __init__(self, model: Any, rank: int, peers: Sequence[Any], owned_by_rank:
                  Sequence[Sequence[KeyT]], optimizer: Any, grads_per_update: int,
-                 synchronous: bool, timeout_s: float) -> None:
+                 synchronous: bool, timeout_s: float, average: bool = True) -> None:
         """Args:
             model: the worker's thinc Model (its node ids are mapped to shared keys).
             rank: this worker's position in ``peers``.
@@ -111,8 +112,10 @@ class PeerProxy:
             grads_per_update: gradients an owner accumulates before it updates an array.
             synchronous: wait for peers at each step (see the module's docstring).
             timeout_s: the longest a synchronous wait may last.
+            average: apply the mean of the accumulated gradients (else their sum).
         """
         self._rank = rank
+        self._average = average
         self._position = key_of_node(model)
         self._optimizer = optimizer
         self._grads_per_update = grads_per_update
@@ -279,7 +282,8 @@ class PeerProxy:
         if key not in self._owned or self._grad_counts[key] < self._grads_per_update:
             return False
         gradient = self._grads[key]
-        gradient /= self._grad_counts[key]
+        if self._average:
+            gradient /= self._grad_counts[key]
         self._versions[key] += 1
         self._params[key], _ = self._optimizer(key, self._params[key], gradient)
         self._grads[key] = None
