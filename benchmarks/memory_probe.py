@@ -113,6 +113,7 @@ def tree_pids(root: int) -> List[int]:
             continue
         try:
             with open(f"/proc/{name}/stat") as stat:
+                # The name is in parentheses and may hold spaces: the parent follows the last ')'.
                 parent = int(stat.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
