@@ -52,7 +52,7 @@ bench-nodes: $(STAMP_TEST)
 
 # benchmarks.scale_real starts its one node without the processes it has no use for and runs the
 # ranks' Python with -OO (docs/running-at-scale.md); 400 ranks were measured at 23.6 GiB before
-# those cuts (benchmarks/README.md, "400 ranks") and are expected at about 22.1 GiB of this
+# those cuts (benchmarks/README.md, "400 ranks") and are expected at about 21.9 GiB of this
 # machine's 23.5 now: on a quiet machine, make bench-400 LARGEST_RANKS=400
 LARGEST_RANKS ?= 350
 bench-400: $(STAMP_TEST)

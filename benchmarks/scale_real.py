@@ -1,8 +1,8 @@
 """Real groups of up to 400 ranks on one machine: join, collectives, memory, and a failure drill.
 
 ``python -m benchmarks.scale_real --ranks 64,128,256,400`` starts a one-node Ray with none of
-the processes it has no use for (``start_one_node``: no log monitor or autoscaler monitor;
-docs/running-at-scale.md), or, with ``--nodes K``, a
+the processes it has no use for (``start_one_node``: no log monitor, autoscaler monitor or
+prestarted worker; docs/running-at-scale.md), or, with ``--nodes K``, a
 ``ray.cluster_utils.Cluster`` of K nodes on this machine, ranks spread round robin, and, for
 each N in turn, adds rank actors (``num_cpus=0``, in waves, with a progress line) until there
 are N, so that each N is measured beside no idle extra actor and what was measured is kept if
@@ -79,18 +79,23 @@ of the machine's memory by default; 400 ranks here sit at about 96 % (23.5 GiB),
 allows 98 % (docs/running-at-scale.md)."""
 
 ONE_NODE_HEAD = {"include_dashboard": False, "include_log_monitor": False, "no_monitor": True,
-                 "_system_config": {"worker_register_timeout_seconds": 600}}
+                 "_system_config": {"worker_register_timeout_seconds": 600,
+                                    "enable_worker_prestart": False,
+                                    "prestart_worker_first_driver": False}}
 """The one node's Ray: what ``ray start --head --include-dashboard=false
 --include-log-monitor=false --no-monitor`` starts, without the two processes a fixed one-node
 run with ``log_to_driver=False`` has no use for, the log monitor and the autoscaler's monitor
-(44 and 47 MiB of PSS; ``python -m benchmarks.scale_memory``, docs/running-at-scale.md).
-Workers have 600 s to register, since hundreds start at once on 2 cores."""
+(44 and 47 MiB of PSS; ``python -m benchmarks.scale_memory``, docs/running-at-scale.md), and
+without prestarted workers: they start before the job's ``runtime_env``
+(``WORKER_RUNTIME_ENV``) is known, so no rank can use them, and two of them stayed idle
+through the run (85 MiB). Workers have 600 s to register, since hundreds start at once on 2
+cores."""
 
 
 WORKER_RUNTIME_ENV = {"env_vars": {"PYTHONOPTIMIZE": "2"}}
-"""The job's workers (the rank actors) run Python with ``-OO``: without docstrings, 3.6 MiB less
-private memory per rank (55.1 against 51.5 MiB joined, 4 actors; docs/running-at-scale.md),
-1.4 GiB at 400 ranks. Only the workers: Ray's own Python processes (its dashboard) fail to
+"""The job's workers (the rank actors) run Python with ``-OO``: without docstrings, 4.2 MiB less
+private memory per rank (55.0 against 50.8 MiB joined, 32 actors; docs/running-at-scale.md),
+1.6 GiB at 400 ranks. Only the workers: Ray's own Python processes (its dashboard) fail to
 start with ``-OO``, and the ranks' code here needs neither ``assert`` nor docstrings."""
 
 
