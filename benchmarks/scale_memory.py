@@ -77,12 +77,14 @@ one thing of ``ray_init``."""
 
 STAGES = ("bare", "numpy", "ray_collective", "joined", "called", "left")
 
-LAZY_MODULES = ("ray_collective.backends.nccl", "ray_collective.sim",
+WATCHED_MODULES = ("ray_collective.backends.nccl", "ray_collective.sim",
                 "ray_collective.backends.ray.post_office", "ray_collective.transport.tcp",
                 "ray_collective.transport.stream_carrier", "ray_collective.metrics",
                 "ray_collective.batch", "ray_collective.refs", "ray_collective.declared",
                 "benchmarks", "torch", "cupy")
-"""Modules whose presence in a joined one-node rank is reported (``lazy_loaded``)."""
+"""Modules whose presence in a rank is reported (``lazy_loaded``): the ones the library imports
+on first use (``tests/test_layers.py``, ``LAZY_MODULES``) and the cross-node path, which every
+rank still imports."""
 
 
 def _median(values: Sequence[float]) -> float:
@@ -91,14 +93,14 @@ def _median(values: Sequence[float]) -> float:
 
 def stage_summary(name: str, reports: List[dict]) -> dict:
     """Medians over the actors of one stage, in bytes (threads as counts), and which of
-    ``LAZY_MODULES`` the first actor had loaded."""
+    ``WATCHED_MODULES`` the first actor had loaded."""
     modules = set(reports[0]["modules"])
     return {"stage": name, "actors": len(reports),
             **{f"{field}_p50": _median([r[field] for r in reports])
                for field in ("uss", "pss", "rss", "pss_shmem", "threads")},
             "modules": len(modules),
             "ray_collective_modules": sum(m.startswith("ray_collective") for m in modules),
-            "lazy_loaded": [m for m in LAZY_MODULES if m in modules],
+            "lazy_loaded": [m for m in WATCHED_MODULES if m in modules],
             "thread_names": reports[0]["thread_names"]}
 
 
