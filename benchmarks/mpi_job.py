@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict
 from typing import Any, List, Optional, Sequence
 
+from .memory_probe import tree_pids
 from .rows import CallOutcome, summarize_failures
 from .worker import BlockSpec
 
@@ -86,25 +87,9 @@ def descendant_count(pid: int) -> int:
     Returns:
         The count, the root included.
     """
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                # The name is in parentheses and may hold spaces: the parent follows the last ')'.
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
     if not os.path.exists(f"/proc/{pid}"):
         return 0
-    count, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
-        count += 1
-        pending.extend(children.get(current, []))
-    return count
+    return len(tree_pids(pid))
 
 
 class MpiJob:

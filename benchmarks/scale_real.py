@@ -1,10 +1,12 @@
 """Real groups of up to 400 ranks on one machine: join, collectives, memory, and a failure drill.
 
-``python -m benchmarks.scale_real --ranks 64,128,256,400`` starts a local Ray (or, with
-``--nodes K``, a ``ray.cluster_utils.Cluster`` of K nodes on this machine, ranks spread round
-robin) and, for each N in turn, adds rank actors (``num_cpus=0``, in waves, with a progress
-line) until there are N, so that each N is measured beside no idle extra actor and what was
-measured is kept if a larger N does not fit. At each N:
+``python -m benchmarks.scale_real --ranks 64,128,256,400`` starts a one-node Ray with none of
+the processes it has no use for (``start_one_node``: no log monitor, autoscaler monitor or
+prestarted worker; docs/running-at-scale.md), or, with ``--nodes K``, a
+``ray.cluster_utils.Cluster`` of K nodes on this machine, ranks spread round robin, and, for
+each N in turn, adds rank actors (``num_cpus=0``, in waves, with a progress line) until there
+are N, so that each N is measured beside no idle extra actor and what was measured is kept if
+a larger N does not fit. At each N:
 
 - the library is imported in every new actor first, timed apart from the join;
 - **join and destroy**: every rank calls ``init_collective_group`` (imperative), timed on the
@@ -69,6 +71,40 @@ dead, as the drill needs). They run one task at a time: an actor that is not ins
 (or a threaded or async actor, whose main thread never is) wakes 100 times a second for Ray's
 signal check (``CoreWorker.CheckSignal``), which took 0.34 of the 2 cores for 48 actors
 holding a task with ``max_concurrency=2`` against 0.06 with the default."""
+
+
+RAY_ENVIRONMENT = {"RAY_memory_usage_threshold": "0.98"}
+"""Set for Ray's processes unless already set. Ray's memory monitor kills workers above 95 %
+of the machine's memory by default; 400 ranks here sit at about 96 % (23.5 GiB), so the run
+allows 98 % (docs/running-at-scale.md)."""
+
+ONE_NODE_HEAD = {"include_dashboard": False, "include_log_monitor": False, "no_monitor": True,
+                 "_system_config": {"worker_register_timeout_seconds": 600,
+                                    "enable_worker_prestart": False,
+                                    "prestart_worker_first_driver": False}}
+"""The one node's Ray: what ``ray start --head --include-dashboard=false
+--include-log-monitor=false --no-monitor`` starts, without the two processes a fixed one-node
+run with ``log_to_driver=False`` has no use for, the log monitor and the autoscaler's monitor
+(44 and 47 MiB of PSS; ``python -m benchmarks.scale_memory``, docs/running-at-scale.md), and
+without prestarted workers: they start before the job's ``runtime_env``
+(``WORKER_RUNTIME_ENV``) is known, so no rank can use them, and two of them stayed idle
+through the run (85 MiB). Workers have 600 s to register, since hundreds start at once on 2
+cores."""
+
+
+WORKER_RUNTIME_ENV = {"env_vars": {"PYTHONOPTIMIZE": "2"}}
+"""The job's workers (the rank actors) run Python with ``-OO``: without docstrings, 4.2 MiB less
+private memory per rank (55.0 against 50.8 MiB joined, 32 actors; docs/running-at-scale.md),
+1.6 GiB at 400 ranks. Only the workers: Ray's own Python processes (its dashboard) fail to
+start with ``-OO``, and the ranks' code here needs neither ``assert`` nor docstrings."""
+
+
+def start_one_node() -> Any:
+    """A one-node ``ray.cluster_utils.Cluster`` of this machine's cores, started with
+    ``ONE_NODE_HEAD`` (``shutdown()`` it at the end)."""
+    from ray.cluster_utils import Cluster
+    return Cluster(initialize_head=True,
+                   head_node_args={"num_cpus": os.cpu_count(), **ONE_NODE_HEAD})
 
 
 def _meminfo() -> Dict[str, int]:
@@ -380,17 +416,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--ranks: every world size must be at least 2")
 
     import ray
-    # Ray's memory monitor kills workers above 95 % of the machine's memory by default; 400
-    # ranks here sit at 96 % (23.5 GiB, 49-54 MB per idle Ray actor), so the run allows 98 %.
-    os.environ.setdefault("RAY_memory_usage_threshold", "0.98")
-    cluster = start_local_cluster(args.nodes) if args.nodes > 1 else None
-    if cluster is None:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 _system_config={"worker_register_timeout_seconds": 600})
-        node_ids: List[Optional[str]] = [None]
-    else:
-        ray.init(address=cluster.address, log_to_driver=False)
-        node_ids = list(pick_nodes(args.nodes))
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    cluster = start_local_cluster(args.nodes) if args.nodes > 1 else start_one_node()
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=WORKER_RUNTIME_ENV)
+    node_ids: List[Optional[str]] = list(pick_nodes(args.nodes)) if args.nodes > 1 else [None]
     report: Dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv),
         "ray": ray.__version__, "cores": os.cpu_count(), "nodes": args.nodes,
@@ -430,8 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plot:
         write_plot(report, args.plot)
     ray.shutdown()
-    if cluster is not None:
-        cluster.shutdown()
+    cluster.shutdown()
     return 0
 
 

@@ -5,6 +5,11 @@
 the declarative ``*_refs`` collectives, and ``batch_remote`` / ``ActorPool`` for calling one
 method on many actors at once.
 Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
+
+What a rank does not need until it uses it is imported on first use, since every rank process
+pays for every module it holds (docs/running-at-scale.md): the driver's ``batch_remote``,
+``ActorPool`` and ``*_refs`` (through this module's ``__getattr__``), and the ``nccl``
+backend (``backends``).
 """
 
 from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, alltoall, barrier,
@@ -15,7 +20,6 @@ from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, 
                   nccl_available, recv, recv_multigpu, reduce, reduce_multigpu, reducescatter,
                   reducescatter_multigpu, register_backend, scatter, send, send_multigpu,
                   synchronize)
-from .batch import BatchRemoteHandle, PerActor, batch_remote
 from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
@@ -25,8 +29,6 @@ from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
 from .interop import ray_util_collective_runtime_env
-from .refs import (allgather_refs, allreduce_refs, broadcast_refs, reduce_refs,
-                   reducescatter_refs, send_ref)
 from .types import Backend, ReduceOp
 
 __version__ = "0.1.0"
@@ -56,10 +58,22 @@ __all__ = [
 ]
 
 
+_BATCH_NAMES = ("batch_remote", "BatchRemoteHandle", "PerActor")
+_REFS_NAMES = ("allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs",
+               "reducescatter_refs", "send_ref")
+
+
 def __getattr__(name: str):
     # ActorPool subclasses ray.util.ActorPool; importing it here would make every
-    # ``import ray_collective`` import Ray.
+    # ``import ray_collective`` import Ray. The driver's batch calls and ``*_refs`` are
+    # imported on first use, so that a rank that never calls them does not hold them.
     if name == "ActorPool":
         from .actor_pool import ActorPool
         return ActorPool
+    if name in _BATCH_NAMES:
+        from . import batch
+        return getattr(batch, name)
+    if name in _REFS_NAMES:
+        from . import refs
+        return getattr(refs, name)
     raise AttributeError(f"module 'ray_collective' has no attribute '{name}'")

@@ -19,6 +19,19 @@ OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy", "spacy", "thinc", "faker")
 """Imported inside functions, so that ``import ray_collective`` needs none of them (the last
 three only by ``ray_collective.integrations``, which nothing below it imports)."""
 
+LAZY_MODULES = {
+    "ray_collective.backends.nccl": "the nccl backend, loaded when a group first names it",
+    "ray_collective.batch": "the driver's batch_remote, loaded on first use",
+    "ray_collective.refs": "the driver's *_refs collectives, loaded on first use",
+    "ray_collective.actor_pool": "ActorPool, loaded on first use (it imports Ray)",
+    "ray_collective.sim": "the simulator, for benchmarks and the command line",
+    "ray_collective.testing": "in-process groups for tests",
+}
+"""Our modules that may be imported inside functions (with their subpackages): a rank needs
+none of them until it uses it, and each costs every rank process its memory (400 of them on
+one machine: docs/running-at-scale.md). A joined one-node rank has none of them loaded
+(``test_a_joined_rank_has_not_imported_the_lazy_modules``)."""
+
 
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
@@ -125,14 +138,66 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": ["b"], "b": [], "c": ["a"]}) is None
 
 
+def _is_lazy(module: str) -> bool:
+    return any(module == lazy or module.startswith(lazy + ".") for lazy in LAZY_MODULES)
+
+
 def test_imports_inside_functions_are_only_of_optional_dependencies():
     """An import inside a function hides a dependency (often a cycle); only the optional ones
-    may hide there, or a module of ours that imports one of them at its top."""
+    may hide there, a module of ours that imports one of them at its top, or one of
+    ``LAZY_MODULES``."""
     hidden = [f"{MODULES[module].relative_to(PACKAGE_DIR.parent)}:{line} imports {target}"
               for module, (_, inner) in IMPORTS.items() for line, target in inner
-              if not (target.split(".")[0] in OPTIONAL_DEPENDENCIES
+              if not (target.split(".")[0] in OPTIONAL_DEPENDENCIES or _is_lazy(target)
                       or (target in MODULES and _imports_optional_dependency_at_top(target)))]
     assert not hidden, "\n".join(hidden)
+
+
+def test_every_lazy_module_exists():
+    assert [m for m in LAZY_MODULES if m not in MODULES] == []
+
+
+def test_no_module_imports_a_lazy_one_at_its_top():
+    """A lazy module imported at the top of one that every rank loads would be loaded anyway;
+    only lazy modules themselves (and their own packages) may."""
+    eager = [f"{module} imports {target}" for module, (top, _) in IMPORTS.items()
+             if not _is_lazy(module) for target in top if _is_lazy(target)]
+    assert not eager, "\n".join(eager)
+
+
+def _loaded_lazy_modules(rank: int, group: str) -> list:
+    """Inside a fresh actor: join ``group`` of 2 on the ``ray`` backend, allreduce once, then
+    the lazy modules (and optional dependencies) this process has loaded."""
+    import sys
+
+    import numpy as np
+
+    import ray_collective as col
+    col.init_collective_group(2, rank, backend="ray", group_name=group, timeout=60.0)
+    tensor = np.full(4, rank + 1, np.float32)
+    col.allreduce(tensor, group)
+    col.destroy_collective_group(group)
+    assert tensor.tolist() == [3.0] * 4
+    return sorted(m for m in sys.modules
+                  if _is_lazy(m) or m.split(".")[0] in ("torch", "cupy", "benchmarks"))
+
+
+def test_a_joined_rank_has_not_imported_the_lazy_modules(ray_session):
+    """Two actors in processes of their own (a runtime environment no other test uses, so
+    Ray starts new workers rather than lending ones that ran other tests) join a one-node
+    group and allreduce: neither holds a lazy module."""
+    import uuid
+
+    from support.helpers import Member, run_in
+    fresh = {"env_vars": {"RAY_COLLECTIVE_TEST_FRESH_WORKER": uuid.uuid4().hex}}
+    member = ray_session.remote(num_cpus=0)(Member).options(runtime_env=fresh)
+    actors = [member.remote() for _ in range(2)]
+    try:
+        loaded = run_in(ray_session, actors, _loaded_lazy_modules, "lazy-modules")
+    finally:
+        for actor in actors:
+            ray_session.kill(actor)
+    assert loaded == [[], []]
 
 
 @pytest.mark.parametrize("layer, forbidden", [
