@@ -188,6 +188,8 @@ def test_killed_rank_gives_peer_died_error_on_the_others(ray_session):
     for kind, message, elapsed, again in results:
         assert kind == "PeerDiedError", message
         assert "ranks [2] died" in message
+        # The error names the call that failed: the group's first, an allreduce.
+        assert "allreduce #0 failed" in message, message
         assert elapsed < 30
         assert again == "PeerDiedError"
     col.destroy_collective_group("killed")

@@ -144,6 +144,8 @@ class LinkTransport(Transport):
         self.engine.raise_if_failed(requests)
 
     def arrive(self, stamp: wire.CallStamp) -> None:
+        # A call the native core runs never reaches isend/irecv: its failures name it from here.
+        self.failures.current = stamp
         self.state.arrive(self.rank, stamp.seq, stamp.template.collective)
         self._inbox.begin(stamp)
 
