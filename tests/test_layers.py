@@ -152,7 +152,7 @@ LAYERS = (
     ("plan", "executor", "sim", "native"),
     ("backends",),
     ("group",),
-    ("declared",),
+    ("declared", "elastic"),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__"),
 )
 """README's layers, bottom first: a module imports only from its own layer or those below."""
