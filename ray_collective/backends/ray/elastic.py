@@ -258,11 +258,11 @@ class Agreement:
             if member.node == self.node and r not in gone and not self.alive(member.pid):
                 gone.add(r)
                 self.kv.put(f"{base}dead/{r}")
-        waiting = set(range(len(self.members))) - present - named - gone
-        if any(self.members[r].node != self.node for r in waiting):
+        absent = set(range(len(self.members))) - present - gone
+        if any(self.members[r].node != self.node for r in absent):
             lost = self.nodes_gone()
-            gone |= {r for r in waiting if self.members[r].node in lost}
-            waiting -= gone
+            gone |= {r for r in absent if self.members[r].node in lost}
+        waiting = absent - named - gone
         if waiting and waited >= SUSPECT_GRACE_S:
             came = {self.members[r].node for r in present}
             troubled = {self.members[r].node for r in named | doubtful | gone}
