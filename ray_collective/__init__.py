@@ -11,9 +11,10 @@ Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are 
 from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, alltoall, barrier,
                   broadcast, broadcast_multigpu, create_collective_group,
                   declare_collective_group, destroy_collective_group, gather,
-                  get_collective_group_size, get_group_handle, get_rank, gloo_available,
-                  grow_collective_group, init_collective_group, is_backend_available,
-                  is_group_initialized, nccl_available, recv, recv_multigpu, reduce, reduce_multigpu, reducescatter,
+                  get_collective_group_size, get_collective_trace, get_group_handle, get_rank,
+                  gloo_available, grow_collective_group, init_collective_group,
+                  is_backend_available, is_group_initialized, nccl_available, recv,
+                  recv_multigpu, reduce, reduce_multigpu, reducescatter,
                   reducescatter_multigpu, register_backend, scatter, send, send_multigpu,
                   shrink_collective_group, synchronize)
 from .batch import BatchRemoteHandle, PerActor, batch_remote
@@ -37,8 +38,8 @@ _install_ray_util_collective_backend()
 __all__ = [
     "init_collective_group", "declare_collective_group", "create_collective_group",
     "destroy_collective_group", "shrink_collective_group", "grow_collective_group",
-    "is_group_initialized", "get_group_handle", "get_rank",
-    "get_collective_group_size",
+    "is_group_initialized", "get_group_handle", "get_rank", "get_collective_group_size",
+    "get_collective_trace",
     "allreduce", "barrier", "reduce", "broadcast", "allgather", "reducescatter", "send", "recv",
     "gather", "scatter", "alltoall",
     "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",

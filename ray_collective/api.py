@@ -95,40 +95,59 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 # strides, the op, the root, the group), so the checks run at a shape's first call, and its
 # later calls go straight to the group with a runner the backend prepared for the shape
 # (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
-# Only blocking calls with the group's own deadline on writable numpy arrays take it.
+# Only blocking calls with the group's own deadline on writable numpy arrays take it; for
+# allgather and reducescatter, every array of the list must be like the tensor (dtype, shape,
+# strides), which is checked per call.
 
 _ALLREDUCE, _REDUCE, _BROADCAST = "allreduce", "reduce", "broadcast"
+_ALLGATHER, _REDUCESCATTER = "allgather", "reducescatter"
 
 
 def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
     """What identifies a call's shape for the known-shape path, or None when the call cannot
-    take it (not a plain numpy array, an op or root of another type)."""
+    take it (not a plain writable numpy array, an op or root of another type)."""
     if (type(tensor) is not np.ndarray or type(op) is not ReduceOp
-            or type(root) is not int):
+            or type(root) is not int or not tensor.flags.writeable):
         return None
     # Enum members hash in Python code; a member's id stands for it (each is a singleton).
     return (collective, id(op), root, tensor.dtype, tensor.shape, tensor.strides)
 
 
-def _run_known_shape(group_name: Any, key: Optional[Tuple], tensor: Any) -> bool:
+def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
+                    list_written: bool) -> Optional[Tuple]:
+    """The key of an allgather (``list_written``: the list receives) or a reducescatter call,
+    or None when it cannot take the known-shape path (see :func:`_shape_key`; a list entry
+    unlike the tensor, or not writable where it is written)."""
+    key = _shape_key(collective, tensor, op, -1)
+    if key is None or type(tensors) not in (list, tuple):
+        return None
+    dtype, shape, strides = key[3], key[4], key[5]
+    for entry in tensors:
+        if (type(entry) is not np.ndarray or entry.dtype != dtype or entry.shape != shape
+                or entry.strides != strides or (list_written and not entry.flags.writeable)):
+            return None
+    return key + (len(tensors),)
+
+
+def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any) -> bool:
     """Run the call through its shape's runner if its shape was learnt; False when it was not
-    (or the array is read-only, or asynchronous calls are queued): nothing was done then."""
+    (or asynchronous calls are queued): nothing was done then."""
     if key is None or type(group_name) is not str:
         return False
     group = current_registry().find(group_name)
     if group is None:
         return False
     runner = group.shape_runners.get(key)
-    if runner is None or (tensor is not None and not tensor.flags.writeable):
+    if runner is None:
         return False
-    return group.run_shape(runner, tensor)
+    return group.run_shape(runner, arrays)
 
 
 def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
-                      view: Optional[TensorView]) -> None:
+                      view: Optional[TensorView], **lists) -> None:
     """A blocking call by the full path; once it has run, its shape is learnt."""
-    group.submit(lambda seq: GroupCall(options, seq, tensor=view), False)
-    if key is not None and (view is None or view.array.flags.writeable):
+    group.submit(lambda seq: GroupCall(options, seq, tensor=view, **lists), False)
+    if key is not None:
         group.learn_shape(key, options, view)
 
 
@@ -424,6 +443,26 @@ def get_collective_group_size(group_name: str = "default") -> int:
     return registry.get(group_name).world_size if registry.is_initialized(group_name) else -1
 
 
+def get_collective_trace(group_name: str = "default") -> List[dict]:
+    """This rank's last calls on the group, from its flight recorder, oldest first.
+
+    Each rank keeps its last ``RAY_COLLECTIVE_TRACE_SIZE`` calls (256 unless set; 0 keeps none)
+    of each group; an error that breaks the group carries the same list (its ``trace``).
+
+    Args:
+        group_name: the group.
+
+    Returns:
+        One dict per call: ``seq``, ``collective``, ``dtype``, ``shape``, ``nbytes``,
+        ``algorithm``, ``peers``, ``start`` and ``end`` (Unix time, seconds), ``duration_s``
+        and ``outcome`` (``"ok"`` or the error's class name).
+
+    Raises:
+        GroupNotInitializedError: this process is not a member of ``group_name``.
+    """
+    return _group(group_name).trace()
+
+
 def register_backend(name: str, factory: BackendFactory) -> None:
     """Add a backend of your own, to be named by ``backend=name`` in this process.
 
@@ -597,11 +636,17 @@ def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", 
             shapes or dtypes that differ).
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _list_shape_key(
+        _ALLGATHER, tensor, tensor_list, ReduceOp.SUM, True)
+    if _run_known_shape(group_name, known, (tensor, tensor_list)):
+        return None
     group = _group(group_name)
     view = _view(group, tensor, False, "tensor")
     outputs = _views(group, tensor_list, True, "tensor_list", like=view)
-    return _submit(group, _options(group, Collective.ALLGATHER, timeout), async_op,
-                   tensor=view, outputs=outputs)
+    options = _options(group, Collective.ALLGATHER, timeout)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view, outputs=outputs)
+    return _submit_and_learn(group, options, known, view, outputs=outputs)
 
 
 def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "default",
@@ -622,13 +667,19 @@ def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "defaul
         ArgumentTypeError, ArgumentValueError: bad arguments.
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _list_shape_key(
+        _REDUCESCATTER, tensor, tensor_list, op, False)
+    if _run_known_shape(group_name, known, (tensor, tensor_list)):
+        return None
     group = _group(group_name)
     op = check_reduce_op(op)
     view = _view(group, tensor, True, "tensor")
     inputs = _views(group, tensor_list, False, "tensor_list", like=view)
     check_op(op, view.dtype_name)
-    return _submit(group, _options(group, Collective.REDUCESCATTER, timeout, op=op), async_op,
-                   tensor=view, inputs=inputs)
+    options = _options(group, Collective.REDUCESCATTER, timeout, op=op)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view, inputs=inputs)
+    return _submit_and_learn(group, options, known, view, inputs=inputs)
 
 
 def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,

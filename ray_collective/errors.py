@@ -32,7 +32,13 @@ class CollectiveError(RuntimeError):
     Errors cross process boundaries (an actor's error reaches the driver through Ray). Their
     constructors take structured arguments, so they pickle as their message and attributes
     rather than as constructor calls.
+
+    Attributes:
+        trace: the failing rank's last calls on the group (``get_collective_trace``'s list, the
+            failed call last), set on every error that broke a group; None otherwise.
     """
+
+    trace = None
 
     def __reduce__(self):
         return _rebuild, (type(self), self.args, self.__dict__)

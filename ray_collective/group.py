@@ -8,6 +8,9 @@ a test that runs several ranks in one process gives each rank's thread its own r
 A :class:`Group` numbers its calls, runs them in order (inline when nothing is queued, on one
 worker thread for ``async_op=True``), and turns the first failure into a broken state: every
 later call fails fast with the same cause, and the other members are told through the backend.
+Each group owns its rank's flight recorder (``recorder``), which both paths of a call feed
+(:meth:`Group.submit` and :meth:`Group.run_shape`), and the registry owns the process's
+metrics flush (``metrics``).
 A shrink or a grow (``elastic``) moves it to a new membership (:meth:`Group.reincarnate`),
 which starts its numbering and state afresh.
 """
@@ -21,11 +24,14 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .backends.base import BackendFactory, GroupCall, Membership, Reformed
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
+from .metrics import MetricsFlush, exportable
+from .recorder import (DEFAULT_TRACE_SIZE, CallShape, FlightRecorder, ObservingOptions, clock,
+                       shape_of)
 from .types import MAX_TIMEOUT_S, CallOptions, Collective, ReduceOp
 
 _log = logging.getLogger(__name__)
@@ -88,10 +94,14 @@ class Group:
         rank: this process's rank.
         membership: this rank's membership of the group on its backend, which runs the calls.
         timeout: the default deadline of a call, in seconds.
+        backend: the backend's name (the recorder's metrics label).
+        trace_size: calls the flight recorder keeps (0: no recorder).
+        counting: the recorder counts calls for the metrics.
     """
 
     def __init__(self, name: str, world_size: int, rank: int, membership: Membership,
-                 timeout: float):
+                 timeout: float, backend: str = "", trace_size: int = DEFAULT_TRACE_SIZE,
+                 counting: bool = False):
         self.name = name
         self.world_size = world_size
         self.rank = rank
@@ -105,7 +115,10 @@ class Group:
         self._worker: Optional[ThreadPoolExecutor] = None
         self._queued = 0
         self._options: Dict[Tuple, CallOptions] = {}
-        self.shape_runners: Dict[Tuple, Callable[[int, Any], None]] = {}
+        self.shape_runners: Dict[Tuple, Tuple[Callable[[int, Any], None], CallShape]] = {}
+        self._call_shapes: Dict[Tuple, Tuple[CallOptions, CallShape]] = {}
+        self.recorder = FlightRecorder(name, rank, backend, trace_size, counting,
+                                       self._forget_shapes) if trace_size else None
 
     @property
     def broken(self) -> Optional[BaseException]:
@@ -225,14 +238,14 @@ class Group:
         if runner is not None:
             if len(self.shape_runners) >= SHAPE_CACHE_SIZE:
                 self.shape_runners.clear()
-            self.shape_runners[key] = runner
+            self.shape_runners[key] = (runner, self._shape(options, view))
 
-    def run_shape(self, runner: Callable[[int, Any], None], array: Any) -> bool:
+    def run_shape(self, known: Tuple[Callable[[int, Any], None], CallShape], array: Any) -> bool:
         """Run a call of a shape learnt before (:meth:`learn_shape`), blocking, in the caller's
         thread.
 
         Args:
-            runner: the shape's runner.
+            known: the shape's entry in ``shape_runners``: its runner and its recorded shape.
             array: the call's numpy array (None for a barrier).
 
         Returns:
@@ -250,8 +263,9 @@ class Group:
                 return False
             seq = self._seq
             self._seq = seq + 1
+        runner, shape = known
         with self._running:
-            self._guarded(runner, seq, array)
+            self._guarded(shape, seq, runner, seq, array)
         return True
 
     def _raise_if_broken(self) -> None:
@@ -260,22 +274,82 @@ class Group:
 
     def _run(self, call: GroupCall) -> None:
         self._raise_if_broken()
-        self._guarded(self.membership.run, call)
+        shape = None
+        if self.recorder is not None:
+            shape = self._call_shape(call)
+        self._guarded(shape, call.seq, self.membership.run, call)
 
-    def _guarded(self, run: Callable, *args) -> None:
-        """``run(*args)``, turning its failure into the group's broken state (argument errors
-        found by the backend before anything was sent leave the group usable)."""
+    def _guarded(self, shape: Optional[CallShape], seq: int, run: Callable, *args) -> None:
+        """``run(*args)``, recorded as call ``seq`` of ``shape``, turning its failure into the
+        group's broken state (argument errors found by the backend before anything was sent
+        leave the group usable, unrecorded)."""
+        recorder = self.recorder
+        start = clock() if recorder is not None else 0.0
         try:
             run(*args)
         except GroupBrokenError as err:
             self._broken = err.cause
-            raise _from_my_side(err.cause, self.rank) or err from None
+            raised = _from_my_side(err.cause, self.rank) or err
+            self._record_failure(shape, seq, start, raised)
+            raise raised from None
         except (TypeError, ValueError):
             raise
         except BaseException as err:
             self._broken = err
+            self._record_failure(shape, seq, start, err)
             self.membership.abort(err)
             raise
+        if recorder is not None:
+            recorder.finished(shape, seq, start)
+
+    # ------------------------------------------------------------------ the flight recorder
+
+    def trace(self) -> List[Dict[str, Any]]:
+        """This rank's last calls on the group, oldest first (empty with no recorder); see
+        ``FlightRecorder.trace``."""
+        return [] if self.recorder is None else self.recorder.trace()
+
+    def _record_failure(self, shape: Optional[CallShape], seq: int, start: float,
+                        error: BaseException) -> None:
+        """Record the failed call, and hand the error this rank's recent calls."""
+        if self.recorder is None:
+            return
+        self.recorder.failed(shape, seq, start, error)
+        try:
+            error.trace = self.recorder.trace()
+        except AttributeError:
+            pass  # an error type that takes no attributes
+
+    def _shape(self, options: CallOptions, view: Optional[Any]) -> Optional[CallShape]:
+        """The recorded shape of calls with ``options`` on tensors like ``view``."""
+        if self.recorder is None:
+            return None
+        return shape_of(self.recorder, options.collective.value, view,
+                        self.membership.describe(options, view))
+
+    def _call_shape(self, call: GroupCall) -> CallShape:
+        """The recorded shape of ``call`` (the full path), kept per options and tensor shape."""
+        view = call.tensor if call.tensor is not None else (
+            call.inputs[0] if call.inputs else call.outputs[0] if call.outputs else None)
+        key = (id(call.options),) if view is None else (id(call.options), view.dtype_name,
+                                                         view.shape)
+        known = self._call_shapes.get(key)
+        if known is None:
+            if len(self._call_shapes) >= OPTIONS_CACHE_SIZE:
+                self._call_shapes.clear()
+            try:
+                shape = self._shape(call.options, view)
+            except (TypeError, ValueError):
+                # The backend refuses the call; it will say so when it runs it.
+                shape = shape_of(self.recorder, call.options.collective.value, view, ("", ()))
+            # The options are kept with the shape, so that their id in the key stays theirs.
+            known = self._call_shapes[key] = (call.options, shape)
+        return known[1]
+
+    def _forget_shapes(self) -> None:
+        """Drop every cache that holds a recorded shape (the recorder folded them)."""
+        self.shape_runners.clear()
+        self._call_shapes.clear()
 
     def fail(self, error: BaseException) -> None:
         """Break the group with ``error`` raised outside a call, and tell the other members.
@@ -317,6 +391,9 @@ class Group:
             self._seq, self._broken = 0, None
             self._p2p_seq.clear()
             self.shape_runners.clear()
+            self._call_shapes.clear()  # their algorithms and peers were the old membership's
+            if self.recorder is not None:
+                self.recorder.rank = reformed.rank  # its trace goes on across the change
         try:
             old.close()
         except Exception as err:  # noqa: BLE001 - the group lives on in its new membership
@@ -353,6 +430,7 @@ class GroupRegistry:
         self._groups: Dict[str, Group] = {}
         self._declared: Dict[str, DeclaredGroup] = {}
         self._lock = threading.Lock()
+        self._metrics: Optional[MetricsFlush] = None
 
     def create(self, name: str, world_size: int, rank: int, factory: BackendFactory,
                timeout: float) -> Group:
@@ -360,8 +438,11 @@ class GroupRegistry:
 
         Raises:
             GroupAlreadyInitializedError: ``name`` is taken in this registry.
+            ArgumentValueError: ``RAY_COLLECTIVE_TRACE_SIZE`` or ``RAY_COLLECTIVE_METRICS``
+                holds a value they do not take.
             BackendNotAvailableError, CollectiveTimeoutError: from the backend's rendezvous.
         """
+        observing = ObservingOptions.from_environment()
         with self._lock:
             if name in self._groups:
                 raise GroupAlreadyInitializedError(name)
@@ -372,10 +453,22 @@ class GroupRegistry:
             with self._lock:
                 del self._groups[name]
             raise
-        group = Group(name, world_size, rank, membership, timeout)
+        counting = observing.metrics and observing.trace_size > 0 and exportable()
+        group = Group(name, world_size, rank, membership, timeout, factory.name,
+                      observing.trace_size, counting)
         with self._lock:
             self._groups[name] = group
+            if counting:
+                if self._metrics is None:
+                    self._metrics = MetricsFlush(observing.flush_interval_s)
+                self._metrics.add(group.recorder)
         return group
+
+    @property
+    def metrics(self) -> Optional[MetricsFlush]:
+        """The flush that hands this registry's metrics to Ray (None before the first group
+        that exports them)."""
+        return self._metrics
 
     def get(self, name: str) -> Group:
         """The group ``name``.
@@ -407,7 +500,11 @@ class GroupRegistry:
             if group is None:
                 raise GroupNotInitializedError(name)
             del self._groups[name]
+            metrics = self._metrics if group.recorder is not None and group.recorder.counting \
+                else None
         group.destroy()
+        if metrics is not None:
+            metrics.remove(group.recorder)
 
     def declare(self, name: str, declare: Callable[[], DeclaredGroup]) -> DeclaredGroup:
         """Record a group this driver declares; ``declare`` makes the members join.

@@ -92,7 +92,11 @@ def _every_collective(rank, world_size, dtype, length, op, group="default"):
 def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(world_size, dtype, length,
                                                                     op):
     def body(rank):
-        return _every_collective(rank, world_size, dtype, length, op)
+        first = _every_collective(rank, world_size, dtype, length, op)
+        again = _every_collective(rank, world_size, dtype, length, op)  # shapes known now
+        for name, result in first.items():
+            assert result.tobytes() == again[name].tobytes(), name
+        return again
 
     natively = run_ranks(world_size, body, factory_of=_native_factory(world_size), timeout=60)
     in_python = run_ranks(world_size, body, timeout=60)

@@ -46,23 +46,34 @@ def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, mo
             z = np.full(2, rank + 1.0)
             col.reduce(z, dst_rank=0, op=col.ReduceOp.MAX)
             results.append(z.copy())
+            gathered = [np.full((2, 2), -1.0) for _ in range(world_size)]
+            col.allgather(gathered, np.full((2, 2), rank * 10.0 + step))
+            results.append(np.stack(gathered))
+            part = np.zeros(3, np.int64)
+            col.reducescatter(part, [np.full(3, rank + j + step, np.int64)
+                                     for j in range(world_size)])
+            results.append(part)
             col.barrier()
         return results, len(_runners())
 
     outcome = run_ranks(world_size, body)
     for rank, (results, learnt) in enumerate(outcome):
-        assert learnt == 4  # allreduce, broadcast, reduce, barrier
+        assert learnt == 6  # allreduce, broadcast, reduce, allgather, reducescatter, barrier
         for step in range(4):
+            got = results[5 * step:5 * step + 5]
             expected = sum(np.arange(5, dtype=np.float64) * (r + 1) + step
                            for r in range(world_size))
-            np.testing.assert_array_equal(results[3 * step], expected)
-            np.testing.assert_array_equal(results[3 * step + 1],
-                                          np.full(3, world_size - 1 + step, np.int32))
+            np.testing.assert_array_equal(got[0], expected)
+            np.testing.assert_array_equal(got[1], np.full(3, world_size - 1 + step, np.int32))
             if rank == 0:
-                np.testing.assert_array_equal(results[3 * step + 2],
-                                              np.full(2, float(world_size)))
+                np.testing.assert_array_equal(got[2], np.full(2, float(world_size)))
+            np.testing.assert_array_equal(
+                got[3], np.stack([np.full((2, 2), r * 10.0 + step) for r in range(world_size)]))
+            np.testing.assert_array_equal(
+                got[4], np.full(3, sum(r + rank + step for r in range(world_size))))
     # Only each shape's first call took the full path, on every rank.
-    assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce", "barrier"] * world_size)
+    assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce", "allgather",
+                                    "reducescatter", "barrier"] * world_size)
 
 
 def test_average_divides_on_the_known_shape_path_too():
@@ -168,3 +179,23 @@ def test_a_mismatch_on_the_known_shape_path_is_named_on_every_rank():
 
     outcome = run_ranks(2, body, return_exceptions=True, timeout=10)
     assert all(isinstance(err, col.CollectiveMismatchError) for err in outcome)
+
+
+def test_a_list_unlike_its_tensor_takes_the_full_path_and_its_checks(monkeypatch):
+    taken = _counting_full_path(monkeypatch)
+
+    def body(rank):
+        col.allgather([np.zeros(2), np.zeros(2)], np.ones(2))            # learnt
+        col.allgather([np.zeros(2), np.zeros(2)], np.ones(2))            # known
+        with pytest.raises(col.ArgumentError):
+            col.allgather([np.zeros(2), np.zeros(3)], np.ones(2))        # unlike: refused
+        with pytest.raises(col.ArgumentError):
+            col.allgather([np.zeros(2)], np.ones(2))                    # too short: refused
+        frozen = np.zeros(2)
+        frozen.setflags(write=False)
+        with pytest.warns(col.ReadOnlyTensorWarning):
+            col.allgather([np.zeros(2), frozen], np.ones(2))            # full path
+        return True
+
+    run_ranks(2, body)
+    assert taken.count("allgather") == 4  # two ranks: the first call and the read-only one

@@ -147,13 +147,14 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 
 
 LAYERS = (
-    ("types", "errors", "tensors", "validation"),
+    ("types", "errors", "tensors", "validation", "recorder", "metrics"),
     ("algorithms", "transport"),
     ("plan", "executor", "sim", "native"),
     ("backends",),
     ("group",),
     ("declared", "elastic"),
-    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__"),
+    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
+     "status", "__main__"),
 )
 """README's layers, bottom first: a module imports only from its own layer or those below."""
 

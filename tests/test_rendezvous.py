@@ -151,6 +151,21 @@ def test_a_join_that_times_out_names_the_missing_ranks_not_itself_and_withdraws(
     assert not [key for key in kv.data if "/member/" in key]
 
 
+def test_a_rank_that_gave_up_first_is_not_named_missing_by_one_that_gives_up_later():
+    """Two of three ranks join and neither sees the third: whichever deadline passes second
+    must still name only the third (the first withdrew its member key when it gave up)."""
+    kv = MemoryKeyValue()
+    with pytest.raises(rendezvous.CollectiveTimeoutError) as first:
+        rendezvous.join(kv, "p/", "g", 3, rendezvous.Member(0, "node", 1000), timeout=0.05,
+                        on_token=lambda token: None, token="t")
+    with pytest.raises(rendezvous.CollectiveTimeoutError) as second:
+        rendezvous.join(kv, "p/", "g", 3, rendezvous.Member(1, "node", 1001), timeout=0.05,
+                        on_token=lambda token: None, token="t")
+    assert first.value.missing_ranks == (1, 2)
+    assert second.value.missing_ranks == (2,)
+    assert not [key for key in kv.data if "/member/" in key]
+
+
 def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_seldom(
         monkeypatch):
     monkeypatch.setattr(rendezvous, "RECHECK_S", 0.2)

@@ -88,6 +88,25 @@ class Membership(ABC):
         """
         return None
 
+    def describe(self, options: CallOptions, view: Optional[TensorView]
+                 ) -> Tuple[str, Tuple[int, ...]]:
+        """How calls with ``options`` on tensors like ``view`` run, for the flight recorder.
+
+        Asked once per call shape. The default says nothing.
+
+        Args:
+            options: the calls' options.
+            view: their tensor (the first of a list), None for none.
+
+        Returns:
+            ``(algorithm, peers)``: the algorithm's name and the ranks this rank exchanges
+            messages with, sorted (``("", ())`` when unknown).
+
+        Raises:
+            ValueError: the call cannot run as asked (as :meth:`run` would raise).
+        """
+        return "", ()
+
     @abstractmethod
     def run(self, call: GroupCall) -> None:
         """Run ``call`` to completion.

@@ -20,7 +20,7 @@ from ..algorithms.catalog import flat_choice
 from ..algorithms.core import Blocks, Context, Team, Topology
 from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
-from ..plan import Plan, point_to_point, record
+from ..plan import Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import NativePlan, NativeRunner
@@ -31,6 +31,9 @@ from .base import GroupCall, Membership, node_map_or_none
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 _GATHERING = (Collective.ALLGATHER, Collective.GATHER)
 _POINT_TO_POINT = (Collective.SEND, Collective.RECV)
+_LISTS = (Collective.ALLGATHER, Collective.REDUCESCATTER)
+"""Collectives whose list is on every rank: on the native core, the copies between the list
+and the plan's buffer run in C (``NativeRunner.prepare``)."""
 
 PLAN_CACHE_SIZE = 64
 """Call shapes a group keeps prepared; the oldest is dropped beyond this."""
@@ -99,13 +102,9 @@ def _nothing_to_run(seq: int, array) -> None:
     return None
 
 
-def _concatenate(views: Sequence[TensorView]) -> np.ndarray:
-    return np.concatenate([v.array for v in views])
-
-
-def _scatter_blocks(buf: np.ndarray, blocks: Blocks, views: Sequence[TensorView]) -> None:
-    for i, view in enumerate(views):
-        np.copyto(view.array, blocks.view(buf, i))
+def _scatter_blocks(buf: np.ndarray, blocks: Blocks, outputs: Sequence[np.ndarray]) -> None:
+    for i, output in enumerate(outputs):
+        np.copyto(output, blocks.view(buf, i))
 
 
 class TransportMembership(Membership):
@@ -177,7 +176,11 @@ class TransportMembership(Membership):
 
     def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
         prepared = self.prepared(options, view)
-        if prepared.layout != "in place" or prepared.tag != COLLECTIVE_TAG:
+        if prepared.tag != COLLECTIVE_TAG:
+            return None
+        if prepared.layout in ("gather", "split"):
+            return self._list_runner(prepared, view.dtype_name)
+        if prepared.layout != "in place":
             return None
         plan, template, combine = prepared.plan, prepared.template, prepared.combine
         if not plan.steps and self.world_size == 1:
@@ -200,6 +203,32 @@ class TransportMembership(Membership):
                 finalize_average(flat, dtype_name, world_size)
 
         return run
+
+    def _list_runner(self, prepared: PreparedCall, dtype_name: str):
+        """The runner of allgather (``(tensor, outputs)``) or reducescatter (``(tensor,
+        inputs)``) calls of one shape."""
+        template, gathering = prepared.template, prepared.layout == "gather"
+        average, world_size, execute = prepared.average, self.world_size, self._execute
+
+        def run(seq: int, arrays) -> None:
+            tensor, others = arrays
+            flat = tensor.reshape(-1)
+            others = [array.reshape(-1) for array in others]
+            if gathering:
+                execute(prepared, template.stamp(seq), flat, (), others)
+            else:
+                execute(prepared, template.stamp(seq), flat, others, ())
+            if average:
+                finalize_average(flat, dtype_name, world_size)
+
+        return run
+
+    def describe(self, options: CallOptions, view: Optional[TensorView]
+                 ) -> Tuple[str, Tuple[int, ...]]:
+        prepared = self.prepared(options, view)
+        peers = {message.peer for step in prepared.plan.steps if type(step) is not Local
+                 for message in step}
+        return prepared.template.header.algorithm, tuple(sorted(peers))
 
     def prepared_calls(self) -> int:
         """How many call shapes this membership keeps prepared."""
@@ -237,16 +266,33 @@ class TransportMembership(Membership):
                             dtype_name, count, shape, options.root, op)
         average = options.op is ReduceOp.AVG and reducing and (
             collective is not Collective.REDUCE or rank == options.root)
+        layout = _layout(collective, rank, options.root)
+        lists = (layout, blocks, rank) if collective in _LISTS else None
         native = None if self.native is None else self.native.prepare(
-            plan, dtype_name, options.op if reducing else None)
+            plan, dtype_name, options.op if reducing else None, lists)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
-                            COLLECTIVE_TAG, _layout(collective, rank, options.root), average,
-                            native)
+                            COLLECTIVE_TAG, layout, average, native)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
-        options = call.options
-        plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
         tensor = call.tensor.array if call.tensor is not None else None
+        self._execute(prepared, stamp, tensor, [v.array for v in call.inputs],
+                      [v.array for v in call.outputs])
+        if prepared.average:
+            finalize_average(tensor, call.tensor.dtype_name, self.world_size)
+
+    def _execute(self, prepared: PreparedCall, stamp, tensor: Optional[np.ndarray],
+                 inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
+        """Lay a call's flat arrays out as its plan's buffers, run the plan, and write the
+        results back (see ``_layout``); AVG's division is the caller's."""
+        options = prepared.options
+        plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
+        if prepared.native is not None and options.collective in _LISTS:
+            # The core copies the tensor and the list to and from the buffer itself.
+            lists = outputs if layout == "gather" else inputs
+            slots = plan.slots(np.empty(blocks.total, plan.dtype)) + [tensor, *lists]
+            self.native.run(prepared.native, slots, stamp, options.timeout,
+                            options.collective.value)
+            return
         recvbuf = None
         if layout == "in place":
             buf = tensor
@@ -256,7 +302,7 @@ class TransportMembership(Membership):
         elif layout == "receive block":
             buf = np.empty(blocks.total, plan.dtype)
         else:
-            buf = _concatenate(call.inputs)
+            buf = np.concatenate(inputs)
             if layout == "exchange":
                 recvbuf = np.empty(blocks.total, plan.dtype)
         if prepared.native is not None:
@@ -266,13 +312,11 @@ class TransportMembership(Membership):
             run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
                      prepared.combine, options.timeout, options.collective.value)
         if layout == "gather":
-            _scatter_blocks(buf, blocks, call.outputs)
+            _scatter_blocks(buf, blocks, outputs)
         elif layout == "exchange":
-            _scatter_blocks(recvbuf, blocks, call.outputs)
+            _scatter_blocks(recvbuf, blocks, outputs)
         elif layout != "in place":
             np.copyto(tensor, blocks.view(buf, self.rank))
-        if prepared.average:
-            finalize_average(call.tensor.array, call.tensor.dtype_name, self.world_size)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -144,7 +144,7 @@ class LinkTransport(Transport):
         self.engine.raise_if_failed(requests)
 
     def arrive(self, stamp: wire.CallStamp) -> None:
-        self.state.arrive(self.rank, stamp.seq)
+        self.state.arrive(self.rank, stamp.seq, stamp.template.collective)
         self._inbox.begin(stamp)
 
     def complete(self, stamp: wire.CallStamp) -> None:

@@ -3,12 +3,17 @@
 The file ``<group dir>/state`` holds, as int64 words: word 0, the abort flag (the aborting rank
 plus one); then, per rank of the group, the last collective sequence number it started plus
 one; then, per rank, its last sign of life inside a call (``time.monotonic()`` in
-milliseconds, the same clock in every process of a node), 0 between calls. Reading it costs no
-system call, so a waiting rank checks the abort flag at every wake-up, and a timed-out rank
-names the local ranks that hold the call up: those that never came to it, and those in a call
-that have given no sign of life for ``STALL_S`` (a stopped or hung process; a rank waiting in
-a call refreshes its sign every 0.1 s). The abort's reason is written to
-``<group dir>/abort.json`` before the flag is raised. 16 bytes per rank: 6.4 KB at 400 ranks.
+milliseconds, the same clock in every process of a node), 0 between calls; then, per rank,
+what its last collective was: its start (the same clock) times ``CODE_SPAN`` plus the
+collective's code (``COLLECTIVE_CODES``). Reading it costs no system call, so a waiting rank
+checks the abort flag at every wake-up, and a timed-out rank names the local ranks that hold
+the call up: those that never came to it, and those in a call that have given no sign of life
+for ``STALL_S`` (a stopped or hung process; a rank waiting in a call refreshes its sign every
+0.1 s). The abort's reason is written to ``<group dir>/abort.json`` before the flag is raised.
+24 bytes per rank: 9.6 KB at 400 ranks.
+
+Anyone on the node may read the page without disturbing a rank (``python -m ray_collective
+status`` does: :func:`read_page`): what each rank is in, since when, and who has not come.
 """
 
 from __future__ import annotations
@@ -17,9 +22,18 @@ import json
 import mmap
 import os
 import time
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
+
+from ..types import Collective
 
 _HEAD = 1
+_WORDS_PER_RANK = 3
+
+COLLECTIVE_CODES = {collective.value: code for code, collective in enumerate(Collective, 1)}
+"""The code of each collective on the page (0: none or unknown)."""
+CODE_SPAN = 64
+"""A rank's call word is its start in milliseconds times this, plus its collective's code."""
+_NAMES = {code: name for name, code in COLLECTIVE_CODES.items()}
 
 STALL_S = 1.0
 """A rank in a call that has given no sign of life for this long is reported as stalled."""
@@ -50,7 +64,7 @@ class NodeState:
         self.directory = directory
         self.group_name = group_name
         self.world_size = world_size
-        size = 8 * (_HEAD + 2 * world_size)
+        size = 8 * (_HEAD + _WORDS_PER_RANK * world_size)
         fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
                      0o600)
         try:
@@ -63,13 +77,22 @@ class NodeState:
         # several times per call at a fraction of a numpy scalar's cost.
         self._words = memoryview(self._map).cast("q")
         self._beats = _HEAD + world_size
+        self._calls = _HEAD + 2 * world_size
 
-    def arrive(self, rank: int, seq: int) -> None:
-        """Record that ``rank`` started collective ``seq`` (and is alive in it)."""
+    def arrive(self, rank: int, seq: int, collective: str = "") -> None:
+        """Record that ``rank`` started collective ``seq`` (and is alive in it).
+
+        Args:
+            rank: the rank.
+            seq: the collective's sequence number.
+            collective: its name (a key of ``COLLECTIVE_CODES``; another is shown as unknown).
+        """
         words = self._words
         if words[_HEAD + rank] < seq + 1:
             words[_HEAD + rank] = seq + 1
-        words[self._beats + rank] = _now_ms()
+        now = _now_ms()
+        words[self._beats + rank] = now
+        words[self._calls + rank] = now * CODE_SPAN + COLLECTIVE_CODES.get(collective, 0)
 
     def beat(self, rank: int) -> None:
         """Record that ``rank``, waiting in a call, is alive."""
@@ -132,3 +155,72 @@ class NodeState:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with it
+
+
+class RankCall(NamedTuple):
+    """What the state page says of one rank.
+
+    Attributes:
+        started: the last collective sequence number it started plus one (0: none yet).
+        in_call: whether it is inside that call now.
+        collective: that call's collective ("" when unknown).
+        since_s: seconds since it started that call (0 when it started none).
+    """
+
+    started: int
+    in_call: bool
+    collective: str
+    since_s: float
+
+
+class PageSnapshot(NamedTuple):
+    """A state page as read at one moment.
+
+    Attributes:
+        ranks: per rank of the group, its :class:`RankCall`.
+        aborted: the failure published on the page, or None.
+    """
+
+    ranks: List[RankCall]
+    aborted: Optional[dict]
+
+
+def read_page(directory: str, world_size: int) -> PageSnapshot:
+    """Read a group's state page on this node, changing nothing (the file is opened read-only,
+    never made or resized).
+
+    Args:
+        directory: the group's directory on this node.
+        world_size: ranks in the group.
+
+    Returns:
+        The snapshot.
+
+    Raises:
+        OSError: the page cannot be read (no such group here, or not this user's).
+        ValueError: the page is shorter than a group of ``world_size`` ranks needs.
+    """
+    fd = os.open(os.path.join(directory, "state"), os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        raw = os.pread(fd, 8 * (_HEAD + _WORDS_PER_RANK * world_size), 0)
+    finally:
+        os.close(fd)
+    if len(raw) < 8 * (_HEAD + _WORDS_PER_RANK * world_size):
+        raise ValueError(f"the state page in {directory} holds {len(raw)} bytes, fewer than a "
+                         f"group of {world_size} ranks needs")
+    words = memoryview(raw).cast("q")
+    now = _now_ms()
+    ranks = []
+    for rank in range(world_size):
+        started, beat = words[_HEAD + rank], words[_HEAD + world_size + rank]
+        start_ms, code = divmod(words[_HEAD + 2 * world_size + rank], CODE_SPAN)
+        ranks.append(RankCall(started, beat != 0, _NAMES.get(code, ""),
+                              max(0.0, (now - start_ms) / 1000.0) if start_ms else 0.0))
+    aborted = None
+    if words[0]:
+        try:
+            with open(os.path.join(directory, "abort.json")) as source:
+                aborted = json.load(source)
+        except (OSError, ValueError):
+            aborted = {"rank": words[0] - 1, "kind": "unknown error"}
+    return PageSnapshot(ranks, aborted)

@@ -22,7 +22,7 @@ import pytest
 REQUIRE_VARIABLE = "RAY_COLLECTIVE_REQUIRE_EXTRAS"
 INSTALL = "pip install -e '.[test]'"
 MODULES = {"torch": "torch", "mpi4py": "mpi4py", "matplotlib": "matplotlib", "thinc": "thinc",
-           "sklearn": "scikit-learn"}
+           "sklearn": "scikit-learn", "prometheus_client": "ray[default]"}
 """Each module of the test extras, and the package that brings it."""
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 """MPICH's launcher, installed next to the interpreter by the ``mpich`` package."""

@@ -496,6 +496,14 @@ def _failure_here(agreement: Agreement, decision: Decision, rank: int, what: str
     broke it, or this rank's join raised): what the round's failure mark says, in this rank's
     own numbering."""
     failure = agreement.failure(decision.round)
+    if failure is None and isinstance(err, CollectiveTimeoutError):
+        # The join's own deadline (the group's) passed before the call's: name the old ranks.
+        missing = [decision.ranks[r] if r < len(decision.ranks) else r
+                   for r in err.missing_ranks]
+        error = CollectiveTimeoutError(agreement.group_name, rank, what, -1, missing, timeout)
+        agreement.fail(decision, [r for r in missing if r < len(agreement.members)], "timeout",
+                       str(error))
+        return error
     if failure is None:
         agreement.fail(decision, (), "error", f"rank {rank} of group '{agreement.group_name}' "
                        f"could not join the new incarnation: {type(err).__name__}: {err}")

@@ -154,7 +154,7 @@ class RayBackendFactory(BackendFactory):
                                   streams=streams)
         runner = None
         if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
-            runner = NativeRunner(native_node(directory, rank, world_size, spin_s), transport)
+            runner = NativeRunner(native_node(directory, rank, world_size), transport)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 

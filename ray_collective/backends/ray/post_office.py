@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ...transport import uds, wire
-from ...transport.node_state import NodeState, write_atomically
+from ...transport.node_state import NodeState, read_page, write_atomically
 from ...transport.post_office_carrier import RemoteMessage
 from ...transport.processes import process_alive
 from ...transport.shm import SendArena
@@ -151,6 +151,12 @@ class PostOffice:
     def responsive(self, ranks: List[int], seq: int) -> List[int]:
         """Those of ``ranks`` that have started collective ``seq`` and are not stalled in it."""
         return self.state.responsive(ranks, seq)
+
+    def page(self) -> Tuple[List[tuple], Optional[dict]]:
+        """The node's state page as read now (``node_state.read_page``), for the ``status``
+        command on another machine: ``(one RankCall tuple per rank, the abort or None)``."""
+        snapshot = read_page(self.directory, self.state.world_size)
+        return [tuple(rank) for rank in snapshot.ranks], snapshot.aborted
 
     def abort(self, record: dict) -> None:
         """Publish another node's failure to the ranks here, and wake them to read it."""

@@ -159,6 +159,24 @@ def group_root(session_dir: str, job_id: str, group_name: str, token: str) -> Op
                                                       _group_name(job_id, group_name, token))
 
 
+def existing_node_directory(session_dir: str, job_id: str, group_name: str, token: str,
+                            node: str) -> Optional[str]:
+    """The group's directory for ``node`` on this machine, if it is there (nothing is made).
+
+    Args:
+        session_dir, job_id, group_name, token: as for :func:`node_directory`.
+        node: the Ray node's id.
+
+    Returns:
+        Its path, or None when this machine holds no such directory (the node is elsewhere).
+    """
+    root = group_root(session_dir, job_id, group_name, token)
+    if root is None:
+        return None
+    path = os.path.join(root, node[:_NODE_CHARS])
+    return path if os.path.isdir(path) else None
+
+
 def session_directory(session_dir: str) -> Optional[str]:
     """The directory of this Ray session's groups on this machine (nothing is made).
 

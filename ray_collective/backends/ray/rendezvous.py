@@ -31,6 +31,8 @@ group is identified by a random token:
   complete and read by a peer when it first connects.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
+- ``<prefix><token>/gave_up/<rank>`` marks a rank whose join timed out (it withdrew its member
+  key): ranks whose deadline passes later do not name it as missing.
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
   member raised a collective error in it (the key holds that error's record, which ranks
   waiting on other nodes read: see ``RayPostOffices.published_abort``), or a joining rank
@@ -201,8 +203,13 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             present = {m.rank for m in (registered_members(kv, prefix, registered) if registered
                                         else members)}
             if registered is not None:
-                # Withdraw, so that a rank joining this incarnation later waits for a live
-                # member instead of counting this failed one.
+                # Ranks that came and gave up before this one are not missing: their deadline
+                # passed first. This one leaves the same note, then withdraws, so that a rank
+                # joining this incarnation later waits for a live member instead of counting
+                # this failed one.
+                present |= {int(k.rsplit("/", 1)[1])
+                            for k in kv.keys(f"{prefix}{registered}/gave_up/")}
+                kv.put(f"{prefix}{registered}/gave_up/{me.rank}")
                 kv.delete_prefix(_member_key(prefix, registered, me))
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)
