@@ -142,12 +142,17 @@ class Agreement:
         rank: this member.
         alive: whether a process of this node lives (by pid).
         nodes_gone: the ids of the nodes Ray counts as dead.
+        nap: sleeps between two looks at the store, ``nap(seconds)``; it may end early, when
+            :meth:`decide_shrink`'s decider wakes this member.
+        wake: wakes the members of this node in their ``nap`` (the decider calls it).
     """
 
     def __init__(self, kv: KeyValue, prefix: str, token: str, group_name: str,
                  members: Sequence[Member], rank: int,
                  alive: Callable[[int], bool] = process_alive,
-                 nodes_gone: Callable[[], Set[str]] = dead_nodes):
+                 nodes_gone: Callable[[], Set[str]] = dead_nodes,
+                 nap: Callable[[float], None] = time.sleep,
+                 wake: Callable[[], None] = lambda: None):
         self.kv = kv
         self.prefix = prefix
         self.token = token
@@ -157,6 +162,12 @@ class Agreement:
         self.node = self.members[rank].node
         self.alive = alive
         self.nodes_gone = nodes_gone
+        self.nap = nap
+        self.wake = wake
+        # Woken by the decider, a member of a one-node group need not look for the decision
+        # between two of its own looks at the whole round.
+        one_node = all(member.node == self.node for member in self.members)
+        self.longest_pause = rendezvous.RECHECK_S if one_node else None
 
     def _base(self, round_: int) -> str:
         return f"{self.prefix}{self.token}/reform/{round_}/"
@@ -203,8 +214,7 @@ class Agreement:
         return decision
 
     def decide_shrink(self, named: Set[int], doubtful: Set[int], deadline: float,
-                      clock: Callable[[], float] = time.monotonic,
-                      sleep: Callable[[float], None] = time.sleep) -> Decision:
+                      clock: Callable[[], float] = time.monotonic) -> Decision:
         """Come to the current round's shrink and wait for its decision (made here if this
         member accounts for every rank first, or at ``deadline``).
 
@@ -212,7 +222,7 @@ class Agreement:
             named: ranks this member knows to have failed.
             doubtful: ranks cut off with a lost post office, who may be alive.
             deadline: when to decide with the ranks that came, on ``clock``.
-            clock, sleep: the time (tests pass their own).
+            clock: the time (tests pass their own).
 
         Returns:
             The round's decision (a grow's, when another member asked for one first: the
@@ -225,7 +235,7 @@ class Agreement:
         self.kv.put(f"{base}here/{self.rank}/{_csv((named | blamed) - {self.rank})}/"
                     f"{_csv(doubtful - {self.rank})}")
         started = clock()
-        pauses = rendezvous.pauses(len(self.members))
+        pauses = rendezvous.pauses(len(self.members), self.longest_pause)
         next_look = started
         while True:
             now = clock()
@@ -236,7 +246,7 @@ class Agreement:
                 decision = self.decision(round_)
             if decision is not None:
                 return decision
-            sleep(max(0.0, min(next(pauses), next_look - now, deadline - now)))
+            self.nap(max(0.0, min(next(pauses), next_look - now, deadline - now)))
 
     def _settle(self, round_: int, waited: float, final: bool) -> Optional[Decision]:
         """Decide if every rank is accounted for (or ``final``); the decision, or None."""
@@ -254,11 +264,13 @@ class Agreement:
                 return self.decision(round_)
         gone |= {int(k.rsplit("/", 1)[1])
                  for k in self.kv.keys(f"{self.prefix}{self.token}/left/")}
-        for r, member in enumerate(self.members):
-            if member.node == self.node and r not in gone and not self.alive(member.pid):
+        absent = set(range(len(self.members))) - present - gone
+        for r in sorted(absent):
+            # A rank that came and died since is found by the join of the new incarnation.
+            if self.members[r].node == self.node and not self.alive(self.members[r].pid):
                 gone.add(r)
                 self.kv.put(f"{base}dead/{r}")
-        absent = set(range(len(self.members))) - present - gone
+        absent -= gone
         if any(self.members[r].node != self.node for r in absent):
             lost = self.nodes_gone()
             gone |= {r for r in absent if self.members[r].node in lost}
@@ -285,6 +297,7 @@ class Agreement:
             return self.decision(round_)
         self.kv.put(f"{self.prefix}{candidate.token}/size", str(world_size))
         self.kv.put(self.prefix + "token", candidate.token)
+        self.wake()
         for earlier in range(round_):
             failed = self.decision(earlier)
             if failed is not None:
@@ -380,8 +393,12 @@ def _grow_decision(membership: "RayMembership", world_size: int) -> Decision:
 
 
 def _agreement(membership: "RayMembership") -> Agreement:
+    # A member waits for the decision in its old transport's wait (which a knock on its
+    # socket ends), and the decider knocks its node-mates'.
+    transport = membership.transport
     return Agreement(KeyValue(), membership.prefix, membership.token, membership.group_name,
-                     membership.members, membership.rank)
+                     membership.members, membership.rank, nap=transport.engine.progress,
+                     wake=transport.failures.wake_local_peers)
 
 
 def _published_failures(membership: "RayMembership") -> List[CollectiveError]:
@@ -475,8 +492,13 @@ def _join(membership: "RayMembership", agreement: Agreement, decision: Decision,
     rank = decision.ranks.index(membership.rank)
     timeout = max(0.0, deadline - time.monotonic())
     watch = _JoinWatch(agreement, decision, deadline, what, membership.rank, timeout)
+    nodes = {agreement.members[old].node for old in decision.ranks}
+    # Every member of one node is knocked when the membership completes (see ``factory``):
+    # none needs to look early, and the watch looks every RECHECK_S anyway.
+    longest_pause = rendezvous.RECHECK_S if nodes == {agreement.node} and \
+        decision.world_size == len(decision.ranks) else None
     try:
-        new = membership.factory.incarnation(decision.token, watch).create(
+        new = membership.factory.incarnation(decision.token, watch, longest_pause).create(
             membership.group_name, decision.world_size, rank, membership.timeout)
     except BaseException as err:
         error = watch.error or _failure_here(agreement, decision, membership.rank, what,

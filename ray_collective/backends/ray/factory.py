@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from typing import Callable, Dict, Optional, Tuple
 
 from ...algorithms.selector import forced_algorithms
@@ -64,27 +65,34 @@ class RayBackendFactory(BackendFactory):
             or a grow); None lets rank 0 open a new incarnation and the others follow it.
         watch: called while the join waits (``rendezvous.join``): a shrink's or a grow's,
             in the process that runs it.
+        longest_pause: the longest wait between two looks at the store while joining; None
+            for the rendezvous's own, which grows with the world size. Every rank waits on its
+            listening socket, and the rank that completes the membership knocks on its
+            node-mates': a shrink or grow of ranks that all share a node needs no early look.
     """
 
     name = "ray"
 
     def __init__(self, token: Optional[str] = None,
-                 watch: Optional[Callable[[], None]] = None):
+                 watch: Optional[Callable[[], None]] = None,
+                 longest_pause: Optional[float] = None):
         self.token = token
         self.watch = watch
+        self.longest_pause = longest_pause
 
-    def incarnation(self, token: str,
-                    watch: Optional[Callable[[], None]] = None) -> "RayBackendFactory":
+    def incarnation(self, token: str, watch: Optional[Callable[[], None]] = None,
+                    longest_pause: Optional[float] = None) -> "RayBackendFactory":
         """The factory that joins the incarnation ``token`` (a shrink's or a grow's).
 
         Args:
             token: the incarnation.
             watch: called while the join waits (see ``rendezvous.join``).
+            longest_pause: the longest wait between two looks at the store (see the class).
 
         Returns:
             A factory for that incarnation alone.
         """
-        return RayBackendFactory(token, watch)
+        return RayBackendFactory(token, watch, longest_pause)
 
     def available(self) -> bool:
         return hasattr(os, "memfd_create")
@@ -116,12 +124,24 @@ class RayBackendFactory(BackendFactory):
                 os.unlink(path)
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
+        def nap(seconds: float) -> None:
+            if "listener" in endpoint:
+                uds.wait_for_knock(endpoint["listener"], seconds)
+            else:
+                time.sleep(seconds)
+
+        def completed(members) -> None:
+            for member in members:
+                if member.node == node and member.rank != rank:
+                    uds.knock(os.path.join(endpoint["directory"], f"{member.rank}.sock"))
+
         me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
                                cross_node, ray_module().util.get_node_ip_address(),
                                engine_wanted(group_name, rank))
         try:
-            token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
-                                             listen_under, token, self.watch)
+            token, members = rendezvous.join(
+                kv, prefix, group_name, world_size, me, timeout, listen_under, token, self.watch,
+                rendezvous.Waiting(nap, completed, self.longest_pause))
         except BaseException:
             if "listener" in endpoint:
                 endpoint["listener"].close()

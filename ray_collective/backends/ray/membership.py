@@ -37,8 +37,8 @@ class RayMembership(TransportMembership):
         timeout: the group's default deadline, in seconds (a next incarnation keeps it).
 
     Attributes:
-        departed: ranks this member leaves the incarnation for when it closes, besides itself
-            and its dead node-mates (a shrink's survivors leave for the ranks it found gone).
+        departed: set by a shrink, the ranks it found gone: closing leaves the incarnation for
+            them besides itself (and looks for no dead node-mate of its own); None before.
         incarnation_closed: the incarnation's keys are gone already (the others went on
             without this rank, or the group was destroyed): closing leaves nothing in the store.
     """
@@ -59,7 +59,7 @@ class RayMembership(TransportMembership):
         self.post_office = post_office
         self.factory = factory
         self.timeout = timeout
-        self.departed: FrozenSet[int] = frozenset()
+        self.departed: Optional[FrozenSet[int]] = None
         self.incarnation_closed = False
 
     def shrink(self, cause: Optional[BaseException], timeout: float) -> Reformed:
@@ -85,8 +85,9 @@ class RayMembership(TransportMembership):
         transport = self.transport
         node = transport.node
         # Only a broken group can hold members that will never leave; looking for them costs
-        # a /proc read per node-mate, which every rank of a healthy 400-rank group would pay.
-        broken = transport.state.aborted() is not None
+        # a /proc read per node-mate, which every rank of a healthy 400-rank group would pay
+        # (and every survivor of a shrink, which found them already).
+        broken = self.departed is None and transport.state.aborted() is not None
         super().close()
         try:
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
@@ -99,7 +100,7 @@ class RayMembership(TransportMembership):
             gone = set(range(self.world_size))
         else:
             gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
-                                    self.world_size, sorted(self.departed.union(dead_here)))
+                                    self.world_size, sorted(self.departed or dead_here))
         if {m.rank for m in self.members if m.node == node} <= gone:
             shut_post_office(transport.group_key, node)
         root = os.path.dirname(self.directory)

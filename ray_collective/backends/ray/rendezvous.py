@@ -70,6 +70,25 @@ from ...transport.processes import process_alive
 from ..key_value import KeyValue
 
 @dataclass(frozen=True)
+class Waiting:
+    """How a rank waits while it joins (:func:`join`).
+
+    Attributes:
+        nap: sleeps between two looks at the store, ``nap(seconds)``; it may end early (the
+            ``ray`` backend's ends when the rank's listening socket is knocked).
+        completed: run by the rank whose registration completed the membership, with every
+            member, after it told them through the store (the ``ray`` backend knocks its
+            node-mates, so that they look at once rather than at their next look).
+        longest_pause: the longest nap; None for one that grows with the world size
+            (``_longest_pause``).
+    """
+
+    nap: Callable[[float], None] = time.sleep
+    completed: Callable[[List["Member"]], None] = lambda members: None
+    longest_pause: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class Member:
     """One rank as the rendezvous records it."""
 
@@ -124,7 +143,8 @@ def open_incarnation(kv: KeyValue, prefix: str, world_size: Optional[int] = None
 
 def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member,
          timeout: float, on_token: Callable[[str], None], token: Optional[str] = None,
-         watch: Optional[Callable[[], None]] = None) -> Tuple[str, List[Member]]:
+         watch: Optional[Callable[[], None]] = None,
+         waiting: Waiting = Waiting()) -> Tuple[str, List[Member]]:
     """Register ``me`` and wait until all ``world_size`` ranks have.
 
     Args:
@@ -140,6 +160,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
         watch: called every ``RECHECK_S`` while this rank waits registered; what it raises
             ends the join, the rank's key withdrawn first (a shrink's watch raises when a rank
             it waits for is dead).
+        waiting: how the rank waits between two looks at the store.
 
     Returns:
         The token joined and every member, by rank.
@@ -154,7 +175,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     deadline = time.monotonic() + timeout
     registered = None
     abandoned: Set[str] = set()
-    waits = pauses(world_size)
+    waits = pauses(world_size, waiting.longest_pause)
     members: List[Member] = []
     next_recheck = 0.0
     while True:
@@ -195,6 +216,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         members = registered_members(kv, prefix, registered)
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
+                            waiting.completed(members)
                             return registered, sorted(members, key=lambda m: m.rank)
         if registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
             members = registered_members(kv, prefix, registered)
@@ -214,7 +236,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)
                                           if r not in present and r != me.rank], timeout)
-        time.sleep(max(0.0, min(next(waits), deadline - time.monotonic())))
+        waiting.nap(max(0.0, min(next(waits), deadline - time.monotonic())))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
@@ -320,10 +342,11 @@ def _pauses(longest: float = 0.05) -> Iterator[float]:
         pause = min(pause * 1.5, longest)
 
 
-def pauses(world_size: int) -> Iterator[float]:
+def pauses(world_size: int, longest: Optional[float] = None) -> Iterator[float]:
     """The sleeps between two looks at the store of one of ``world_size`` ranks waiting for
-    each other (short at first, then at most ``_longest_pause(world_size)``)."""
-    return _pauses(_longest_pause(world_size))
+    each other: short at first, then at most ``longest``, or ``_longest_pause(world_size)``
+    when None."""
+    return _pauses(_longest_pause(world_size) if longest is None else longest)
 
 
 LOOKS_PER_SECOND = 4000
