@@ -10,7 +10,7 @@ driver (``elastic``) changes the members; :meth:`ActorGroup.reform` records them
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 from .backends.base import BackendFactory
 from .errors import CollectiveTimeoutError
@@ -52,10 +52,13 @@ class ActorGroup(DeclaredGroup):
                                                           key=lambda pair: pair[0]))
         self._clean_up = clean_up
         self.timeout = timeout
+        self.lost: Tuple[int, ...] = ()
 
-    def reform(self, members: Sequence) -> None:
-        """Record the members after a shrink or a grow: ``members[r]`` is rank r."""
+    def reform(self, members: Sequence, lost: Sequence[int] = ()) -> None:
+        """Record the members after a shrink or a grow: ``members[r]`` is rank r, and the
+        ranks in ``lost`` died as they joined (the next shrink tells the others)."""
         self.actors = self.members = tuple(members)
+        self.lost = tuple(lost)
 
     def destroy(self, timeout: float) -> None:
         import ray

@@ -33,13 +33,16 @@ tasks may start late on a loaded machine)."""
 # ---------------------------------------------------------------------- in a member
 
 
-def shrink_member(registry: GroupRegistry, group_name: str, timeout: Optional[float]) -> Reformed:
+def shrink_member(registry: GroupRegistry, group_name: str, timeout: Optional[float],
+                  failures: Sequence[BaseException] = ()) -> Reformed:
     """Shrink ``group_name`` in this member (see ``api.shrink_collective_group``).
 
     Args:
         registry: this process's (or thread's) groups.
         group_name: the group; this process must be a member.
         timeout: seconds the shrink may take; None for the group's default.
+        failures: what the driver saw (member actors found dead), besides what broke the
+            group here.
 
     Returns:
         This member's place in the new incarnation.
@@ -53,7 +56,8 @@ def shrink_member(registry: GroupRegistry, group_name: str, timeout: Optional[fl
     group = registry.get(group_name)
     deadline = group.timeout if timeout is None else timeout
     try:
-        return group.reincarnate(lambda membership, cause: membership.shrink(cause, deadline))
+        return group.reincarnate(
+            lambda membership, cause: membership.shrink([cause, *failures], deadline))
     except RankExcludedError:
         registry.destroy(group_name)
         raise
@@ -88,10 +92,10 @@ def grow_member(registry: GroupRegistry, group_name: str, world_size: int,
     return group.reincarnate(lambda membership, _: membership.grow(world_size, deadline))
 
 
-def _shrink_in_actor(actor: Any, group_name: str,
-                     timeout: Optional[float]) -> Tuple[int, Tuple[int, ...]]:
+def _shrink_in_actor(actor: Any, group_name: str, timeout: Optional[float],
+                     failures: Sequence[BaseException]) -> Tuple[int, Tuple[int, ...]]:
     """Run inside a member actor: shrink; (its new rank, the old ranks kept)."""
-    reformed = shrink_member(current_registry(), group_name, timeout)
+    reformed = shrink_member(current_registry(), group_name, timeout, failures)
     return reformed.rank, reformed.kept
 
 
@@ -121,14 +125,19 @@ def shrink_declared(declared: ActorGroup, timeout: Optional[float]) -> Dict[int,
         ``{old rank: new rank}`` of the members that went on.
 
     Raises:
-        CollectiveError: a member's shrink failed (the first such error, by rank); the group is
-            left as it was, for another try.
+        CollectiveError: a member's shrink failed (the first such error); the group is left as
+            it was, for another try.
+        PeerDiedError: a member the shrink kept died before it answered (its new rank is
+            named): the group went on with it, and must shrink again.
         CollectiveTimeoutError: members that went on did not answer in time (it names them).
     """
     import ray
     limit = declared.timeout if timeout is None else timeout
     members = declared.members
-    refs = [member.__ray_call__.remote(_shrink_in_actor, declared.name, timeout)
+    # Members the driver saw die (the last shrink's): named, so that none waits for them.
+    seen = [PeerDiedError(declared.name, -1, "shrink_collective_group", -1, declared.lost,
+                          "seen dead by the driver")] if declared.lost else []
+    refs = [member.__ray_call__.remote(_shrink_in_actor, declared.name, timeout, seen)
             for member in members]
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     pending, new_ranks, kept = refs, {}, None
@@ -149,7 +158,12 @@ def shrink_declared(declared: ActorGroup, timeout: Optional[float]) -> Dict[int,
     if kept is None:
         raise CollectiveError(f"shrink_collective_group('{declared.name}'): no member of the "
                               f"group went on (every one is dead or was left out)")
-    declared.reform([members[old] for old in kept])
+    lost = [old for old in kept if old not in new_ranks]
+    declared.reform([members[old] for old in kept], [kept.index(old) for old in lost])
+    if lost:
+        raise PeerDiedError(declared.name, -1, "shrink_collective_group", -1,
+                            [kept.index(old) for old in lost],
+                            f"ranks {lost} before the shrink: they came to it, then died")
     return {old: new_ranks[old] for old in kept}
 
 

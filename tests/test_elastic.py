@@ -162,6 +162,40 @@ def test_a_declared_group_shrinks_and_grows_from_the_driver(ray_session):
         ray.kill(actor)
 
 
+def _die_once_shrunk(actor):
+    """Inside a member: its next shrink from the driver succeeds, then its process dies before
+    it answers."""
+    from ray_collective import elastic
+    shrink_member = elastic.shrink_member
+
+    def shrink_then_die(*args, **kwargs):
+        shrink_member(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    elastic.shrink_member = shrink_then_die
+
+
+def test_a_member_dying_as_the_driver_shrinks_the_group_makes_it_shrink_again(ray_session):
+    ray = ray_session
+    actors = start_members(ray, 4)
+    group = "elastic-declared-again"
+    col.declare_collective_group(actors, group_name=group)
+    try:
+        ray.get(actors[2].__ray_call__.remote(_die_once_shrunk))
+        ray.kill(actors[3])
+        with pytest.raises(col.PeerDiedError) as died:
+            col.shrink_collective_group(group, timeout=60)
+        assert died.value.dead_ranks == (2,) and "ranks [2] before the shrink" in str(died.value)
+        assert col.shrink_collective_group(group, timeout=60) == {0: 0, 1: 1}
+        assert run_in(ray, actors[:2], _checked_allreduce, group, 8) == [(0, 2, True),
+                                                                         (1, 2, True)]
+    finally:
+        col.destroy_collective_group(group)
+    assert group_keys(ray, group) == []
+    for actor in actors:
+        ray.kill(actor)
+
+
 def test_two_ranks_killed_at_once_are_both_left_out(ray_session):
     ray = ray_session
     actors = start_members(ray, 6)

@@ -201,3 +201,46 @@ def test_the_errors_a_survivor_saw_name_the_failed_and_the_cut_off_ranks():
     broken = errors.GroupBrokenError("g", 0, errors.GroupBrokenError("g", 0, stalled))
     mismatch = errors.CollectiveMismatchError("g", 0, 1, "allreduce", 3, {"count": (1, 2)})
     assert elastic.failures_named([died, None, broken, lost, mismatch]) == ({2, 4, 5}, {6, 7})
+
+
+def _joined(kv, decision, new_ranks):
+    for new in new_ranks:
+        kv.put(rendezvous._member_key(PREFIX, decision.token,
+                                      rendezvous.Member(new, "a", 2000 + new)))
+
+
+def test_joining_the_new_incarnation_ends_when_a_rank_it_waits_for_is_found_dead(kv):
+    members = _members(["a"] * 4)
+    decision = _shrink_in_threads(kv, members, [0, 1, 3], named={2})[0]
+    _joined(kv, decision, [0, 1])  # old ranks 0 and 1; old rank 3 (pid 1003) never comes
+    agreement = _agreement(kv, members, 0, dead_pids={1003})
+    watch = elastic._JoinWatch(agreement, decision, time.monotonic() + 60, "shrink", 0, 60.0)
+    with pytest.raises(errors.PeerDiedError) as died:
+        watch()
+    assert died.value.dead_ranks == (3,) and "call shrink again" in str(died.value)
+    assert agreement.failure(0)["ranks"] == [3] and agreement.failure(0)["kind"] == "died"
+    assert rendezvous.broken_by(kv, PREFIX, decision.token) is not None
+    # the next round blames it
+    assert agreement.current_round() == (1, None, {3})
+
+
+def test_joining_ends_at_the_deadline_naming_the_old_ranks_it_waited_for(kv):
+    members = _members(["a"] * 4)
+    decision = _shrink_in_threads(kv, members, [0, 1, 3], named={2})[0]
+    _joined(kv, decision, [0])
+    agreement = _agreement(kv, members, 0)
+    watch = elastic._JoinWatch(agreement, decision, time.monotonic(), "shrink", 0, 5.0)
+    with pytest.raises(errors.CollectiveTimeoutError) as late:
+        watch()
+    assert late.value.missing_ranks == (1, 3)
+    assert agreement.failure(0)["kind"] == "timeout"
+
+
+def test_a_membership_whose_last_rank_died_before_saying_it_is_complete_is_completed(kv):
+    members = _members(["a", "a", "b"])
+    decision = _shrink_in_threads(kv, members, [0, 1, 2])[0]
+    _joined(kv, decision, [0, 1, 2])
+    watch = elastic._JoinWatch(_agreement(kv, members, 0), decision, time.monotonic() + 60,
+                               "shrink", 0, 60.0)
+    watch()
+    assert kv.get(f"{PREFIX}{decision.token}/complete") is not None

@@ -115,7 +115,7 @@ class _ElasticMembership(TransportMembership):
         super().__init__(reforms.group_name, transport)
         self.reforms, self.gone = reforms, gone
 
-    def shrink(self, cause, timeout):
+    def shrink(self, failures, timeout):
         kept = tuple(r for r in range(self.world_size) if r not in self.gone)
         rank = kept.index(self.rank)
         new = _ElasticMembership(self.reforms.fabric(kept).transport(rank), self.reforms, ())

@@ -129,7 +129,8 @@ class Membership(ABC):
     def abort(self, error: BaseException) -> None:
         """Tell every other member that the group is broken by ``error``."""
 
-    def shrink(self, cause: Optional[BaseException], timeout: float) -> "Reformed":
+    def shrink(self, failures: Sequence[Optional[BaseException]],
+               timeout: float) -> "Reformed":
         """Agree with the other survivors on who goes on, and join the group's next incarnation
         with them (``shrink_collective_group``); this membership stays as it was, for the
         group layer to close once it has the new one.
@@ -137,7 +138,8 @@ class Membership(ABC):
         A backend that can shrink overrides this; the default refuses.
 
         Args:
-            cause: the failure that broke the group here, or None.
+            failures: what this rank knows of the failure: what broke the group here (None
+                if nothing did), and what the driver saw (a member actor dead).
             timeout: seconds the whole shrink may take.
 
         Returns:

@@ -405,8 +405,17 @@ def node_removed(members: list, cluster: Cluster) -> dict:
     cluster.remove_node(node, allow_graceful=False)
     survivors = [r for r in refs if r not in lost]
     outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
-    shrink_started = time.time()
-    new_ranks = col.shrink_collective_group(group, timeout=60)
+    shrink_started, attempts = time.time(), 0
+    while True:
+        # A process of the lost node may live on a moment and come to the shrink, then die:
+        # the group went on with it, and shrinks again.
+        attempts += 1
+        try:
+            new_ranks = col.shrink_collective_group(group, timeout=60)
+            break
+        except col.PeerDiedError:
+            if attempts == 3:
+                raise
     shrunk_at = time.time()
     kept = [alive[old] for old in sorted(new_ranks, key=new_ranks.get)]
     correct = run_in(ray, kept, _allreduce_over_group, group)
@@ -417,7 +426,7 @@ def node_removed(members: list, cluster: Cluster) -> dict:
             "named": [named for *_, named in outcomes.values()],
             "seconds_after_removal": [at - removed_at for _, _, at, _ in outcomes.values()],
             "new_ranks": {str(old): new for old, new in new_ranks.items()},
-            "shrink_s": shrunk_at - shrink_started,
+            "shrink_s": shrunk_at - shrink_started, "shrink_attempts": attempts,
             "removal_to_shrunk_s": shrunk_at - removed_at,
             "allreduce_after_shrink_correct": correct,
             "keys_left": [k.decode() for k in group_keys(ray, group)]}

@@ -324,13 +324,13 @@ class Agreement:
 # ---------------------------------------------------------------------- in a member
 
 
-def shrink(membership: "RayMembership", cause: Optional[BaseException],
+def shrink(membership: "RayMembership", failures: Sequence[Optional[BaseException]],
            timeout: float) -> Reformed:
     """Agree with the other survivors on who goes on, and join the next incarnation with them.
 
     Args:
         membership: this rank's membership of the current incarnation.
-        cause: what broke the group here, or None.
+        failures: what this rank knows of the failure (see ``Membership.shrink``).
         timeout: seconds the shrink may take.
 
     Returns:
@@ -347,7 +347,7 @@ def shrink(membership: "RayMembership", cause: Optional[BaseException],
     if agreement.closed():
         membership.incarnation_closed = True
         raise RankExcludedError(membership.group_name, membership.rank)
-    named, doubtful = failures_named([cause, *_published_failures(membership)])
+    named, doubtful = failures_named([*failures, *_published_failures(membership)])
     named |= set(membership.transport.failures.dead)
     decision = agreement.decide_shrink(named, doubtful, deadline)
     what = "shrink_collective_group"
@@ -456,11 +456,14 @@ class _JoinWatch:
         joined = {m.rank for m in rendezvous.registered_members(
             agreement.kv, agreement.prefix, decision.token)}
         # A grow keeps every rank's number, a shrink renumbers: name the old ranks.
-        waiting = [decision.ranks[new] if new < len(decision.ranks) else new
-                   for new in range(decision.world_size) if new not in joined]
+        expected = [decision.ranks[new] if new < len(decision.ranks) else new
+                    for new in range(decision.world_size)]
+        waiting = [r for new, r in enumerate(expected) if new not in joined]
         members, lost = agreement.members, None
         dead = []
-        for r in waiting:
+        # Those that joined too: one that died right after its key went in (the last) would
+        # leave the membership complete with nobody to say so.
+        for r in expected:
             if r >= len(members):
                 continue  # a new rank of a grow: nothing tells whether it lives
             if members[r].node == agreement.node:
@@ -474,7 +477,12 @@ class _JoinWatch:
             self._fail(dead, "died", PeerDiedError(
                 agreement.group_name, self.rank, self.what, -1, dead,
                 f"while the group formed its new incarnation; call {self.what} again"))
-        if time.monotonic() >= self.deadline:
+        if not waiting:
+            # Every key is in, but the rank whose key completed it did not say so (it died
+            # after its key went in, on another node, not known dead yet): say it for it; the
+            # new incarnation's first call finds it dead.
+            agreement.kv.put(f"{agreement.prefix}{decision.token}/complete")
+        elif time.monotonic() >= self.deadline:
             self._fail([r for r in waiting if r < len(members)], "timeout",
                        CollectiveTimeoutError(agreement.group_name, self.rank, self.what, -1,
                                               waiting, self.timeout))

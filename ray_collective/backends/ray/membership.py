@@ -62,8 +62,9 @@ class RayMembership(TransportMembership):
         self.departed: Optional[FrozenSet[int]] = None
         self.incarnation_closed = False
 
-    def shrink(self, cause: Optional[BaseException], timeout: float) -> Reformed:
-        return elastic.shrink(self, cause, timeout)
+    def shrink(self, failures: Sequence[Optional[BaseException]],
+               timeout: float) -> Reformed:
+        return elastic.shrink(self, failures, timeout)
 
     def prepare_grow(self, world_size: int) -> BackendFactory:
         return elastic.prepare_grow(self, world_size)
