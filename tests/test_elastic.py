@@ -79,10 +79,21 @@ def _destroy(rank, group):
     return col.is_group_initialized(group)
 
 
-def _start_loops(ray, actors, group, ranks=None, timeout=60.0):
-    ranks = range(len(actors)) if ranks is None else ranks
-    return [actor.__ray_call__.remote(lambda _s, r=r: _loop_until_error(r, group, timeout))
-            for r, actor in zip(ranks, actors)]
+def _looping_group(ray, group, size=6, declare=False):
+    """``size`` fresh members of ``group`` (joined inside each, or declared from the driver),
+    every one looping on allreduce; (the actors, their pids, the loops' refs). The loops have
+    run for a second when it returns, so that a kill falls among their calls (one that fell
+    before them would fail the survivors' first call all the same)."""
+    actors = start_members(ray, size)
+    pids = ray.get([a.pid.remote() for a in actors])
+    if declare:
+        col.declare_collective_group(actors, group_name=group)
+    else:
+        run_in(ray, actors, _init, group, size)
+    loops = [actor.__ray_call__.remote(lambda _s, r=r: _loop_until_error(r, group))
+             for r, actor in enumerate(actors)]
+    time.sleep(1.0)
+    return actors, pids, loops
 
 
 def _in_each(ray, actors, ranks, function, *args, timeout=120):
@@ -98,15 +109,11 @@ def _kill(pid):
 
 def test_survivors_shrink_after_a_kill_then_a_fresh_actor_grows_the_group_back(ray_session):
     ray = ray_session
-    actors = start_members(ray, 6)
-    pids = ray.get([a.pid.remote() for a in actors])
     group = "elastic-imperative"
     dirs_before = _group_dirs(ray)
+    actors, pids, loops = _looping_group(ray, group)
     fresh = []
     try:
-        run_in(ray, actors, _init, group, 6)
-        loops = _start_loops(ray, actors, group)
-        time.sleep(0.5)
         _kill(pids[3])
         survivors = [a for r, a in enumerate(actors) if r != 3]
         errors = ray.get([ref for r, ref in enumerate(loops) if r != 3], timeout=60)
@@ -131,14 +138,11 @@ def test_survivors_shrink_after_a_kill_then_a_fresh_actor_grows_the_group_back(r
 
 def test_a_declared_group_shrinks_and_grows_from_the_driver(ray_session):
     ray = ray_session
-    actors = start_members(ray, 6)
     group = "elastic-declared"
     dirs_before = _group_dirs(ray)
     fresh = start_members(ray, 1)
-    col.declare_collective_group(actors, group_name=group)
+    actors, _, loops = _looping_group(ray, group, declare=True)
     try:
-        loops = _start_loops(ray, actors, group)
-        time.sleep(0.5)
         ray.kill(actors[2])
         survivors = [a for r, a in enumerate(actors) if r != 2]
         errors = ray.get([ref for r, ref in enumerate(loops) if r != 2], timeout=60)
@@ -198,13 +202,9 @@ def test_a_member_dying_as_the_driver_shrinks_the_group_makes_it_shrink_again(ra
 
 def test_two_ranks_killed_at_once_are_both_left_out(ray_session):
     ray = ray_session
-    actors = start_members(ray, 6)
-    pids = ray.get([a.pid.remote() for a in actors])
     group = "elastic-two-deaths"
+    actors, pids, loops = _looping_group(ray, group)
     try:
-        run_in(ray, actors, _init, group, 6)
-        loops = _start_loops(ray, actors, group)
-        time.sleep(0.5)
         _kill(pids[1])
         _kill(pids[4])
         alive = [0, 2, 3, 5]
@@ -236,13 +236,9 @@ def _shrink_then_die(rank, group):
 def test_a_survivor_that_dies_during_the_shrink_fails_it_and_the_next_one_leaves_it_out(
         ray_session):
     ray = ray_session
-    actors = start_members(ray, 6)
-    pids = ray.get([a.pid.remote() for a in actors])
     group = "elastic-death-in-shrink"
+    actors, pids, loops = _looping_group(ray, group)
     try:
-        run_in(ray, actors, _init, group, 6)
-        loops = _start_loops(ray, actors, group)
-        time.sleep(0.5)
         _kill(pids[5])
         ray.get(loops[:5], timeout=60)
         doomed = actors[4].__ray_call__.remote(lambda _s: _shrink_then_die(4, group))
@@ -283,7 +279,7 @@ def test_a_stopped_rank_is_left_out_and_told_so_when_it_runs_again(ray_session):
         run_in(ray, actors, _init, group, 4)
         refs = [a.__ray_call__.remote(lambda _s, r=r: _loop_then_shrink(r, group))
                 for r, a in enumerate(actors)]
-        time.sleep(0.5)
+        time.sleep(1.0)  # among the calls; before them, the others' first one times out alike
         os.kill(pids[stopped], signal.SIGSTOP)
         alive = [0, 1, 3]
         outcomes = ray.get([refs[r] for r in alive], timeout=90)
