@@ -12,6 +12,9 @@ plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and it
 ``collectives`` (sizes and bus factors), ``stats`` (percentiles, bandwidths), ``report``
 (table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the README's tables).
 ``scale_real`` (with its rank actor, ``scale_rank``) runs real groups of up to 400 ranks
-(``make bench-400``). ``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call cost against raw
-``cupy.cuda.nccl``, one GPU per rank, without Ray.
+(``make bench-400``). ``minimal_loop`` is the loop a user writes (this library beside Ray's
+Gloo group, call by call, in the same plain actors); ``agent_observer`` (with
+``agent_observer_rpc``) serves a policy to observers over this library, plain actor calls and
+``torch.distributed.rpc``. ``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call
+cost against raw ``cupy.cuda.nccl``, one GPU per rank, without Ray.
 """

@@ -20,6 +20,10 @@ Backends:
   async actor: without batching it runs the policy on each request as it comes; with batching
   it holds the requests of an iteration until all N have arrived, runs the policy once and
   answers them all (like the reference's batch mode).
+- ``torch-rpc``: ``torch.distributed.rpc`` (TensorPipe) as PyTorch's benchmark drives it, in
+  the same rank actors (``agent_observer_rpc``): each observer ``rpc_sync``s its state to the
+  agent's ``RRef``; with batching the agent's function returns a future completed for all
+  observers of an iteration after one policy call.
 
 Metrics (each at p50/p75/p90/p95):
 
@@ -44,13 +48,13 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .cli import at_least, choice, comma_list, non_negative_int, positive_int
 
-BACKENDS = ("ray", "ray-actors")
+BACKENDS = ("ray", "ray-actors", "torch-rpc")
 PERCENTILES = (50, 75, 90, 95)
 HIDDEN_UNITS = 128
 METRICS = ("agent_latency_s", "agent_throughput_rps", "observer_latency_s",
@@ -242,7 +246,23 @@ class BenchmarkRank:
                 col.recv(action, 0, group_name=group_name, timeout=timeout)
             return int(action[0])
 
-        return _observe_loop(options, self.rank, request)
+        return observe_loop(options, self.rank, request)
+
+    def rpc_join(self, world_size: int, init_method: str, timeout_s: float) -> str:
+        """Join the ``torch-rpc`` world (``agent_observer_rpc.join``); returns torch's version."""
+        from benchmarks import agent_observer_rpc
+        return agent_observer_rpc.join(self.rank, world_size, init_method, timeout_s)
+
+    def rpc_coordinate(self, options: AgentObserverOptions, world_size: int,
+                       batch: bool) -> Tuple[List[float], List[ObserverRecord]]:
+        """Agent (rank 0) of ``torch-rpc``: run one point (``agent_observer_rpc.coordinate``)."""
+        from benchmarks import agent_observer_rpc
+        return agent_observer_rpc.coordinate(options, world_size, batch)
+
+    def rpc_leave(self) -> None:
+        """Leave the ``torch-rpc`` world (every rank at once)."""
+        from benchmarks import agent_observer_rpc
+        agent_observer_rpc.leave()
 
     def observe_actor(self, options: AgentObserverOptions, agent) -> ObserverRecord:
         """Observer of the ``ray-actors`` backend: one actor call per request."""
@@ -252,11 +272,21 @@ class BenchmarkRank:
             return ray.get(agent.select_action.remote(iteration, state),
                            timeout=options.timeout_s)
 
-        return _observe_loop(options, self.rank, request)
+        return observe_loop(options, self.rank, request)
 
 
-def _observe_loop(options: AgentObserverOptions, rank: int, request) -> ObserverRecord:
-    # ``request(state, iteration)`` sends one state and returns the action received.
+def observe_loop(options: AgentObserverOptions, rank: int, request) -> ObserverRecord:
+    """An observer's iterations, whatever carries its requests: each state sent, timed until
+    its action is back.
+
+    Args:
+        options: the run's options (iterations, warm-up, seed, state size, records kept).
+        rank: the observer's rank (its states depend on it).
+        request: ``request(state, iteration)`` sends one state and returns the action.
+
+    Returns:
+        The observer's latencies and its first recorded states and actions.
+    """
     latencies: List[float] = []
     states: List[np.ndarray] = []
     actions: List[int] = []
@@ -276,8 +306,10 @@ def _observe_loop(options: AgentObserverOptions, rank: int, request) -> Observer
                           np.array(actions, np.int64))
 
 
-class ActorAgent:
-    """The agent of the ``ray-actors`` backend: an async actor answering ``select_action``."""
+class AgentState:
+    """An agent's policy and bookkeeping, whatever carries its requests: the requests pending
+    per iteration (batching), how many of each iteration it served, and when each iteration's
+    last action went out (the agent latency's periods)."""
 
     def __init__(self, options: AgentObserverOptions, observers: int, batch: bool):
         _limit_torch_threads()
@@ -286,29 +318,13 @@ class ActorAgent:
         self.batch = batch
         self.warmup = options.warmup
         self.timeout_s = options.timeout_s
-        self.pending: Dict[int, List[Tuple[np.ndarray, asyncio.Future]]] = {}
+        self.pending: Dict[int, List[Tuple[np.ndarray, Any]]] = {}
         self.served: Dict[int, int] = {}
         self.iteration_ends: Dict[int, float] = {}
         self.started = time.perf_counter()
 
-    async def select_action(self, iteration: int, state: np.ndarray) -> int:
-        if not self.batch:
-            action = int(select_actions(self.policy, state[None, :])[0])
-            self._served(iteration, 1)
-            return action
-        future = asyncio.get_running_loop().create_future()
-        waiting = self.pending.setdefault(iteration, [])
-        waiting.append((state, future))
-        if len(waiting) == self.observers:
-            del self.pending[iteration]
-            chosen = select_actions(self.policy, np.stack([s for s, _ in waiting]))
-            for (_, waiter), action in zip(waiting, chosen):
-                waiter.set_result(int(action))
-            self._served(iteration, len(waiting))
-        # An observer that never asks would hold the others' requests: bound the wait.
-        return await asyncio.wait_for(future, self.timeout_s)
-
-    def _served(self, iteration: int, count: int) -> None:
+    def count_served(self, iteration: int, count: int) -> None:
+        """Count ``count`` more requests of ``iteration`` answered; the last one ends it."""
         self.served[iteration] = self.served.get(iteration, 0) + count
         if self.served[iteration] == self.observers:
             self.iteration_ends[iteration] = time.perf_counter()
@@ -318,6 +334,27 @@ class ActorAgent:
         ends = [self.iteration_ends[k] for k in sorted(self.iteration_ends)]
         starts = [self.started] + ends[:-1]
         return [end - start for start, end in zip(starts, ends)][self.warmup:]
+
+
+class ActorAgent(AgentState):
+    """The agent of the ``ray-actors`` backend: an async actor answering ``select_action``."""
+
+    async def select_action(self, iteration: int, state: np.ndarray) -> int:
+        if not self.batch:
+            action = int(select_actions(self.policy, state[None, :])[0])
+            self.count_served(iteration, 1)
+            return action
+        future = asyncio.get_running_loop().create_future()
+        waiting = self.pending.setdefault(iteration, [])
+        waiting.append((state, future))
+        if len(waiting) == self.observers:
+            del self.pending[iteration]
+            chosen = select_actions(self.policy, np.stack([s for s, _ in waiting]))
+            for (_, waiter), action in zip(waiting, chosen):
+                waiter.set_result(int(action))
+            self.count_served(iteration, len(waiting))
+        # An observer that never asks would hold the others' requests: bound the wait.
+        return await asyncio.wait_for(future, self.timeout_s)
 
 
 def summarize(periods: Sequence[float], observers: Sequence[ObserverRecord],
@@ -410,12 +447,19 @@ def run_benchmark(options: AgentObserverOptions) -> List[PointResult]:
                 group_name = f"agent-observer-{world_size}-{uuid.uuid4().hex[:8]}"
                 ray.get([r.join.remote(world_size, group_name, options.timeout_s) for r in ranks],
                         timeout=options.timeout_s + 10.0)
+            if "torch-rpc" in options.backends:
+                from .peers import store_address
+                address = store_address()
+                ray.get([r.rpc_join.remote(world_size, address, options.timeout_s)
+                         for r in ranks], timeout=options.timeout_s + 10.0)
             for backend in options.backends:
                 for batch in options.batch_modes:
                     results.append(_measure_point(ray, ranks, options, backend, world_size,
                                                   batch, group_name))
             if group_name is not None:
                 ray.get([r.leave.remote(group_name) for r in ranks], timeout=options.timeout_s)
+            if "torch-rpc" in options.backends:
+                ray.get([r.rpc_leave.remote() for r in ranks], timeout=options.timeout_s)
         except Exception as exc:  # noqa: BLE001 - report the world size as failed, go on
             done = {(r.backend, r.batch) for r in results if r.world_size == world_size}
             for backend in options.backends:
@@ -432,6 +476,9 @@ def _measure_point(ray, ranks, options: AgentObserverOptions, backend: str, worl
                    batch: bool, group_name: Optional[str]) -> PointResult:
     if backend == "ray":
         periods, records = _run_ray_point(ray, ranks, options, world_size, batch, group_name)
+    elif backend == "torch-rpc":
+        periods, records = ray.get(ranks[0].rpc_coordinate.remote(options, world_size, batch),
+                                   timeout=_point_timeout(options) + options.timeout_s)
     else:
         periods, records = _run_actor_point(ray, ranks, options, world_size, batch)
     metrics = summarize(periods, records, batch_size=world_size - 1)
@@ -453,14 +500,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.agent_observer",
         description="One agent and N observers: states in, actions out, per iteration; "
-                    "this library's send/recv or gather/scatter against plain Ray actor calls.")
+                    "this library's send/recv or gather/scatter against plain Ray actor calls "
+                    "and torch.distributed.rpc.")
     parser.add_argument("--world-size", type=comma_list(at_least(2)), default=(2, 4, 8, 16),
                         help="comma-separated ranks per point: 1 agent + observers (default 2,4,8,16)")
     parser.add_argument("--batch", type=comma_list(_boolean), default=(True, False),
                         help="comma-separated true/false: one policy call per iteration or one "
                              "per request (default true,false)")
     parser.add_argument("--backend", type=comma_list(choice(BACKENDS)), default=BACKENDS,
-                        help=f"comma-separated, among {', '.join(BACKENDS)} (default both)")
+                        help=f"comma-separated, among {', '.join(BACKENDS)} (default all)")
     parser.add_argument("--iterations", type=positive_int, default=100,
                         help="timed iterations per point (default 100)")
     parser.add_argument("--warmup", type=non_negative_int, default=10,
@@ -495,6 +543,33 @@ def parse_options(argv: Optional[Sequence[str]] = None) -> Tuple[AgentObserverOp
         iterations=args.iterations, warmup=args.warmup, state_size=args.state_size,
         actions=args.actions, timeout_s=args.timeout)
     return options, args.json
+
+
+def observer_ratios(results: Sequence[PointResult], reference: str = "ray",
+                    other: str = "torch-rpc") -> Dict[Tuple[bool, int], float]:
+    """Observer p50 latency of ``reference`` over ``other``'s, per (batch, world size) where
+    both have it (below 1: ``reference`` answers its observers sooner).
+
+    Args:
+        results: the points of one run.
+        reference: the backend on top of the ratio.
+        other: the one below.
+
+    Returns:
+        ``{(batch, world size): ratio}``, in the run's order.
+    """
+    p50 = {(r.backend, r.batch, r.world_size): r.metrics["observer_latency_s"]["p50"]
+           for r in results if not r.error}
+    return {(batch, world): p50[(reference, batch, world)] / p50[(other, batch, world)]
+            for (backend, batch, world) in p50
+            if backend == other and (reference, batch, world) in p50}
+
+
+def format_ratios(results: Sequence[PointResult]) -> str:
+    """One line per (batch, world size): observer p50 of this library over ``torch-rpc``'s."""
+    return "\n".join(f"observer p50 ray / torch-rpc, batch {str(batch).lower()}, "
+                     f"{world - 1} observers: {value:.2f}"
+                     for (batch, world), value in observer_ratios(results).items())
 
 
 def format_table(results: Sequence[PointResult]) -> str:
@@ -546,7 +621,10 @@ def to_json(results: Sequence[PointResult], options: AgentObserverOptions, comma
                      "agent_periods_s": list(result.agent_periods_s),
                      "observer_latencies_s": [list(o.latencies_s) for o in result.observers],
                      "error": result.error})
-    return {"metadata": metadata, "rows": rows}
+    ratios = [{"batch": batch, "world_size": world, "observers": world - 1,
+               "ray_over_torch_rpc": value}
+              for (batch, world), value in observer_ratios(results).items()]
+    return {"metadata": metadata, "rows": rows, "observer_p50_ratios": ratios}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -571,6 +649,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         ray.shutdown()
     print(format_table(results))
+    ratios = format_ratios(results)
+    if ratios:
+        print(ratios)
     if json_path:
         with open(json_path, "w") as handle:
             json.dump(document, handle, indent=1)

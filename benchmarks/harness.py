@@ -227,6 +227,7 @@ class WorldSession:
         """
         counts = self._options.counts(requested_bytes)
         durations: Dict[Tuple[str, str], List[List[float]]] = {}
+        cpu_seconds: Dict[Tuple[str, str], List[float]] = {}
         errors: Dict[str, str] = {}
         notes = {backend: reason for backend in self._options.backends
                  if (reason := unsupported_reason(backend, collective, self._world_size))}
@@ -253,6 +254,10 @@ class WorldSession:
                                                 [[] for _ in outcome.results])
                 for rank_durations, answer in zip(per_rank, outcome.results):
                     rank_durations.extend(answer["durations"])
+                cpu_seconds[(backend, timing)] = [
+                    total + answer["cpu_s"] for total, answer in zip(
+                        cpu_seconds.get((backend, timing), [0.0] * len(outcome.results)),
+                        outcome.results)]
                 self._record_peak(backend, max(answer["peak_rss_bytes"]
                                                for answer in outcome.results))
         errors.update({backend: reason for backend, reason in self._failed.items()
@@ -263,7 +268,9 @@ class WorldSession:
                 self._options, collective, self._world_size, requested_bytes,
                 {backend: values for (backend, of_timing), values in durations.items()
                  if of_timing == timing and backend not in errors},
-                errors, notes, self._footprints, timing))
+                errors, notes, self._footprints, timing,
+                {backend: values for (backend, of_timing), values in cpu_seconds.items()
+                 if of_timing == timing}))
         return rows
 
     def _record_peak(self, backend: str, peak_rss_bytes: int) -> None:

@@ -13,7 +13,8 @@ from .worker import BACK_TO_BACK, BARRIER
 _BINARY_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 _COLUMNS = ("collective", "ranks", "size", "timing", "backend", "p50", "p75", "p90", "p95",
-            "algbw GB/s", "busbw GB/s", "speed-up", "peak RSS", "procs", "iters")
+            "algbw GB/s", "busbw GB/s", "speed-up", "CPU/call max", "CPU/call med", "peak RSS",
+            "procs", "iters")
 _RIGHT_ALIGNED = frozenset(_COLUMNS) - {"collective", "timing", "backend"}
 
 TIMING_MEANINGS = {
@@ -22,6 +23,11 @@ TIMING_MEANINGS = {
     BARRIER: "barrier: the backend's barrier before every call; an iteration is the call alone",
 }
 """What each timing mode measures, in one line (the table's legend, the results page)."""
+
+
+CPU_MEANING = ("CPU/call: a rank process's CPU time (user + system) over the timed calls / "
+               "their number; max: the busiest rank, med: the median over ranks")
+"""What the CPU columns mean, in one line (the table's legend, the results page)."""
 
 
 def row_timing(row: dict) -> str:
@@ -111,6 +117,7 @@ def _cells(row: Row) -> List[str]:
             format_seconds(row.p50_s), format_seconds(row.p75_s), format_seconds(row.p90_s),
             format_seconds(row.p95_s), _format_number(row.algbw_gbps),
             _format_number(row.busbw_gbps), _format_number(row.speedup, "x"),
+            format_seconds(row.cpu_per_call_max_s), format_seconds(row.cpu_per_call_median_s),
             format_mib(row.peak_rss_bytes), "-" if row.processes is None else f"+{row.processes}",
             str(row.iterations)]
 
@@ -144,6 +151,7 @@ def format_table(rows: Sequence[Row]) -> str:
                   for timing in dict.fromkeys(row.timing for row in rows))
     legend += [
               "algbw = size / p50, busbw = algbw x bus factor (nccl-tests); GB/s = 10^9 B/s.",
+              f"{CPU_MEANING}.",
               "peak RSS: largest peak resident memory of a process running a rank (the rank "
               "actors are shared by ray, torch, gloo and ray-plain; mpi4py has its own "
               "processes).",

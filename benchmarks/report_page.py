@@ -16,9 +16,13 @@ Per JSON file: the run's date, versions, machine and exact command; for each col
 size and timing mode (back-to-back first, then barrier-before-every-call, each named with what
 it measures) a table with every backend's p50 latency and bus bandwidth side by side, and the
 first backend's speed-up over each of the others (``other p50 / first p50``: above 1 the
-first backend, this library, is faster); then the processes and memory of each backend. Rows
+first backend, this library, is faster) — except MPICH (``mpi4py``), the floor the library is
+measured against, whose column is the other way round, ``first / MPICH`` (``first p50 /
+mpi4py p50``: how many times MPICH's latency the library takes, as issue 29's targets say);
+below it, where the rows carry them, the CPU time per call per rank of every backend (the
+busiest rank and the median over ranks); then the processes and memory of each backend. Rows
 of files written before the harness had timing modes count as ``barrier``, the only way it
-timed then.
+timed then; files from before it measured CPU time have no CPU tables.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .peers import CROSS_NODE_VARIABLE
-from .report import (TIMING_MEANINGS, format_mib, format_ranks, format_seconds, format_size,
+from .report import (CPU_MEANING, TIMING_MEANINGS, format_mib, format_ranks, format_seconds, format_size,
                      row_timing)
 from .worker import BACK_TO_BACK, BARRIER, TIMINGS
 
@@ -56,6 +60,12 @@ def markers(part: Optional[str] = None) -> Tuple[str, str]:
 
 IMAGE_WIDTH = 420
 """Pixels per plot on the page: two side by side."""
+
+FLOOR_BACKEND = "mpi4py"
+"""The peer the first backend's latency is divided by (``this / MPICH``), not the other way."""
+
+FLOOR_TITLE = "MPICH"
+"""How the ratio's column names ``FLOOR_BACKEND``: the library it runs."""
 
 TIMING_TITLES = {BACK_TO_BACK: "back to back", BARRIER: "barrier before every call"}
 """How a table's heading names its timing mode."""
@@ -94,6 +104,26 @@ def _format_ratio(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}×"
 
 
+def _ratio_title(reference: str, other: str) -> str:
+    return (f"{reference} / {FLOOR_TITLE}" if other == FLOOR_BACKEND
+            else f"{reference} vs {other}")
+
+
+def _ratio_cell(reference: Optional[dict], other: Optional[dict], other_name: str) -> str:
+    """``reference vs other`` (other p50 / reference p50), or for MPICH ``reference / MPICH``
+    (reference p50 / MPICH p50)."""
+    if other_name == FLOOR_BACKEND:
+        return _format_ratio(ratio(other, reference))
+    return _format_ratio(ratio(reference, other))
+
+
+def _by_size(rows: Sequence[dict]) -> Dict[int, Dict[str, dict]]:
+    by_point: Dict[int, Dict[str, dict]] = {}
+    for row in rows:
+        by_point.setdefault(row["nbytes"], {})[row["backend"]] = row
+    return dict(sorted(by_point.items()))
+
+
 def point_table(rows: Sequence[dict], backends: Sequence[str]) -> List[str]:
     """The markdown table of one (collective, world size): a line per size.
 
@@ -106,15 +136,53 @@ def point_table(rows: Sequence[dict], backends: Sequence[str]) -> List[str]:
     """
     reference, others = backends[0], list(backends[1:])
     header = (["size"] + [f"{backend} p50 · busbw" for backend in backends]
-              + [f"{reference} vs {other}" for other in others])
+              + [_ratio_title(reference, other) for other in others])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    by_point: Dict[int, Dict[str, dict]] = {}
-    for row in rows:
-        by_point.setdefault(row["nbytes"], {})[row["backend"]] = row
-    for nbytes in sorted(by_point):
-        at = by_point[nbytes]
+    for nbytes, at in _by_size(rows).items():
         cells = ([format_size(nbytes)] + [_cell(at.get(backend)) for backend in backends]
-                 + [_format_ratio(ratio(at.get(reference), at.get(other))) for other in others])
+                 + [_ratio_cell(at.get(reference), at.get(other), other) for other in others])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cpu_cell(row: Optional[dict]) -> str:
+    if row is None:
+        return "-"
+    if row.get("note"):
+        return "n/a"
+    if row.get("cpu_per_call_max_s") is None:
+        return "failed" if row.get("error") else "-"
+    return (f"{format_seconds(row['cpu_per_call_max_s'])} / "
+            f"{format_seconds(row['cpu_per_call_median_s'])}")
+
+
+def has_cpu_times(rows: Sequence[dict]) -> bool:
+    """Whether any row carries CPU time per call (files from before it was measured do not).
+
+    Args:
+        rows: JSON rows.
+
+    Returns:
+        True if one does.
+    """
+    return any(row.get("cpu_per_call_max_s") is not None for row in rows)
+
+
+def cpu_table(rows: Sequence[dict], backends: Sequence[str]) -> List[str]:
+    """The CPU time per call per rank of one (collective, world size, timing): a line per
+    size, a column per backend, each cell ``busiest rank / median over ranks``.
+
+    Args:
+        rows: the rows of that collective, world size and timing mode.
+        backends: the backends in table order.
+
+    Returns:
+        The table's lines.
+    """
+    header = ["size"] + [f"{backend} CPU/call" for backend in backends]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for nbytes, at in _by_size(rows).items():
+        cells = [format_size(nbytes)] + [_cpu_cell(at.get(backend)) for backend in backends]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -227,6 +295,8 @@ def section(documents: Sequence[dict], plots: Optional[pathlib.Path],
     timings = [timing for timing in TIMINGS if any(row_timing(row) == timing for row in rows)]
     lines.extend(["Timing " + "; ".join(TIMING_MEANINGS[timing] for timing in timings) + ".",
                   ""])
+    if has_cpu_times(rows):
+        lines.extend([CPU_MEANING + ".", ""])
     for collective in dict.fromkeys(row["collective"] for row in rows):
         for world in _worlds([row for row in rows if row["collective"] == collective]):
             for timing in timings:
@@ -234,13 +304,20 @@ def section(documents: Sequence[dict], plots: Optional[pathlib.Path],
                             and _in_world(row, world) and row_timing(row) == timing]
                 if not of_table:
                     continue
+                floor = (f"; {backends[0]} / {FLOOR_TITLE} = {backends[0]} p50 / "
+                         f"{FLOOR_BACKEND} p50" if FLOOR_BACKEND in backends[1:] else "")
                 lines.append(f"**{collective}, {format_ranks(world[1], world[0])}, "
                              f"{TIMING_TITLES[timing]}** "
                              f"(p50 latency · bus bandwidth; {backends[0]} vs X = X p50 / "
-                             f"{backends[0]} p50)")
+                             f"{backends[0]} p50{floor})")
                 lines.append("")
                 lines.extend(point_table(of_table, backends))
                 lines.append("")
+                if has_cpu_times(of_table):
+                    lines.extend([f"CPU time per call per rank, {TIMING_TITLES[timing]} "
+                                  f"(the busiest rank / the median over ranks):", ""])
+                    lines.extend(cpu_table(of_table, backends))
+                    lines.append("")
     notes = sorted({f"{row['backend']}: {row['note']}" for row in rows if row.get("note")})
     if notes:
         lines.extend(["n/a: " + "; ".join(notes), ""])

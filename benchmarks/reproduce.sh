@@ -43,6 +43,11 @@ across_nodes() {
     # its medians from this file).
     heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 15 \
         --json "$RESULTS/join-nodes-4x2.json"
+    # The minimal loop a user writes, this library beside Ray's Gloo group, interleaved and in
+    # one long run per library (issue 29: the target holds in the CLI and in the loop alike).
+    heavy -m benchmarks.minimal_loop --layouts 2x2,4x2 --json "$RESULTS/minimal-loop.json"
+    heavy -m benchmarks.minimal_loop --layouts 2x2,4x2 --blocks 1 \
+        --json "$RESULTS/minimal-loop-long.json"
 }
 if [ "${1:-}" = "across-nodes" ]; then
     across_nodes
@@ -95,9 +100,13 @@ done
     --json "$RESULTS/scale-sweep-16-32.json" --json "$RESULTS/scale-sweep-16-32-8B-repeat.json" \
     --timing barrier --bytes 8,1M,64M --plots "$PLOTS" --out "$RESULTS/scale.json"
 heavy -m benchmarks.agent_observer --world-size 2,4,8,16 --batch true,false \
-    --iterations 300 --warmup 30 --json "$RESULTS/agent_observer.json"
+    --backend ray,ray-actors --iterations 300 --warmup 30 --json "$RESULTS/agent_observer.json"
 heavy -m benchmarks.agent_observer --world-size 32,64 --batch true,false \
-    --iterations 100 --warmup 10 --json "$RESULTS/agent_observer-32-64.json"
+    --backend ray,ray-actors --iterations 100 --warmup 10 \
+    --json "$RESULTS/agent_observer-32-64.json"
+# torch.distributed.rpc beside both at 4 and 16 observers (issue 29's target).
+heavy -m benchmarks.agent_observer --world-size 5,17 --batch true,false \
+    --iterations 300 --warmup 30 --json "$RESULTS/agent_observer-rpc.json"
 heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"
 # 6. the library's own cost per call, apart from data: a world-size-1 allreduce, and finding a
 #    prepared plan at 8, 512 and 4096 ranks (no Ray; seconds).

@@ -1,6 +1,7 @@
 """Summarizing a sweep: one ``Row`` per (collective, world size, size, backend, timing mode),
 from the ranks' per-iteration durations (the slowest rank per iteration, its percentiles and
-bandwidths, the speed-up against the baseline), the error text of a point that failed, and the
+bandwidths, the speed-up against the baseline) and CPU times (per call, the busiest rank and
+the median over ranks), the error text of a point that failed, and the
 facts about the machine that go with the results.
 """
 
@@ -15,8 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .collectives import COLLECTIVES, message_layout
-from .stats import (algorithm_bandwidth, bus_bandwidth, iteration_latencies, percentiles,
-                    speedup)
+from .stats import (algorithm_bandwidth, bus_bandwidth, cpu_per_call, iteration_latencies,
+                    percentiles, speedup)
 from .sweep import SweepOptions, sweep_points
 from .worker import BACK_TO_BACK
 
@@ -54,6 +55,11 @@ class Row:
         processes: processes the backend started beyond the rank actors (a helper actor,
             ``mpiexec``'s job), counted after its group was formed.
         nodes: the nodes the ranks were spread over, or None (wherever Ray put them).
+        cpu_per_call_by_rank_s: each rank's process CPU seconds (user + system) per timed
+            call, the mean over the iterations (``worker``), in rank order; empty when not
+            measured.
+        cpu_per_call_max_s: the largest of them: what a call costs the busiest rank.
+        cpu_per_call_median_s: their median over ranks.
     """
 
     collective: str
@@ -78,6 +84,9 @@ class Row:
     setup_rss_bytes: Optional[int] = None
     processes: Optional[int] = None
     nodes: Optional[int] = None
+    cpu_per_call_by_rank_s: Tuple[float, ...] = ()
+    cpu_per_call_max_s: Optional[float] = None
+    cpu_per_call_median_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,8 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
                     durations: Dict[str, List[List[float]]], errors: Dict[str, str],
                     notes: Optional[Dict[str, str]] = None,
                     footprints: Optional[Dict[str, Footprint]] = None,
-                    timing: str = BACK_TO_BACK) -> List[Row]:
+                    timing: str = BACK_TO_BACK,
+                    cpu_seconds: Optional[Dict[str, List[float]]] = None) -> List[Row]:
     """The rows of one (collective, world size, size) point in one timing mode, one per backend.
 
     Args:
@@ -189,6 +199,8 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
         notes: per backend that did not run the point by design, why.
         footprints: per backend, its processes and memory.
         timing: the timing mode the durations were taken in.
+        cpu_seconds: per backend that ran, for each rank, its CPU seconds over all its timed
+            calls (the rows of a backend without it carry no CPU figures).
 
     Returns:
         A row per backend of ``options.backends``, in that order, with the speed-up (against
@@ -200,6 +212,7 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
     rows = {}
     notes = notes or {}
     footprints = footprints or {}
+    cpu_seconds = cpu_seconds or {}
     for backend in options.backends:
         footprint = footprints.get(backend, Footprint())
         common = dict(collective=collective, world_size=world_size, nbytes=nbytes,
@@ -219,12 +232,22 @@ def summarize_point(options: SweepOptions, collective: str, world_size: int, req
         rows[backend] = Row(**common, iterations=len(latencies), latencies_s=tuple(latencies),
                             p50_s=quantiles["p50"], p75_s=quantiles["p75"],
                             p90_s=quantiles["p90"], p95_s=quantiles["p95"], algbw_gbps=algbw,
-                            busbw_gbps=bus_bandwidth(algbw, factor))
+                            busbw_gbps=bus_bandwidth(algbw, factor),
+                            **_cpu_fields(cpu_seconds.get(backend), len(latencies)))
     baseline = rows.get(options.baseline) if options.baseline else None
     if baseline is None:
         return list(rows.values())
     return [replace(row, speedup=speedup(baseline.p50_s, row.p50_s), baseline=options.baseline)
             for row in rows.values()]
+
+
+def _cpu_fields(cpu_seconds_by_rank: Optional[List[float]], iterations: int) -> dict:
+    """A row's CPU figures from each rank's CPU seconds over ``iterations`` timed calls."""
+    if not cpu_seconds_by_rank:
+        return {}
+    per_call = cpu_per_call(cpu_seconds_by_rank, iterations)
+    return {"cpu_per_call_by_rank_s": tuple(per_call), "cpu_per_call_max_s": max(per_call),
+            "cpu_per_call_median_s": float(np.median(per_call))}
 
 
 def unmeasured_rows(options: SweepOptions, world_size: int, measured: Sequence[Row],

@@ -147,7 +147,7 @@ class ScaleRank:
                  "allgather": lambda: col.allgather(parts, tensor, group_name),
                  "barrier": lambda: col.barrier(group_name)}
         return time_back_to_back(lambda: col.barrier(group_name), calls[collective], warmup,
-                                 iterations)
+                                 iterations).durations
 
     def allreduce_until_error(self, group_name: str) -> dict:
         """Allreduce 8 B in a loop until the group fails; what failed, and when (wall clock)."""

@@ -1,4 +1,5 @@
-"""The numbers of a row: per-iteration latency across ranks, percentiles and bandwidths.
+"""The numbers of a row: per-iteration latency across ranks, percentiles, bandwidths and the
+CPU time a call costs each rank.
 
 Bandwidths follow nccl-tests: ``algbw = size / time`` and ``busbw = algbw * factor`` with the
 collective's factor (``collectives.CollectiveSpec.bus_factor``), in GB/s of 10^9 bytes.
@@ -7,7 +8,7 @@ collective's factor (``collectives.CollectiveSpec.bus_factor``), in GB/s of 10^9
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -76,6 +77,28 @@ def iteration_latencies(durations_by_rank: Sequence[Sequence[float]]) -> list:
     if len(lengths) != 1:
         raise ValueError(f"every rank must time the same iterations, got lengths {lengths}")
     return np.max(np.asarray(durations_by_rank, dtype=float), axis=0).tolist()
+
+
+def cpu_per_call(cpu_seconds_by_rank: Sequence[float], iterations: int) -> List[float]:
+    """Each rank's CPU time per call: its process's CPU seconds over the timed calls divided
+    by their number (the mean over the iterations).
+
+    Args:
+        cpu_seconds_by_rank: for each rank, its CPU seconds over all its timed calls.
+        iterations: how many calls each rank timed, > 0.
+
+    Returns:
+        Seconds of CPU per call, one per rank, in rank order.
+
+    Raises:
+        ValueError: no ranks, no iterations, or a negative CPU time.
+    """
+    if not cpu_seconds_by_rank or iterations <= 0:
+        raise ValueError(f"need ranks and iterations, got {len(cpu_seconds_by_rank)} ranks "
+                         f"and {iterations} iterations")
+    if min(cpu_seconds_by_rank) < 0:
+        raise ValueError(f"CPU time cannot be negative: {list(cpu_seconds_by_rank)}")
+    return [seconds / iterations for seconds in cpu_seconds_by_rank]
 
 
 def percentiles(latencies: Sequence[float]) -> dict:

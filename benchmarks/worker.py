@@ -13,6 +13,14 @@ Timing happens here, inside the rank, with ``time.perf_counter``, in one of two 
 
 The driver takes, per iteration, the slowest rank's time (``stats.iteration_latencies``).
 
+Beside the wall time each rank reads its own process's CPU time (``time.process_time``: user
+plus system, every thread of the process) over exactly the timed region of either mode — the
+timed loop back to back, each call alone with barriers — so a row can say how much of a core
+one call costs a rank (``stats.cpu_per_call``). A rank that spins while it waits shows CPU time
+close to its latency; one that sleeps in the kernel shows little. It counts the rank's process
+only: Ray's own threads in an actor are in it, a helper process (``ray-plain``'s central
+actor) is not.
+
 The same class runs in a Ray actor (``ray``, ``torch``, ``gloo``, ``ray-plain``) and, as a
 plain object, in each process of an ``mpiexec`` job (``mpi4py``, see ``mpi_worker``); its
 answers are plain dicts and lists so that they cross either channel.
@@ -70,6 +78,19 @@ class BlockSpec:
 
 
 @dataclass(frozen=True)
+class TimedCalls:
+    """What a rank measured over one block's timed calls.
+
+    Attributes:
+        durations: seconds of each timed iteration (see the module's docstring).
+        cpu_s: this process's CPU seconds (user + system) over the same timed region.
+    """
+
+    durations: List[float]
+    cpu_s: float
+
+
+@dataclass(frozen=True)
 class _BoundPoint:
     """One point's collective, bound to the buffers it owns."""
 
@@ -100,7 +121,7 @@ def peak_resident_bytes() -> int:
 
 
 def time_back_to_back(barrier: Callable[[], Any], call: Callable[[], Any], warmup: int,
-                      iterations: int) -> List[float]:
+                      iterations: int) -> TimedCalls:
     """One barrier, then ``warmup`` + ``iterations`` calls in a loop; completion to completion.
 
     Args:
@@ -111,20 +132,23 @@ def time_back_to_back(barrier: Callable[[], Any], call: Callable[[], Any], warmu
 
     Returns:
         For each timed call, the seconds from the previous call's return (the last warm-up
-        call's, or the barrier's without warm-up) to its own.
+        call's, or the barrier's without warm-up) to its own; and the CPU seconds from that
+        first start to the last call's return.
     """
     barrier()
     for _ in range(warmup):
         call()
+    cpu_start = time.process_time()
     stamps = [time.perf_counter()]
     for _ in range(iterations):
         call()
         stamps.append(time.perf_counter())
-    return [end - start for start, end in zip(stamps, stamps[1:])]
+    cpu_s = time.process_time() - cpu_start
+    return TimedCalls([end - start for start, end in zip(stamps, stamps[1:])], cpu_s)
 
 
 def time_with_barriers(barrier: Callable[[], Any], call: Callable[[], Any], warmup: int,
-                       iterations: int) -> List[float]:
+                       iterations: int) -> TimedCalls:
     """The peer's barrier before every call, then ``perf_counter`` around the call alone.
 
     Args:
@@ -134,18 +158,22 @@ def time_with_barriers(barrier: Callable[[], Any], call: Callable[[], Any], warm
         iterations: calls timed.
 
     Returns:
-        The seconds of each timed call.
+        The seconds of each timed call, and the CPU seconds of the timed calls alone (the
+        barriers left out).
     """
     for _ in range(warmup):
         barrier()
         call()
     durations = []
+    cpu_s = 0.0
     for _ in range(iterations):
         barrier()
+        cpu_start = time.process_time()
         start = time.perf_counter()
         call()
         durations.append(time.perf_counter() - start)
-    return durations
+        cpu_s += time.process_time() - cpu_start
+    return TimedCalls(durations, cpu_s)
 
 
 class RankWorker:
@@ -203,6 +231,7 @@ class RankWorker:
 
         Returns:
             ``{"durations": this rank's seconds for each timed iteration,
+            "cpu_s": this process's CPU seconds over the timed calls,
             "peak_rss_bytes": this process's peak resident memory so far}``.
 
         Raises:
@@ -214,11 +243,10 @@ class RankWorker:
             raise ValueError(f"unknown timing {block.timing!r}, expected one of {TIMINGS}")
         peer = self._peers[backend]
         call = self._bind(backend, peer, block).call
-        if block.timing == BARRIER:
-            durations = time_with_barriers(peer.barrier, call, block.warmup, block.iterations)
-        else:
-            durations = time_back_to_back(peer.barrier, call, block.warmup, block.iterations)
-        return {"durations": durations, "peak_rss_bytes": peak_resident_bytes()}
+        timer = time_with_barriers if block.timing == BARRIER else time_back_to_back
+        timed = timer(peer.barrier, call, block.warmup, block.iterations)
+        return {"durations": timed.durations, "cpu_s": timed.cpu_s,
+                "peak_rss_bytes": peak_resident_bytes()}
 
     def teardown(self, backend: str) -> None:
         """Leave ``backend``'s group and drop its buffers.

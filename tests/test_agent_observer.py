@@ -1,4 +1,5 @@
-"""The agent/observer benchmark: argument parsing, metrics, and actions equal to the policy's."""
+"""The agent/observer benchmark: argument parsing, metrics, the ratio to torch.distributed.rpc,
+and actions equal to the policy's for every backend (torch-rpc included)."""
 
 import numpy as np
 import pytest
@@ -8,11 +9,12 @@ from benchmarks import agent_observer as ao
 
 def test_parse_options_reads_comma_separated_sweeps():
     options, json_path = ao.parse_options(
-        ["--world-size", "2,4", "--batch", "true,false", "--backend", "ray-actors",
+        ["--world-size", "2,4", "--batch", "true,false", "--backend", "ray-actors,torch-rpc",
          "--iterations", "7", "--warmup", "0", "--state-size", "10", "--json", "out.json"])
     assert options.world_sizes == (2, 4)
     assert options.batch_modes == (True, False)
-    assert options.backends == ("ray-actors",)
+    assert options.backends == ("ray-actors", "torch-rpc")
+    assert ao.parse_options([])[0].backends == ("ray", "ray-actors", "torch-rpc")
     assert (options.iterations, options.warmup, options.state_size) == (7, 0, 10)
     assert json_path == "out.json"
 
@@ -33,6 +35,26 @@ def test_summarize_computes_throughput_from_latency():
     assert metrics["agent_latency_s"]["p50"] == 0.25
     assert metrics["agent_throughput_rps"]["p95"] == 8.0
     assert metrics["observer_throughput_rps"]["p75"] == 2.0
+
+
+def _point(backend, batch, world_size, observer_p50):
+    metrics = {name: dict.fromkeys(("p50", "p75", "p90", "p95"), 1.0) for name in ao.METRICS}
+    metrics["observer_latency_s"] = dict(metrics["observer_latency_s"], p50=observer_p50)
+    return ao.PointResult(backend, batch, world_size, 1, metrics, (1.0,), ())
+
+
+def test_observer_ratio_is_this_library_over_torch_rpc():
+    results = [_point("ray", True, 5, 1e-3), _point("torch-rpc", True, 5, 4e-3),
+               _point("ray", False, 5, 3e-3), _point("torch-rpc", False, 5, 2e-3),
+               _point("ray", False, 17, 1e-3), _point("ray-actors", False, 17, 9e-3),
+               ao.PointResult("torch-rpc", False, 17, 0, {}, (), (), "TimeoutError")]
+    assert ao.observer_ratios(results) == pytest.approx({(True, 5): 0.25, (False, 5): 1.5})
+    assert ao.format_ratios(results).splitlines() == [
+        "observer p50 ray / torch-rpc, batch true, 4 observers: 0.25",
+        "observer p50 ray / torch-rpc, batch false, 4 observers: 1.50"]
+    document = ao.to_json(results, ao.AgentObserverOptions(), "cmd")
+    assert document["observer_p50_ratios"][0] == {"batch": True, "world_size": 5,
+                                                  "observers": 4, "ray_over_torch_rpc": 0.25}
 
 
 def test_table_shows_errors_and_numbers():

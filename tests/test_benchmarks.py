@@ -7,6 +7,7 @@ there and never meets a Ray the rest of the suite may hold.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,8 +35,9 @@ from benchmarks import worker
 from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
 from support import extras
 from support.helpers import run_benchmark, run_in, start_members
-from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, default_iteration_counts,
-                              iteration_latencies, percentiles, speedup)
+from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, cpu_per_call,
+                              default_iteration_counts, iteration_latencies, percentiles,
+                              speedup)
 
 MIB = 2**20
 
@@ -106,46 +108,83 @@ def test_iteration_counts_and_blocks():
 
 
 class _RecordedClock:
-    """A ``perf_counter`` that moves only when the fake barrier or call runs, and a log of both.
+    """A ``perf_counter`` and ``process_time`` that move only when the fake barrier or call
+    runs, and a log of both.
 
-    The barrier takes 100 s and call i (from 0) takes i + 1 s, so a time that contains a
-    barrier, or the wrong call, shows at once.
+    The barrier takes 100 s (7 s of CPU) and call i (from 0) takes i + 1 s, half of it CPU, so a
+    time that contains a barrier, or the wrong call, shows at once.
     """
 
     def __init__(self):
-        self.now, self.calls, self.events = 0.0, 0, []
+        self.now, self.cpu, self.calls, self.events = 0.0, 0.0, 0, []
 
     def perf_counter(self):
         return self.now
 
+    def process_time(self):
+        return self.cpu
+
     def barrier(self):
         self.events.append("barrier")
         self.now += 100.0
+        self.cpu += 7.0
 
     def call(self):
         self.events.append("call")
         self.calls += 1
         self.now += float(self.calls)
+        self.cpu += self.calls / 2
 
 
 def test_back_to_back_times_completion_to_completion_after_one_barrier(monkeypatch):
     clock = _RecordedClock()
     monkeypatch.setattr(worker, "time", clock)
-    durations = worker.time_back_to_back(clock.barrier, clock.call, warmup=2, iterations=3)
+    timed = worker.time_back_to_back(clock.barrier, clock.call, warmup=2, iterations=3)
     assert clock.events == ["barrier"] + ["call"] * 5
-    assert durations == [3.0, 4.0, 5.0]      # calls 3-5; the warm-up's 1 + 2 s left out
+    assert timed.durations == [3.0, 4.0, 5.0]      # calls 3-5; the warm-up's 1 + 2 s left out
+    assert timed.cpu_s == 6.0                      # (3 + 4 + 5) / 2: no barrier, no warm-up
     clock = _RecordedClock()
     monkeypatch.setattr(worker, "time", clock)
-    assert worker.time_back_to_back(clock.barrier, clock.call, warmup=0, iterations=2) == [
-        1.0, 2.0]                            # without warm-up the first starts at the barrier
+    timed = worker.time_back_to_back(clock.barrier, clock.call, warmup=0, iterations=2)
+    assert timed.durations == [1.0, 2.0]   # without warm-up the first starts at the barrier
+    assert timed.cpu_s == 1.5
 
 
 def test_barrier_mode_times_each_call_alone_after_its_own_barrier(monkeypatch):
     clock = _RecordedClock()
     monkeypatch.setattr(worker, "time", clock)
-    durations = worker.time_with_barriers(clock.barrier, clock.call, warmup=1, iterations=2)
+    timed = worker.time_with_barriers(clock.barrier, clock.call, warmup=1, iterations=2)
     assert clock.events == ["barrier", "call"] * 3
-    assert durations == [2.0, 3.0]
+    assert timed.durations == [2.0, 3.0]
+    assert timed.cpu_s == 2.5                      # (2 + 3) / 2: the barriers' 21 s left out
+
+
+def test_cpu_time_per_call_is_each_ranks_mean_then_the_busiest_and_the_median():
+    assert cpu_per_call([2.0, 4.0, 3.0], 4) == [0.5, 1.0, 0.75]
+    for bad in (([], 4), ([1.0], 0), ([1.0, -0.1], 2)):
+        with pytest.raises(ValueError):
+            cpu_per_call(*bad)
+    options = SweepOptions(("allreduce",), ("ray", "gloo", "mpi4py"), (4,), (8,))
+    # Two timed iterations per rank; ray's ranks spent 2, 8, 4 and 6 ms of CPU over them.
+    rows = summarize_point(options, "allreduce", 4, 8,
+                           {"ray": [[1e-3, 1e-3]] * 4, "gloo": [[2e-3, 2e-3]] * 4,
+                            "mpi4py": [[1e-5, 1e-5]] * 4}, {},
+                           cpu_seconds={"ray": [2e-3, 8e-3, 4e-3, 6e-3],
+                                        "mpi4py": [2e-5, 2e-5, 2e-5, 4e-5]})
+    ray_row, gloo_row, mpi_row = rows
+    assert ray_row.cpu_per_call_by_rank_s == pytest.approx((1e-3, 4e-3, 2e-3, 3e-3))
+    assert ray_row.cpu_per_call_max_s == pytest.approx(4e-3)
+    assert ray_row.cpu_per_call_median_s == pytest.approx(2.5e-3)
+    assert mpi_row.cpu_per_call_max_s == pytest.approx(2e-5)
+    assert mpi_row.cpu_per_call_median_s == pytest.approx(1e-5)
+    assert gloo_row.cpu_per_call_max_s is None and gloo_row.cpu_per_call_by_rank_s == ()
+    table = format_table(rows).splitlines()
+    assert "CPU/call max  CPU/call med" in table[0]
+    assert re.search(r" 4\.00 ms +2\.50 ms ", table[2])
+    assert re.search(r" 20\.0 µs +10\.0 µs ", table[4])
+    assert any(line.startswith("CPU/call: a rank process's CPU time") for line in table)
+    assert json.loads(to_json(SweepResult(tuple(rows), {})))["rows"][0][
+        "cpu_per_call_max_s"] == pytest.approx(4e-3)
 
 
 def test_a_rank_refuses_an_unknown_timing_mode():
@@ -363,7 +402,9 @@ def test_results_page_ratios_and_markers(tmp_path):
     table = point_table([row for row in rows if row["world_size"] == 2],
                         ["ray", "gloo", "mpi4py"])
     assert table[0].startswith("| size | ray p50 · busbw |")
-    assert table[2].endswith("| 3.00× | 0.50× |")
+    # gloo's column is gloo p50 / ray p50; MPICH's the other way round, ray p50 / mpi4py p50.
+    assert table[0].endswith("| ray vs gloo | ray / MPICH |")
+    assert table[2].endswith("| 3.00× | 2.00× |")
     written = write_plots(rows, tmp_path / "plots")
     assert sorted(path.name for path in written) == [
         "busbw_allreduce_2ranks.png", "busbw_allreduce_4ranks.png",
@@ -380,6 +421,8 @@ def test_results_page_ratios_and_markers(tmp_path):
     # Rows without a timing mode come from the harness that timed every call after a barrier.
     assert "**allreduce, 4 ranks, barrier before every call**" in generated
     assert "back to back" not in generated and 'src="plots/time_allreduce_8B.png"' in generated
+    assert "; ray / MPICH = ray p50 / mpi4py p50)" in generated
+    assert "CPU" not in generated       # rows from before CPU time was measured
     assert "Timing barrier: the backend's barrier before every call" in generated
     page = f"# Results\n{BEGIN}\nold\n{END}\ntail\n"
     assert replace_between_markers(page, generated) == f"# Results\n{generated}\ntail\n"
@@ -393,6 +436,10 @@ def test_results_page_and_plots_show_both_timing_modes(tmp_path):
     rows += [dict(row, timing="back-to-back",
                   p50_s=row["p50_s"] / (4 if row["backend"] == "ray" else 2))
              for row in _rows_for_page()]
+    # CPU per call in the back-to-back rows only: the busiest rank 80 %, the median 50 % of p50.
+    rows = [dict(row, cpu_per_call_max_s=row["p50_s"] * 0.8,
+                 cpu_per_call_median_s=row["p50_s"] * 0.5) if row["timing"] == "back-to-back"
+            else row for row in rows]
     document = {"metadata": {"date": "2026-11-23", "cpu_count": 2, "memory_gib": 23.5,
                              "ray": "2.60.0", "numpy": "2", "command": "python -m benchmarks",
                              "options": {"backends": ["ray", "gloo", "mpi4py"]}},
@@ -410,7 +457,14 @@ def test_results_page_and_plots_show_both_timing_modes(tmp_path):
     tables = generated.split("**allreduce, 2 ranks, ")
     assert tables[1].splitlines()[4].startswith("| 8 B | 50.0 µs · ")   # back to back
     assert tables[1].splitlines()[4].endswith("| 6.00× | 1.00× |")
-    assert tables[2].splitlines()[4].endswith("| 3.00× | 0.50× |")   # barrier, as before
+    assert tables[2].splitlines()[4].endswith("| 3.00× | 2.00× |")   # barrier
+    assert "CPU/call: a rank process's CPU time (user + system)" in generated
+    cpu = tables[1].split("CPU time per call per rank, back to back (the busiest rank / the "
+                          "median over ranks):")[1].splitlines()
+    assert cpu[2] == "| size | ray CPU/call | gloo CPU/call | mpi4py CPU/call |"
+    assert cpu[4] == "| 8 B | 40.0 µs / 25.0 µs | 240.0 µs / 150.0 µs | 40.0 µs / 25.0 µs |"
+    assert generated.count("CPU time per call per rank, back to back") == 2
+    assert "CPU time per call per rank, barrier" not in generated   # those rows have none
     written = write_plots(rows, tmp_path / "plots")
     assert sorted(path.name for path in written) == [
         "busbw_allreduce_2ranks.png", "busbw_allreduce_4ranks.png",
@@ -563,6 +617,10 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
         assert len(row["latencies_s"]) == 3 and min(row["latencies_s"]) > 0
         assert row["p50_s"] > 0 and row["algbw_gbps"] > 0 and row["busbw_gbps"] > 0
         assert row["speedup"] > 0 and row["baseline"] == "ray"
+        # Every backend, mpi4py included, reports each rank's CPU time per call.
+        assert len(row["cpu_per_call_by_rank_s"]) == 2 and min(row["cpu_per_call_by_rank_s"]) > 0
+        assert row["cpu_per_call_max_s"] == max(row["cpu_per_call_by_rank_s"])
+        assert row["cpu_per_call_max_s"] >= row["cpu_per_call_median_s"] > 0
     for timing in ("back-to-back", "barrier"):
         ray_rows = [row for row in rows if row["backend"] == "ray" and row["timing"] == timing]
         assert all(row["speedup"] == pytest.approx(1.0) for row in ray_rows)
@@ -585,6 +643,8 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
     assert "**allreduce, 2 ranks, back to back**" in page
     assert "**gather, 2 ranks, barrier before every call**" in page
     assert "| size | ray p50 · busbw | torch p50 · busbw | gloo p50 · busbw |" in page
+    assert "| ray vs ray-plain | ray / MPICH |" in page
+    assert "| size | ray CPU/call | torch CPU/call | gloo CPU/call |" in page
 
 
 def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp_path, capsys):

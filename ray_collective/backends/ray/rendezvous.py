@@ -31,8 +31,6 @@ group is identified by a random token:
   complete and read by a peer when it first connects.
 - ``<prefix><token>/left/<rank>`` marks a member that destroyed its membership; the last one to
   leave deletes the incarnation's keys.
-- ``<prefix><token>/gave_up/<rank>`` marks a rank whose join timed out (it withdrew its member
-  key): ranks whose deadline passes later do not name it as missing.
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
   member raised a collective error in it (the key holds that error's record, which ranks
   waiting on other nodes read: see ``RayPostOffices.published_abort``), or a joining rank
@@ -177,6 +175,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     abandoned: Set[str] = set()
     waits = pauses(world_size, waiting.longest_pause)
     members: List[Member] = []
+    # The ranks seen registered in this incarnation while this rank waited: one whose own
+    # deadline passed first withdrew its key, but it came, and is not named as missing.
+    seen: Set[int] = set()
     next_recheck = 0.0
     while True:
         # A registered rank polls one key; whether its incarnation was replaced or broken
@@ -190,7 +191,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                 if token is not None:
                     raise _broken(kv, prefix, token, group_name, me.rank)
                 abandoned.add(registered)
-                registered, members = None, []
+                registered, members, seen = None, [], set()
             if registered is not None and watch is not None:
                 try:
                     watch()
@@ -214,6 +215,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         # The store is linearizable: the rank whose key went in last sees
                         # every key here, and tells the others with one key they can poll.
                         members = registered_members(kv, prefix, registered)
+                        seen = {m.rank for m in members}
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
                             waiting.completed(members)
@@ -222,16 +224,11 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             members = registered_members(kv, prefix, registered)
             return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
-            present = {m.rank for m in (registered_members(kv, prefix, registered) if registered
-                                        else members)}
+            present = seen | {m.rank for m in (registered_members(kv, prefix, registered)
+                                               if registered else members)}
             if registered is not None:
-                # Ranks that came and gave up before this one are not missing: their deadline
-                # passed first. This one leaves the same note, then withdraws, so that a rank
-                # joining this incarnation later waits for a live member instead of counting
-                # this failed one.
-                present |= {int(k.rsplit("/", 1)[1])
-                            for k in kv.keys(f"{prefix}{registered}/gave_up/")}
-                kv.put(f"{prefix}{registered}/gave_up/{me.rank}")
+                # Withdraw, so that a rank joining this incarnation later waits for a live
+                # member instead of counting this failed one.
                 kv.delete_prefix(_member_key(prefix, registered, me))
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)

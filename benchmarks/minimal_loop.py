@@ -1,0 +1,428 @@
+"""The minimal loop a user writes: this library against Ray's own Gloo group, call by call.
+
+    python -m benchmarks.minimal_loop [--layouts 2x2,1x2,1x4] [--iters 200] [--warmup 20]
+        [--blocks 4] [--json PATH] [trial options]
+
+For each layout (``NODESxRANKS``: nodes of a ``ray.cluster_utils.Cluster`` on this machine, as
+``python -m benchmarks --nodes`` starts one, or Ray's ordinary one-node start for ``1xN``)
+the loop starts plain rank actors (``num_cpus=0``), pinned evenly in blocks of ranks per node
+(rank r on node ``r // ranks``), and in each actor joins a ``ray.util.collective`` group with
+``backend="gloo"`` (Ray's own, on torch.distributed) and this library's group (``ray``). Then,
+as a user would: one barrier of each library, ``--warmup`` calls of each, and the timed
+``allreduce`` of two float32, ``perf_counter`` around each call, the two libraries alternating
+in blocks (A B, B A, ...) in the same actors. Before timing, one allreduce of ``rank + 1`` on
+each library checks the sum every rank gets. It prints, per layout and library, the p50 of
+the slowest rank per iteration, each rank's own p50 and each rank's CPU time per call.
+
+It shares only the two timers of ``worker`` with ``python -m benchmarks``: no harness, no peer
+classes. The trial options change one thing at a time, the candidates for why the two
+disagreed (see README.md, "The minimal loop and the CLI"):
+
+- ``--timing per-call`` (default: ``perf_counter`` around each call) or ``back-to-back``
+  (completion to completion, as the CLI);
+- ``--barrier once`` (default: after joining) or ``block`` (each library's barrier at the start
+  of every block, as the CLI);
+- ``--actor plain`` (default), ``threaded`` (``max_concurrency=2``: Ray runs the calls on a
+  thread pool) or ``async`` (an asyncio actor, its event loop in the process);
+- ``--cluster bench`` (default: Ray as the CLI starts it, without the dashboard or the
+  workers' logs; across nodes head 1 CPU, other nodes 0, as ``benchmarks.nodes``) or ``user``
+  (every default kept: the dashboard and its agents, logs streamed to the driver, ``Cluster``'s
+  nodes 1 CPU each);
+- ``--placement blocks`` (default: rank r on node ``r // ranks``, as the CLI), ``alternate``
+  (rank r on node ``r % nodes``) or ``unpinned`` (wherever Ray puts them);
+- ``--gloo-group named`` (default: a group of its own name, a torch subgroup) or ``default``
+  (Ray's ``"default"`` name: torch's world group itself);
+- ``--libraries ray,gloo`` (default; the order the groups are joined in and the first
+  block's order), or one library alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .cli import choice, comma_list, non_negative_int, one_value, positive_int
+from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
+from .stats import iteration_latencies, percentiles
+from .worker import time_back_to_back, time_with_barriers
+
+LIBRARIES = ("ray", "gloo")
+"""This library and ``ray.util.collective``'s Gloo, in their default order."""
+
+TIMINGS = ("per-call", "back-to-back")
+BARRIERS = ("once", "block")
+ACTORS = ("plain", "threaded", "async")
+CLUSTERS = ("bench", "user")
+PLACEMENTS = ("blocks", "alternate", "unpinned")
+GLOO_GROUPS = ("named", "default")
+
+ELEMENTS = 2
+"""Two float32 values: the 8-byte allreduce of the issue."""
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What one run of the loop measures (see the module's docstring for the trial options).
+
+    Attributes:
+        layouts: (nodes, ranks per node) per layout, in run order.
+        libraries: this library and/or ``gloo``, in join and first-block order.
+        iterations: timed calls per library, split over ``blocks``.
+        warmup: untimed calls of each library after the first barrier.
+        blocks: alternating blocks the timed calls are split into.
+        timeout_s: the deadline of each step (actors, joins, one block).
+        timing: ``per-call`` or ``back-to-back``.
+        barrier: ``once`` or ``block``.
+        actor: ``plain``, ``threaded`` or ``async``.
+        cluster: ``bench`` or ``user``.
+        placement: ``blocks``, ``alternate`` or ``unpinned``.
+        gloo_group: ``named`` or ``default``.
+    """
+
+    layouts: Tuple[Tuple[int, int], ...] = ((2, 2), (1, 2), (1, 4))
+    libraries: Tuple[str, ...] = LIBRARIES
+    iterations: int = 200
+    warmup: int = 20
+    blocks: int = 4
+    timeout_s: float = 120.0
+    timing: str = "per-call"
+    barrier: str = "once"
+    actor: str = "plain"
+    cluster: str = "bench"
+    placement: str = "blocks"
+    gloo_group: str = "named"
+
+
+def _nothing() -> None:
+    """No barrier: the loop's barriers are placed by ``--barrier``."""
+
+
+class LoopRank:
+    """A user's rank actor: joins both groups and runs blocks of calls."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.tensor = np.zeros(ELEMENTS, np.float32)
+        self.groups: Dict[str, str] = {}
+
+    def ready(self) -> dict:
+        """Where this rank runs: its Ray node and process id."""
+        import ray
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def join(self, library: str, group_name: str, timeout_s: float) -> None:
+        """Join ``library``'s group as this rank."""
+        if library == "ray":
+            import ray_collective
+            ray_collective.init_collective_group(self.world_size, self.rank, backend="ray",
+                                                 group_name=group_name, timeout=timeout_s)
+        else:
+            import ray.util.collective
+            ray.util.collective.init_collective_group(self.world_size, self.rank,
+                                                      backend="gloo", group_name=group_name,
+                                                      gloo_timeout=int(timeout_s * 1000))
+        self.groups[library] = group_name
+
+    def check_sum(self, library: str) -> List[float]:
+        """One allreduce of ``[rank + 1] * 2`` on ``library``: what a user checks first."""
+        tensor = np.full(ELEMENTS, self.rank + 1, np.float32)
+        self._module(library).allreduce(tensor, self.groups[library])
+        return tensor.tolist()
+
+    def _module(self, library: str) -> Any:
+        if library == "ray":
+            import ray_collective
+            return ray_collective
+        import ray.util.collective
+        return ray.util.collective
+
+    def barrier(self, library: str) -> None:
+        """``library``'s own barrier."""
+        self._module(library).barrier(self.groups[library])
+
+    def warm_up(self, library: str, calls: int) -> None:
+        """``calls`` untimed allreduces of ``library``."""
+        module, group = self._module(library), self.groups[library]
+        for _ in range(calls):
+            module.allreduce(self.tensor, group)
+
+    def run_block(self, library: str, iterations: int, timing: str, barrier_first: bool) -> dict:
+        """Time ``iterations`` allreduces of ``library``.
+
+        Returns:
+            ``{"durations": seconds per call, "cpu_s": this process's CPU seconds over them}``.
+        """
+        module, group = self._module(library), self.groups[library]
+        if barrier_first:
+            module.barrier(group)
+        call = functools.partial(module.allreduce, self.tensor, group)
+        # The CLI's two timers, without their barriers: "per-call" is perf_counter around
+        # each call alone, "back-to-back" completion to completion.
+        timer = time_with_barriers if timing == "per-call" else time_back_to_back
+        timed = timer(_nothing, call, 0, iterations)
+        return {"durations": timed.durations, "cpu_s": timed.cpu_s}
+
+    def leave(self, library: str) -> None:
+        """Destroy this rank's membership of ``library``'s group."""
+        self._module(library).destroy_collective_group(self.groups.pop(library))
+
+
+class AsyncLoopRank(LoopRank):
+    """The same rank as an asyncio actor: Ray runs its methods on an event loop in the process
+    (the collectives still block the loop's thread, as a user's sync calls would)."""
+
+    async def run_block(self, library: str, iterations: int, timing: str,  # type: ignore[override]
+                        barrier_first: bool) -> dict:
+        return LoopRank.run_block(self, library, iterations, timing, barrier_first)
+
+
+@contextlib.contextmanager
+def ray_for(nodes: int, cluster: str) -> Iterator[Optional[List[str]]]:
+    """Ray for one layout, this process its driver; yields the node ids ranks are pinned to
+    (None on one node: wherever Ray puts them).
+
+    ``bench``: as ``python -m benchmarks`` starts it (one node: ``ray.init`` without the
+    dashboard or the workers' logs; several: ``benchmarks.nodes``' cluster, head 1 CPU, the
+    other nodes none). ``user``: as a user starts it, every default kept (the dashboard and
+    its agents, the workers' logs streamed to the driver; ``Cluster``'s nodes 1 CPU each).
+    """
+    import ray
+    bench = cluster == "bench"
+    quiet = {"include_dashboard": False, "log_to_driver": False,
+             "logging_level": logging.WARNING} if bench else {}
+    if nodes == 1:
+        ray.init(address="local", **quiet)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
+    if bench:
+        with local_cluster_driver(nodes):
+            yield pick_nodes(nodes)
+        return
+    from ray.cluster_utils import Cluster
+    local = Cluster(initialize_head=True, head_node_args={"resources": {"node0": 1}})
+    for k in range(1, nodes):
+        local.add_node(resources={f"node{k}": 1})
+    local.wait_for_nodes()
+    try:
+        ray.init(address=local.address)
+        yield pick_nodes(nodes)
+    finally:
+        ray.shutdown()
+        local.shutdown()
+
+
+def start_ranks(options: LoopOptions, nodes: int, ranks_per_node: int,
+                node_ids: Optional[Sequence[str]]) -> Tuple[list, List[dict]]:
+    """The rank actors of one layout, pinned to their nodes, and where each runs.
+
+    Raises:
+        RuntimeError: a rank did not start on the node it was pinned to.
+    """
+    import ray
+    world_size = nodes * ranks_per_node
+    body = AsyncLoopRank if options.actor == "async" else LoopRank
+    concurrency = {"max_concurrency": 2} if options.actor == "threaded" else {}
+    actor_class = ray.remote(num_cpus=0, **concurrency)(body)
+    placement = [None] * world_size
+    if node_ids and options.placement == "blocks":
+        placement = [node_ids[node] for node in rank_nodes(world_size, nodes)]
+    elif node_ids and options.placement == "alternate":
+        placement = [node_ids[rank % nodes] for rank in range(world_size)]
+    ranks = [actor_class.options(**pinned(node)).remote(rank, world_size)
+             for rank, node in enumerate(placement)]
+    where = ray.get([rank.ready.remote() for rank in ranks], timeout=options.timeout_s)
+    misplaced = [rank for rank, (node, answer) in enumerate(zip(placement, where))
+                 if node is not None and answer["node_id"] != node]
+    if misplaced:
+        raise RuntimeError(f"ranks {misplaced} did not start on the node they were pinned to")
+    if node_ids:
+        for answer in where:
+            answer["node"] = node_ids.index(answer["node_id"])
+    return ranks, where
+
+
+def group_name(library: str, options: LoopOptions, layout: Tuple[int, int]) -> str:
+    """The group's name: Ray's ``"default"`` for ``--gloo-group default``, else its own."""
+    if library == "gloo" and options.gloo_group == "default":
+        return "default"
+    return f"minimal-loop-{library}-{layout[0]}x{layout[1]}"
+
+
+def measure_layout(options: LoopOptions, layout: Tuple[int, int],
+                   node_ids: Optional[Sequence[str]]) -> dict:
+    """Run the loop on one layout: join, barrier, warm up, timed blocks, leave.
+
+    Returns:
+        ``{"layout": "2x2", "pids": ..., "nodes": each rank's node, "block_order": the
+        libraries of each block in turn, "libraries": {library: {"sum_right": whether one
+        allreduce of rank + 1 gave every rank the sum, "durations": per rank, "cpu_s": per
+        rank}}}``.
+    """
+    import ray
+    nodes, ranks_per_node = layout
+    ranks, where = start_ranks(options, nodes, ranks_per_node, node_ids)
+    deadline = options.timeout_s
+
+    def everywhere(method: str, *args) -> list:
+        return ray.get([getattr(rank, method).remote(*args) for rank in ranks],
+                       timeout=deadline)
+
+    measured: Dict[str, Dict[str, Any]] = {
+        library: {"durations": [[] for _ in ranks], "cpu_s": [0.0] * len(ranks)}
+        for library in options.libraries}
+    block_order: List[List[str]] = []
+    try:
+        for library in options.libraries:
+            everywhere("join", library, group_name(library, options, layout),
+                       options.timeout_s)
+        expected = float(len(ranks) * (len(ranks) + 1) // 2)
+        for library in options.libraries:
+            sums = everywhere("check_sum", library)
+            measured[library]["sum_right"] = all(value == expected
+                                                 for values in sums for value in values)
+        for library in options.libraries:
+            everywhere("barrier", library)
+            everywhere("warm_up", library, options.warmup)
+        for index, iterations in enumerate(_split(options.iterations, options.blocks)):
+            order = options.libraries if index % 2 == 0 else options.libraries[::-1]
+            block_order.append(list(order))
+            for library in order:
+                answers = everywhere("run_block", library, iterations, options.timing,
+                                     options.barrier == "block")
+                for rank, answer in enumerate(answers):
+                    measured[library]["durations"][rank].extend(answer["durations"])
+                    measured[library]["cpu_s"][rank] += answer["cpu_s"]
+        for library in reversed(options.libraries):
+            everywhere("leave", library)
+    finally:
+        for rank in ranks:
+            ray.kill(rank, no_restart=True)
+    return {"layout": f"{nodes}x{ranks_per_node}", "pids": [w["pid"] for w in where],
+            "nodes": [w.get("node", 0) for w in where], "block_order": block_order,
+            "libraries": measured}
+
+
+def _split(iterations: int, blocks: int) -> List[int]:
+    blocks = max(1, min(blocks, iterations))
+    return [iterations // blocks + (1 if index < iterations % blocks else 0)
+            for index in range(blocks)]
+
+
+def summarize(durations_by_rank: Sequence[Sequence[float]], cpu_s_by_rank: Sequence[float]
+              ) -> dict:
+    """The loop's figures for one library on one layout.
+
+    Args:
+        durations_by_rank: each rank's seconds per timed call, in the same order.
+        cpu_s_by_rank: each rank's CPU seconds over its timed calls.
+
+    Returns:
+        ``{"slowest_p50_s": p50 over iterations of the slowest rank's time,
+        "rank_p50_s": each rank's own p50, "cpu_per_call_s": each rank's CPU per call}``.
+    """
+    slowest = iteration_latencies(durations_by_rank)
+    return {"slowest_p50_s": percentiles(slowest)["p50"],
+            "rank_p50_s": [percentiles(durations)["p50"] for durations in durations_by_rank],
+            "cpu_per_call_s": [cpu / len(durations) for cpu, durations
+                               in zip(cpu_s_by_rank, durations_by_rank)]}
+
+
+def run(options: LoopOptions) -> List[dict]:
+    """Every layout in turn, each on a Ray (or local cluster) of its own.
+
+    Returns:
+        Per layout: its name, the ranks' pids and per library the raw and summarized figures
+        (``summarize``).
+    """
+    results = []
+    for layout in options.layouts:
+        with ray_for(layout[0], options.cluster) as node_ids:
+            measured = measure_layout(options, layout, node_ids)
+        for figures in measured["libraries"].values():
+            figures.update(summarize(figures["durations"], figures["cpu_s"]))
+        results.append(measured)
+    return results
+
+
+def format_results(results: Sequence[dict]) -> str:
+    """One line per (layout, library): the slowest rank's p50, each rank's p50 and CPU."""
+    lines = []
+    for result in results:
+        for library, figures in result["libraries"].items():
+            ranks = " ".join(f"{p50 * 1e6:.0f}" for p50 in figures["rank_p50_s"])
+            cpu = " ".join(f"{seconds * 1e6:.0f}" for seconds in figures["cpu_per_call_s"])
+            wrong = "" if figures["sum_right"] else "   WRONG SUM"
+            lines.append(f"{result['layout']:>4} {library:<5} nodes {result['nodes']} "
+                         f"slowest rank p50 "
+                         f"{figures['slowest_p50_s'] * 1e6:7.1f} us   per rank p50 [{ranks}] us"
+                         f"   CPU/call [{cpu}] us{wrong}")
+    return "\n".join(lines)
+
+
+def _layout(text: str) -> Tuple[int, int]:
+    nodes, _, ranks = text.lower().partition("x")
+    if not nodes.isdigit() or not ranks.isdigit() or int(nodes) < 1 or int(ranks) < 1:
+        raise ValueError(f"a layout is NODESxRANKS, e.g. 2x2, not {text!r}")
+    if int(nodes) * int(ranks) < 2:
+        raise ValueError(f"a layout needs 2 ranks at least, not {text!r}")
+    return int(nodes), int(ranks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m benchmarks.minimal_loop``."""
+    defaults = LoopOptions()
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.minimal_loop",
+        description="The loop a user writes: this library and Ray's Gloo group in the same "
+                    "plain actors, allreduce of two float32 timed call by call.")
+    parser.add_argument("--layouts", type=comma_list(_layout), default=defaults.layouts,
+                        help="NODESxRANKS per node, comma-separated (default 2x2,1x2,1x4)")
+    parser.add_argument("--libraries", type=comma_list(choice(LIBRARIES)),
+                        default=defaults.libraries,
+                        help="join and first-block order (default ray,gloo)")
+    parser.add_argument("--iters", type=one_value(positive_int), default=defaults.iterations)
+    parser.add_argument("--warmup", type=one_value(non_negative_int), default=defaults.warmup)
+    parser.add_argument("--blocks", type=one_value(positive_int), default=defaults.blocks)
+    parser.add_argument("--timeout", type=one_value(positive_int), default=120)
+    for flag, values in (("--timing", TIMINGS), ("--barrier", BARRIERS), ("--actor", ACTORS),
+                         ("--cluster", CLUSTERS), ("--placement", PLACEMENTS),
+                         ("--gloo-group", GLOO_GROUPS)):
+        parser.add_argument(flag, type=one_value(choice(values)), default=values[0],
+                            help=f"trial option, of {', '.join(values)} (default {values[0]})")
+    parser.add_argument("--json", type=str, default=None, help="write every figure here")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the loop from the command line; print and optionally write the figures."""
+    arguments = build_parser().parse_args(argv)
+    options = LoopOptions(layouts=arguments.layouts, libraries=arguments.libraries,
+                          iterations=arguments.iters, warmup=arguments.warmup,
+                          blocks=arguments.blocks, timeout_s=float(arguments.timeout),
+                          timing=arguments.timing, barrier=arguments.barrier,
+                          actor=arguments.actor, cluster=arguments.cluster,
+                          placement=arguments.placement, gloo_group=arguments.gloo_group)
+    results = run(options)
+    print(format_results(results))
+    if arguments.json:
+        with open(arguments.json, "w") as handle:
+            json.dump({"options": asdict(options), "command": " ".join(sys.argv),
+                       "results": results}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The minimal loop (``python -m benchmarks.minimal_loop``): its options, its figures from
+made-up durations, and one tiny real run across two nodes of a local cluster (in a subprocess,
+which starts and stops a Ray of its own)."""
+
+import json
+
+import pytest
+
+from benchmarks import minimal_loop
+from support.helpers import run_benchmark
+
+
+def test_layouts_and_trial_options_parse_and_bad_ones_exit_with_status_2(capsys):
+    arguments = minimal_loop.build_parser().parse_args(
+        ["--layouts", "2x2,1x4", "--timing", "back-to-back", "--barrier", "block",
+         "--actor", "threaded", "--cluster", "user", "--placement", "alternate",
+         "--gloo-group", "default", "--libraries", "gloo,ray"])
+    assert arguments.layouts == ((2, 2), (1, 4))
+    assert (arguments.timing, arguments.barrier, arguments.actor, arguments.cluster,
+            arguments.placement, arguments.gloo_group) == (
+        "back-to-back", "block", "threaded", "user", "alternate", "default")
+    assert arguments.libraries == ("gloo", "ray")
+    defaults = minimal_loop.build_parser().parse_args([])
+    assert defaults.layouts == ((2, 2), (1, 2), (1, 4)) and defaults.timing == "per-call"
+    for bad in (["--layouts", "1x1"], ["--layouts", "0x2"], ["--layouts", "2y2"],
+                ["--timing", "sometimes"], ["--libraries", "ray,ray"], ["--actor", "busy"]):
+        with pytest.raises(SystemExit) as exited:
+            minimal_loop.build_parser().parse_args(bad)
+        assert exited.value.code == 2
+    assert capsys.readouterr().err
+
+
+def test_figures_are_the_slowest_rank_per_iteration_and_each_ranks_own():
+    figures = minimal_loop.summarize([[1.0, 5.0, 2.0, 4.0], [3.0, 1.0, 2.5, 0.5]], [2.0, 1.0])
+    # slowest per iteration 3, 5, 2.5, 4: p50 3.5; rank 0 sorted 1 2 4 5: 3; rank 1: 1.75.
+    assert figures["slowest_p50_s"] == pytest.approx(3.5)
+    assert figures["rank_p50_s"] == pytest.approx([3.0, 1.75])
+    assert figures["cpu_per_call_s"] == pytest.approx([0.5, 0.25])
+    assert minimal_loop._split(10, 4) == [3, 3, 2, 2] and minimal_loop._split(2, 4) == [1, 1]
+
+
+def test_group_names_differ_per_library_unless_gloo_takes_rays_default():
+    options = minimal_loop.LoopOptions()
+    assert minimal_loop.group_name("ray", options, (2, 2)) == "minimal-loop-ray-2x2"
+    assert minimal_loop.group_name("gloo", options, (2, 2)) == "minimal-loop-gloo-2x2"
+    default = minimal_loop.LoopOptions(gloo_group="default")
+    assert minimal_loop.group_name("gloo", default, (1, 4)) == "default"
+    assert minimal_loop.group_name("ray", default, (1, 4)) == "minimal-loop-ray-1x4"
+
+
+@pytest.mark.multinode
+def test_a_tiny_loop_across_two_nodes_times_both_libraries_in_alternating_blocks(tmp_path):
+    pytest.importorskip("torch", reason="Ray's gloo group needs torch (pip install '.[bench]')")
+    out = tmp_path / "loop.json"
+    completed = run_benchmark("benchmarks.minimal_loop", "--layouts", "2x1", "--iters", "4",
+                              "--warmup", "1", "--blocks", "2", "--timeout", "60",
+                              "--json", str(out))
+    [result] = json.loads(out.read_text())["results"]
+    assert result["layout"] == "2x1" and result["nodes"] == [0, 1]
+    assert result["block_order"] == [["ray", "gloo"], ["gloo", "ray"]]
+    for library in ("ray", "gloo"):
+        figures = result["libraries"][library]
+        assert figures["sum_right"] is True
+        assert [len(durations) for durations in figures["durations"]] == [4, 4]
+        assert min(min(durations) for durations in figures["durations"]) > 0
+        assert figures["slowest_p50_s"] >= max(figures["rank_p50_s"]) > 0
+        assert min(figures["cpu_per_call_s"]) > 0
+    lines = [line for line in completed.stdout.splitlines() if "slowest rank p50" in line]
+    assert [line.split()[:2] for line in lines] == [["2x1", "ray"], ["2x1", "gloo"]]
+    assert "WRONG SUM" not in completed.stdout
