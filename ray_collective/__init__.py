@@ -2,7 +2,8 @@
 
 ``import ray_collective as col`` gives the same functions with the same arguments, plus
 ``gather``, ``scatter``, ``alltoall``, ``ReduceOp.AVG``, ``async_op=``, ``timeout=`` and ``tag=``,
-the declarative ``*_refs`` collectives, and ``batch_remote`` / ``ActorPool`` for calling one
+elastic groups (``shrink_collective_group``, ``grow_collective_group``), the declarative
+``*_refs`` collectives, and ``batch_remote`` / ``ActorPool`` for calling one
 method on many actors at once.
 Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
 
@@ -16,15 +17,16 @@ from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, 
                   broadcast, broadcast_multigpu, create_collective_group,
                   declare_collective_group, destroy_collective_group, gather,
                   get_collective_group_size, get_collective_trace, get_group_handle, get_rank,
-                  gloo_available, init_collective_group, is_backend_available, is_group_initialized,
-                  nccl_available, recv, recv_multigpu, reduce, reduce_multigpu, reducescatter,
+                  gloo_available, grow_collective_group, init_collective_group,
+                  is_backend_available, is_group_initialized, nccl_available, recv,
+                  recv_multigpu, reduce, reduce_multigpu, reducescatter,
                   reducescatter_multigpu, register_backend, scatter, send, send_multigpu,
-                  synchronize)
+                  shrink_collective_group, synchronize)
 from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
                      GroupError, GroupNotInitializedError, InsecureDirectoryError,
-                     PeerDiedError, PostOfficeDiedError, RankFailedError,
+                     PeerDiedError, PostOfficeDiedError, RankExcludedError, RankFailedError,
                      ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
@@ -37,8 +39,9 @@ _install_ray_util_collective_backend()
 
 __all__ = [
     "init_collective_group", "declare_collective_group", "create_collective_group",
-    "destroy_collective_group", "is_group_initialized", "get_group_handle", "get_rank",
-    "get_collective_group_size", "get_collective_trace",
+    "destroy_collective_group", "shrink_collective_group", "grow_collective_group",
+    "is_group_initialized", "get_group_handle", "get_rank", "get_collective_group_size",
+    "get_collective_trace",
     "allreduce", "barrier", "reduce", "broadcast", "allgather", "reducescatter", "send", "recv",
     "gather", "scatter", "alltoall",
     "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",
@@ -49,7 +52,7 @@ __all__ = [
     "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
     "BackendNotAvailableError", "InsecureDirectoryError", "UnsupportedOperationError",
-    "RankFailedError",
+    "RankFailedError", "RankExcludedError",
     "TensorRefError", "ArgumentError", "ArgumentValueError", "ArgumentTypeError",
     "ReadOnlyTensorWarning", "ray_util_collective_runtime_env",
     "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",

@@ -26,14 +26,16 @@ Raises, whatever the collective:
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .backends import BACKENDS
 from .backends.base import BackendFactory, GroupCall
 from .declared import declare_in_actors
-from .errors import ArgumentTypeError, ArgumentValueError, UnsupportedOperationError
+from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
+from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
+                     UnsupportedOperationError)
 from .group import Group, Work, current_registry
 from .tensors import TensorView, as_view, check_op, check_same_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
@@ -275,6 +277,115 @@ def destroy_collective_group(group_name: str = "default") -> None:
     else:
         _log.warning("destroy_collective_group('%s'): this process is not a member of that "
                      "group and did not declare it; nothing to destroy", group_name)
+
+
+def shrink_collective_group(group_name: str = "default",
+                            timeout: Optional[float] = None) -> Union[int, Dict[int, int]]:
+    """Go on without the members that failed: the group keeps its name, its world size becomes
+    the number of survivors, and their ranks are renumbered densely in the old order.
+
+    Called in every surviving member after a collective failed (``PeerDiedError``,
+    ``PostOfficeDiedError``, ``CollectiveTimeoutError``, ``GroupBrokenError``): the survivors
+    agree on one set, whatever error each saw, and form a fresh incarnation of the group (a
+    new epoch: no message of the old one is taken for the new one's), and nothing of the old
+    incarnation stays. Called on the driver for a group it declared: the same runs in every
+    member actor. A call that was in progress when the failure struck has raised on every
+    survivor; what its buffers hold is undefined. Backend ``ray`` only.
+
+    Args:
+        group_name: the group.
+        timeout: seconds the shrink may take (default: the group's); a member that has not
+            come by then, and is not known to have failed, is left out.
+
+    Returns:
+        In a member, its new rank; on the driver, ``{old rank: new rank}`` of the members that
+        went on.
+
+    Raises:
+        ArgumentValueError: a bad name or timeout, before anything is sent.
+        GroupNotInitializedError: this process neither is a member nor declared the group.
+        RankExcludedError: the other members went on without this one (stopped, hung or
+            named as failed when they agreed); its membership is released.
+        PeerDiedError: a survivor died during the shrink: call it again.
+        CollectiveTimeoutError: survivors did not join the new incarnation in time: call it
+            again (the next shrink leaves them out).
+        UnsupportedOperationError: the group's backend cannot shrink (``nccl``).
+    """
+    registry = current_registry()
+    check_group_name(group_name)
+    timeout = check_call_timeout(timeout)
+    if registry.is_initialized(group_name):
+        return shrink_member(registry, group_name, timeout).rank
+    declared = registry.declared(group_name)
+    if declared is None:
+        raise GroupNotInitializedError(group_name)
+    return shrink_declared(declared, timeout)
+
+
+def grow_collective_group(group_name: str = "default", *, world_size: Optional[int] = None,
+                          actors: Optional[Sequence[Any]] = None,
+                          timeout: Optional[float] = None) -> int:
+    """Take new ranks into the group: its members and the new ranks form a fresh incarnation
+    of ``world_size`` ranks; the members keep their ranks.
+
+    In every member, with ``world_size``; meanwhile each new actor calls
+    ``init_collective_group(world_size, rank, backend="ray", group_name=...)`` with the new
+    ranks (the old size to ``world_size - 1``). On the driver for a group it declared, with
+    ``actors``: they join as the next ranks (through ``__ray_call__``, as
+    ``declare_collective_group`` joins them). Backend ``ray`` only.
+
+    Args:
+        group_name: the group.
+        world_size: in a member, the size once grown (more than now); on the driver, optional,
+            the current size plus ``len(actors)``.
+        actors: on the driver, the new member actors, in the order of their new ranks.
+        timeout: seconds the grow may take (default: the group's).
+
+    Returns:
+        The new world size.
+
+    Raises:
+        ArgumentValueError, ArgumentTypeError: a bad name, timeout or world size, ``actors``
+            in a member, no ``actors`` on the driver, or an actor that is a member already;
+            before anything is sent.
+        GroupNotInitializedError: this process neither is a member nor declared the group.
+        PeerDiedError: a member is dead: shrink the group first.
+        CollectiveTimeoutError: ranks (members or new ones) did not come in time.
+        UnsupportedOperationError: the group's backend cannot grow (``nccl``).
+    """
+    registry = current_registry()
+    check_group_name(group_name)
+    timeout = check_call_timeout(timeout)
+    if registry.is_initialized(group_name):
+        if actors is not None:
+            raise ArgumentValueError("grow_collective_group in a member takes world_size, not "
+                                     "actors (only the driver that declared the group can "
+                                     "pass actors)")
+        if world_size is None:
+            raise ArgumentValueError("grow_collective_group in a member needs world_size: "
+                                     "the group's size once grown")
+        return grow_member(registry, group_name, check_world_size(world_size),
+                           timeout).world_size
+    declared = registry.declared(group_name)
+    if declared is None:
+        raise GroupNotInitializedError(group_name)
+    if not isinstance(actors, (list, tuple)) or not actors:
+        raise ArgumentValueError("grow_collective_group on the driver needs actors: a "
+                                 "non-empty list of the new member actors")
+    strangers = [a for a in actors if not hasattr(a, "__ray_call__")]
+    if strangers:
+        raise ArgumentTypeError(f"actors must be Ray actor handles, not "
+                                f"{type(strangers[0]).__name__}: {strangers[0]!r}")
+    if len(set(actors)) < len(actors) or set(actors) & set(declared.members):
+        raise ArgumentValueError(f"actors must be new to group '{group_name}': an actor is a "
+                                 f"member already, or given twice")
+    new_size = len(declared.members) + len(actors)
+    if world_size is not None and world_size != new_size:
+        raise ArgumentValueError(
+            f"world_size={world_size}, but group '{group_name}' has {len(declared.members)} "
+            f"members and {len(actors)} actors were given: {new_size} ranks")
+    check_world_size(new_size)
+    return grow_declared(declared, actors, timeout)
 
 
 def is_group_initialized(group_name: str = "default") -> bool:

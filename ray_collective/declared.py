@@ -4,20 +4,21 @@
 ``__ray_call__`` (so the user's actor class needs no method for it), all actors at once, and
 waits for all of them. Destroying the group from the driver runs the ordinary leave the same
 way, skipping members that are dead or stay busy, then lets the backend remove what is left.
-Works for any backend whose factory can be sent to the actors.
+Works for any backend whose factory can be sent to the actors. A shrink or a grow from the
+driver (``elastic``) changes the members; :meth:`ActorGroup.reform` records them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 from .backends.base import BackendFactory
 from .errors import CollectiveTimeoutError
 from .group import DeclaredGroup, current_registry
 
 
-def _join_in_actor(actor, factory: BackendFactory, group_name: str, world_size: int, rank: int,
-                   timeout: float) -> int:
+def join_in_actor(actor, factory: BackendFactory, group_name: str, world_size: int, rank: int,
+                  timeout: float) -> int:
     """Run inside a member actor: join the declared group through the process's registry."""
     current_registry().create(group_name, world_size, rank, factory, timeout)
     return rank
@@ -40,15 +41,24 @@ class ActorGroup(DeclaredGroup):
         actors: the member actors.
         ranks: the rank of each actor.
         clean_up: removes what the backend keeps outside the members, after they left.
+        timeout: the group's default deadline, in seconds.
     """
 
     def __init__(self, name: str, actors: Sequence, ranks: Sequence[int],
-                 clean_up: Optional[Callable[[], None]]):
+                 clean_up: Optional[Callable[[], None]], timeout: float):
         self.name = name
         self.actors = tuple(actors)
         self.members = tuple(actor for _, actor in sorted(zip(ranks, actors),
                                                           key=lambda pair: pair[0]))
         self._clean_up = clean_up
+        self.timeout = timeout
+        self.lost: Tuple[int, ...] = ()
+
+    def reform(self, members: Sequence, lost: Sequence[int] = ()) -> None:
+        """Record the members after a shrink or a grow: ``members[r]`` is rank r, and the
+        ranks in ``lost`` died as they joined (the next shrink tells the others)."""
+        self.actors = self.members = tuple(members)
+        self.lost = tuple(lost)
 
     def destroy(self, timeout: float) -> None:
         import ray
@@ -81,9 +91,10 @@ def declare_in_actors(factory: BackendFactory, actors: Sequence, ranks: Sequence
     """
     import ray
     declaration = factory.prepare_declaration(group_name)
-    group = ActorGroup(group_name, actors, ranks, declaration.clean_up)
-    refs = [actor.__ray_call__.remote(_join_in_actor, declaration.member_factory, group_name, world_size, rank,
-                                      timeout) for actor, rank in zip(actors, ranks)]
+    group = ActorGroup(group_name, actors, ranks, declaration.clean_up, timeout)
+    refs = [actor.__ray_call__.remote(join_in_actor, declaration.member_factory, group_name,
+                                      world_size, rank, timeout)
+            for actor, rank in zip(actors, ranks)]
     ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout + 5)
     try:
         ray.get(ready)

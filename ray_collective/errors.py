@@ -120,8 +120,9 @@ class PeerDiedError(CollectiveError):
         extra = f" ({detail})" if detail else ""
         super().__init__(
             f"rank {rank} of group '{group_name}': {collective} #{seq} failed because ranks "
-            f"{_ranks(self.dead_ranks)} died{extra}. The group is broken: destroy it and create "
-            f"a new one with the surviving or restarted actors.")
+            f"{_ranks(self.dead_ranks)} died{extra}. The group is broken: call "
+            f"shrink_collective_group in every survivor to go on without them, or destroy it "
+            f"and create a new one with the surviving or restarted actors.")
 
 
 class PostOfficeDiedError(CollectiveError):
@@ -147,7 +148,9 @@ class PostOfficeDiedError(CollectiveError):
             f"rank {rank} of group '{group_name}': {collective} #{seq} failed because the post "
             f"office of node {node[:8]} died: the helper actor that carries messages between "
             f"ranks {_ranks(self.served_ranks)} on that node and the other nodes (those ranks "
-            f"themselves may be alive). The group is broken: destroy it and create it again.")
+            f"themselves may be alive). The group is broken: call shrink_collective_group in "
+            f"every live rank to go on in a new incarnation, or destroy it and create it "
+            f"again.")
 
 
 class CollectiveMismatchError(CollectiveError):
@@ -212,6 +215,28 @@ class GroupAlreadyInitializedError(GroupError):
         super().__init__(
             f"the collective group '{group_name}' is already initialized in this process. "
             f"Destroy it first, or use another group_name.")
+
+
+class RankExcludedError(GroupError):
+    """This rank is no longer a member: the other members shrank the group without it (it was
+    dead to them: stopped, hung, or named as failed, when they agreed on who goes on).
+
+    Attributes:
+        group_name: the group.
+        rank: this rank's number in the incarnation it was left out of.
+        kept: the ranks of that incarnation that went on (empty when unknown).
+    """
+
+    def __init__(self, group_name: str, rank: int, kept: Sequence[int] = ()):
+        self.group_name = group_name
+        self.rank = rank
+        self.kept = tuple(kept)
+        who = f" (ranks {_ranks(self.kept)} went on)" if self.kept else ""
+        super().__init__(
+            f"rank {rank} of group '{group_name}' is no longer a member: the other members "
+            f"shrank the group without it{who}, having found it stopped, hung or failed. Its "
+            f"membership was released here; to take part again, join as a new rank of the "
+            f"group while its members call grow_collective_group.")
 
 
 class BackendNotAvailableError(CollectiveError):

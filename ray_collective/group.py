@@ -11,25 +11,30 @@ later call fails fast with the same cause, and the other members are told throug
 Each group owns its rank's flight recorder (``recorder``), which both paths of a call feed
 (:meth:`Group.submit` and :meth:`Group.run_shape`), and the registry owns the process's
 metrics flush (``metrics``).
+A shrink or a grow (``elastic``) moves it to a new membership (:meth:`Group.reincarnate`),
+which starts its numbering and state afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .backends.base import BackendFactory, GroupCall, Membership
+from .backends.base import BackendFactory, GroupCall, Membership, Reformed
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
 from .metrics import MetricsFlush, exportable
 from .recorder import (DEFAULT_TRACE_SIZE, CallShape, FlightRecorder, ObservingOptions, clock,
                        shape_of)
 from .types import MAX_TIMEOUT_S, CallOptions, Collective, ReduceOp
+
+_log = logging.getLogger(__name__)
 
 # Distinct call options a group keeps (they differ by collective, op, root, peer, tag and a
 # per-call timeout); past this the cache starts over, so odd timeouts cannot grow it forever.
@@ -358,6 +363,43 @@ class Group:
                 return
             self._broken = error
         self.membership.abort(error)
+
+    def reincarnate(self, reform: Callable[[Membership, Optional[BaseException]], Reformed]
+                    ) -> Reformed:
+        """Move the group to its next membership (a shrink or a grow), with no call running.
+
+        Queued asynchronous calls finish first (in a broken group they fail at once); a call
+        submitted meanwhile waits, and is numbered in the new membership. What the old one
+        taught the group goes with it: sequence numbers, the broken state, the known-shape
+        runners. The old membership is closed once the new one is in place.
+
+        Args:
+            reform: makes the new membership from the old one and the failure that broke the
+                group (None if it is not broken); what it raises leaves the group as it was.
+
+        Returns:
+            What ``reform`` returned.
+        """
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        with self._running, self._lock:
+            reformed = reform(self.membership, self._broken)
+            old, self.membership = self.membership, reformed.membership
+            self.rank, self.world_size = reformed.rank, reformed.world_size
+            self._seq, self._broken = 0, None
+            self._p2p_seq.clear()
+            self.shape_runners.clear()
+            self._call_shapes.clear()  # their algorithms and peers were the old membership's
+            if self.recorder is not None:
+                self.recorder.rank = reformed.rank  # its trace goes on across the change
+        try:
+            old.close()
+        except Exception as err:  # noqa: BLE001 - the group lives on in its new membership
+            _log.warning("group '%s': releasing its previous membership failed: %r",
+                         self.name, err)
+        return reformed
 
     def destroy(self) -> None:
         """Finish queued calls, then release the backend membership."""

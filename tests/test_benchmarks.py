@@ -736,6 +736,16 @@ def test_fault_detection_kills_a_rank_and_every_survivor_names_it(ray_session):
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == pytest.approx(4.8)
 
 
+def test_elastic_benchmark_kills_shrinks_and_grows_back_with_correct_sums(ray_session):
+    from benchmarks.elastic import format_rows, measure
+    row = measure(ray_session, 3, 1, 2)
+    assert row["all_correct"] and row["errors"] == {"PeerDiedError": 4}
+    for what in ("kill_to_correct_allreduce", "grow_by_one"):
+        assert 0 < row[what]["p50_s"] <= row[what]["p95_s"] <= row[what]["max_s"] < 30.0
+    assert len(row["raw"]["kill_to_correct_allreduce_s"]) == 2
+    assert "| 3 | 1 | 2 |" in format_rows([row])
+
+
 # ---------------------------------------------------------------- across nodes (--nodes K)
 
 def test_nodes_flags_make_world_sizes_of_nodes_times_ranks_per_node():

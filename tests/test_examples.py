@@ -85,3 +85,21 @@ def test_nccl_examples_say_what_they_need_without_enough_gpus(script, arguments,
         return
     assert finished.returncode == 1, finished.stderr[-3000:]
     assert f"this example needs {needed} GPUs in the Ray cluster; it has " in finished.stdout
+
+
+@pytest.mark.ray
+def test_elastic_training_loses_a_worker_takes_a_fresh_one_and_learns_as_if_undisturbed():
+    from support import extras
+    extras.need("thinc", "the elastic training example")
+    extras.need("sklearn", "the elastic training example")
+    lines = _run("elastic_training.py")
+    assert _after(lines, "phase 2:").startswith("worker 2 killed; the others stopped with "
+                                                "['PeerDiedError']; shrunk to ranks "
+                                                "{0: 0, 1: 1, 3: 2}")
+    assert _after(lines, "phase 3:").startswith("a fresh actor joined; 4 workers go on")
+    losses = [float(_after(lines, f"mean loss, phase {k}:")) for k in (1, 2, 3)]
+    assert losses[0] > losses[1] > losses[2], losses
+    elastic = float(_after(lines, "accuracy, elastic run:"))
+    reference = float(_after(lines, "accuracy, undisturbed run:"))
+    assert abs(elastic - reference) <= 0.01 and reference > 0.9, (elastic, reference)
+    assert _after(lines, "the workers' parameters are identical:") == "True"

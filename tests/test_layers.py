@@ -220,7 +220,7 @@ LAYERS = (
     ("plan", "executor", "sim", "native"),
     ("backends",),
     ("group",),
-    ("declared",),
+    ("declared", "elastic"),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
      "status", "__main__"),
     ("integrations",),

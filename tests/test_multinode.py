@@ -3,8 +3,9 @@ ranks per node: every collective correct on small and large tensors, the hierarc
 (only one rank per node, or the root, talks across nodes), one post office per node while the
 group lives and nothing left after it is destroyed (keys, post offices, stream sockets); for a
 declared group over streams and over the object store, and an imperative group over streams.
-Over streams: a stranger with a wrong key refused by a live listener, and a rank SIGKILLed on
-another node named by every survivor.
+Over streams: a stranger with a wrong key refused by a live listener, a rank SIGKILLed on
+another node named by every survivor, and a node removed: its ranks named, then left out by a
+shrink.
 
 The cluster runs in a subprocess (tests/support/multinode_cluster.py), since it cannot share the test
 session's Ray instance; the script reports what it saw as JSON and the assertions live here.
@@ -142,3 +143,16 @@ def test_a_node_removed_mid_allreduce_is_named_by_every_survivor(summary, record
         removed["messages"]
     # the issue's target is 5 s
     assert max(removed["seconds_after_removal"]) < 5.0, removed["seconds_after_removal"]
+
+
+def test_the_survivors_of_a_lost_node_shrink_to_the_other_nodes_and_go_on(summary,
+                                                                          record_property):
+    """After node 2's removal, a shrink from the driver keeps the ranks of nodes 0 and 1
+    (ranks 0-2, in order) and an allreduce over them equals numpy's; nothing is left after
+    the group is destroyed."""
+    removed = summary["node_removed"]
+    record_property("shrink_s", removed["shrink_s"])
+    record_property("removal_to_shrunk_s", removed["removal_to_shrunk_s"])
+    assert removed["new_ranks"] == {str(r): r for r in removed["ranks"]}
+    assert removed["allreduce_after_shrink_correct"] == [True] * len(removed["ranks"])
+    assert removed["keys_left"] == []

@@ -181,6 +181,7 @@ def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_s
         monkeypatch):
     monkeypatch.setattr(rendezvous, "RECHECK_S", 0.2)
     kv = MemoryKeyValue()
+    kv.put("p/t/size", "2")
     kv.put("p/token", "t")
     looked_at = []
     original = kv.get
@@ -201,7 +202,7 @@ def test_a_registered_rank_polls_the_complete_key_and_rechecks_its_incarnation_s
     waiting.join()
     # One look at the token before registering, then at most one per RECHECK_S.
     assert polled.count("p/token") <= 2 + elapsed / rendezvous.RECHECK_S
-    assert set(polled) <= {"p/token", "p/t/complete", "p/t/broken", "p/t/left/1"}
+    assert set(polled) <= {"p/token", "p/t/size", "p/t/complete", "p/t/broken", "p/t/left/1"}
 
 
 def test_the_broken_mark_keeps_the_first_failure_recorded_for_other_nodes_to_read():

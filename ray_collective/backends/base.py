@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, FrozenSet, Optional, Sequence, Tuple
 
+from ..errors import UnsupportedOperationError
 from ..tensors import TensorView
 from ..types import CallOptions, Collective
 
@@ -128,6 +129,74 @@ class Membership(ABC):
     def abort(self, error: BaseException) -> None:
         """Tell every other member that the group is broken by ``error``."""
 
+    def shrink(self, failures: Sequence[Optional[BaseException]],
+               timeout: float) -> "Reformed":
+        """Agree with the other survivors on who goes on, and join the group's next incarnation
+        with them (``shrink_collective_group``); this membership stays as it was, for the
+        group layer to close once it has the new one.
+
+        A backend that can shrink overrides this; the default refuses.
+
+        Args:
+            failures: what this rank knows of the failure: what broke the group here (None
+                if nothing did), and what the driver saw (a member actor dead).
+            timeout: seconds the whole shrink may take.
+
+        Returns:
+            The new membership and this rank's place in it.
+
+        Raises:
+            UnsupportedOperationError: the backend cannot shrink a group (the default).
+        """
+        raise UnsupportedOperationError(self.elastic_refusal("shrink"))
+
+    def prepare_grow(self, world_size: int) -> "BackendFactory":
+        """Decide (or learn) the grow of the group to ``world_size`` ranks; the factory its new
+        ranks join with (sent to them by a grow from the driver).
+
+        Args:
+            world_size: the group's size once grown.
+
+        Returns:
+            The factory the new ranks join with.
+
+        Raises:
+            UnsupportedOperationError: the backend cannot grow a group (the default).
+        """
+        raise UnsupportedOperationError(self.elastic_refusal("grow"))
+
+    def grow(self, world_size: int, timeout: float) -> "Reformed":
+        """Join the group's next incarnation of ``world_size`` ranks with the other members and
+        the new ranks (``grow_collective_group``); this membership stays as it was, for the
+        group layer to close once it has the new one.
+
+        Args:
+            world_size: the group's size once grown.
+            timeout: seconds the whole grow may take.
+
+        Returns:
+            The new membership and this rank's place in it (its rank is unchanged).
+
+        Raises:
+            UnsupportedOperationError: the backend cannot grow a group (the default).
+        """
+        raise UnsupportedOperationError(self.elastic_refusal("grow"))
+
+    def elastic_refusal(self, what: str) -> str:
+        """Why this membership cannot ``what`` (``"shrink"`` or ``"grow"``) its group: the
+        message of the ``UnsupportedOperationError`` the defaults raise (a backend may say
+        more).
+
+        Args:
+            what: ``"shrink"`` or ``"grow"``.
+
+        Returns:
+            The message.
+        """
+        return (f"{type(self).__name__} cannot {what} a group: its backend has no elastic "
+                f"groups. Destroy the group and create it again with the ranks you want (the "
+                f"'ray' backend can {what} one)")
+
     @abstractmethod
     def close(self) -> None:
         """Release everything this membership holds."""
@@ -181,6 +250,24 @@ class BackendFactory(ABC):
             The :class:`Declaration`.
         """
         return Declaration(self, None)
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """A rank's membership of a group's next incarnation, after a shrink or a grow.
+
+    Attributes:
+        membership: the new membership.
+        rank: this rank in it.
+        world_size: its ranks.
+        kept: the old ranks that go on, in their new rank order (``kept[new] = old``); the
+            ranks of a grow beyond them are new.
+    """
+
+    membership: Membership
+    rank: int
+    world_size: int
+    kept: Tuple[int, ...]
 
 
 @dataclass(frozen=True)

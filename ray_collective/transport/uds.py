@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import errno
 import os
+import select
 import socket
 import struct
 from collections import deque
@@ -96,6 +97,12 @@ def knock(path: str) -> None:
         pass
     finally:
         sock.close()
+
+
+def wait_for_knock(listener: socket.socket, seconds: float) -> None:
+    """Sleep up to ``seconds``, or less if a connection (a :func:`knock`) comes to
+    ``listener``, which is left to accept."""
+    select.select([listener], [], [], seconds)
 
 
 def accepted(sock: socket.socket) -> "Connection":

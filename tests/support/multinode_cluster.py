@@ -26,7 +26,8 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
 - what every survivor raises, and how soon, when rank 3 is SIGKILLed mid-allreduce, the
   allreduce a ring so that rank 3 has a stream to rank 4 (it costs a member);
 - what every survivor raises, the ranks it names, and how soon, when node 2 is removed from
-  the cluster mid-allreduce (last: it costs a node).
+  the cluster mid-allreduce (last: it costs a node); then the driver shrinks the group to the
+  ranks on the other nodes, and an allreduce over them is checked against numpy.
 """
 
 import json
@@ -371,10 +372,21 @@ def rank_killed(members: list) -> dict:
             "seconds_after_kill": [at - killed_at for _, _, at, _ in outcomes.values()]}
 
 
+def _allreduce_over_group(rank: int, group: str) -> bool:
+    """Inside a member: whether an allreduce over the group's ranks, whatever their number,
+    equals numpy's sum."""
+    world_size = col.get_collective_group_size(group)
+    tensor = rank_data(rank, LARGE, "float64")
+    col.allreduce(tensor, group)
+    return bool(np.array_equal(tensor, numpy_reduce(
+        [rank_data(r, LARGE, "float64") for r in range(world_size)], col.ReduceOp.SUM)))
+
+
 def node_removed(members: list, cluster: Cluster) -> dict:
     """Remove node 2 from the cluster (its raylet and every process on it, ranks and post
     office) while a group of the members still alive loops on allreduce: what each survivor
-    raises, the ranks it names and how long after the removal.
+    raises, the ranks it names and how long after the removal; then the shrink from the
+    driver, how long it took, and an allreduce over the ranks it kept.
 
     The group is the five members rank_killed left: ranks 0-1 on node 0, 2 on node 1, 3-4 on
     node 2 (last: it costs the cluster a node)."""
@@ -393,11 +405,31 @@ def node_removed(members: list, cluster: Cluster) -> dict:
     cluster.remove_node(node, allow_graceful=False)
     survivors = [r for r in refs if r not in lost]
     outcomes = dict(zip(survivors, ray.get([refs[r] for r in survivors], timeout=120)))
+    shrink_started, attempts = time.time(), 0
+    while True:
+        # A process of the lost node may live on a moment and come to the shrink, then die:
+        # the group went on with it, and shrinks again.
+        attempts += 1
+        try:
+            new_ranks = col.shrink_collective_group(group, timeout=60)
+            break
+        except col.PeerDiedError:
+            if attempts == 3:
+                raise
+    shrunk_at = time.time()
+    kept = [alive[old] for old in sorted(new_ranks, key=new_ranks.get)]
+    correct = run_in(ray, kept, _allreduce_over_group, group)
+    col.destroy_collective_group(group)
     return {"lost": lost, "ranks": survivors, "post_offices_up_s": post_offices_up,
             "errors": [kind for kind, *_ in outcomes.values()],
             "messages": [message for _, message, *_ in outcomes.values()],
             "named": [named for *_, named in outcomes.values()],
-            "seconds_after_removal": [at - removed_at for _, _, at, _ in outcomes.values()]}
+            "seconds_after_removal": [at - removed_at for _, _, at, _ in outcomes.values()],
+            "new_ranks": {str(old): new for old, new in new_ranks.items()},
+            "shrink_s": shrunk_at - shrink_started, "shrink_attempts": attempts,
+            "removal_to_shrunk_s": shrunk_at - removed_at,
+            "allreduce_after_shrink_correct": correct,
+            "keys_left": [k.decode() for k in group_keys(ray, group)]}
 
 
 def main() -> dict:

@@ -471,6 +471,13 @@ class NcclMembership(Membership):
 
     # ------------------------------------------------------------ failure and release
 
+    def elastic_refusal(self, what: str) -> str:
+        return (f"group '{self.group_name}' (rank {self.rank}): the 'nccl' backend cannot "
+                f"{what} a group. NCCL can (ncclCommShrink since 2.27, grow since 2.30), but "
+                f"CuPy, through which this backend reaches NCCL, exposes neither: destroy the "
+                f"group and create it again with the ranks you want (a 'ray' group of the same "
+                f"actors can {what} on CPU)")
+
     def _abort_communicators(self) -> None:
         with self._lock:
             if self._aborted:

@@ -82,6 +82,19 @@ def finished_jobs() -> set:
         return set()
 
 
+def dead_nodes() -> set:
+    """Ids of the nodes Ray's control store counts as dead (empty if Ray cannot say)."""
+    # Through the process's own connection to the store, as finished_jobs does.
+    try:
+        from ray._private.worker import global_worker
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+        nodes = global_worker.gcs_client.get_all_node_info()
+        return {node_id.hex() for node_id, node in nodes.items()
+                if node.state != GcsNodeInfo.ALIVE}
+    except Exception:  # noqa: BLE001 - a private API of Ray: without it, no node is known dead
+        return set()
+
+
 PURE_PYTHON_VARIABLE = "RAY_COLLECTIVE_PURE_PYTHON"
 """Set to 1 (or true) to run every collective on the pure-Python engine, native core or not."""
 NATIVE, PYTHON = "native", "python"

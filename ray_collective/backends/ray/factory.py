@@ -14,6 +14,9 @@ Inside each member process (a group declared from the driver runs the same code 
    node's state page from another node (an abort, which ranks are dead or stalled); with
    ``object_store`` it carries the messages too;
 4. build the rank's transport (``transport.link_transport``) and membership (``membership``).
+
+A shrink or a grow (``elastic``) joins the group's next incarnation through the same code, with
+the token its members agreed on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 from ...algorithms.selector import forced_algorithms
 from ...errors import BackendNotAvailableError
@@ -57,14 +61,38 @@ class RayBackendFactory(BackendFactory):
     """Joins ranks to ``ray`` groups.
 
     Args:
-        token: the incarnation to join (set by the driver for declared groups); None lets rank
-            0 open a new incarnation and the others follow it.
+        token: the incarnation to join (set by the driver for declared groups, and by a shrink
+            or a grow); None lets rank 0 open a new incarnation and the others follow it.
+        watch: called while the join waits (``rendezvous.join``): a shrink's or a grow's,
+            in the process that runs it.
+        longest_pause: the longest wait between two looks at the store while joining; None
+            for the rendezvous's own, which grows with the world size. Every rank waits on its
+            listening socket, and the rank that completes the membership knocks on its
+            node-mates': a shrink or grow of ranks that all share a node needs no early look.
     """
 
     name = "ray"
 
-    def __init__(self, token: Optional[str] = None):
+    def __init__(self, token: Optional[str] = None,
+                 watch: Optional[Callable[[], None]] = None,
+                 longest_pause: Optional[float] = None):
         self.token = token
+        self.watch = watch
+        self.longest_pause = longest_pause
+
+    def incarnation(self, token: str, watch: Optional[Callable[[], None]] = None,
+                    longest_pause: Optional[float] = None) -> "RayBackendFactory":
+        """The factory that joins the incarnation ``token`` (a shrink's or a grow's).
+
+        Args:
+            token: the incarnation.
+            watch: called while the join waits (see ``rendezvous.join``).
+            longest_pause: the longest wait between two looks at the store (see the class).
+
+        Returns:
+            A factory for that incarnation alone.
+        """
+        return RayBackendFactory(token, watch, longest_pause)
 
     def available(self) -> bool:
         return hasattr(os, "memfd_create")
@@ -83,7 +111,7 @@ class RayBackendFactory(BackendFactory):
         token = self.token
         if token is None and rank == 0:
             sweep_finished_jobs(session)
-            token = rendezvous.open_incarnation(kv, prefix)
+            token = rendezvous.open_incarnation(kv, prefix, world_size)
         endpoint: Dict[str, object] = {}
 
         def listen_under(current: str) -> None:
@@ -96,12 +124,24 @@ class RayBackendFactory(BackendFactory):
                 os.unlink(path)
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
+        def nap(seconds: float) -> None:
+            if "listener" in endpoint:
+                uds.wait_for_knock(endpoint["listener"], seconds)
+            else:
+                time.sleep(seconds)
+
+        def completed(members) -> None:
+            for member in members:
+                if member.node == node and member.rank != rank:
+                    uds.knock(os.path.join(endpoint["directory"], f"{member.rank}.sock"))
+
         me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
                                cross_node, ray_module().util.get_node_ip_address(),
                                engine_wanted(group_name, rank))
         try:
-            token, members = rendezvous.join(kv, prefix, group_name, world_size, me, timeout,
-                                             listen_under, token)
+            token, members = rendezvous.join(
+                kv, prefix, group_name, world_size, me, timeout, listen_under, token, self.watch,
+                rendezvous.Waiting(nap, completed, self.longest_pause))
         except BaseException:
             if "listener" in endpoint:
                 endpoint["listener"].close()
@@ -136,17 +176,18 @@ class RayBackendFactory(BackendFactory):
         if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
             runner = NativeRunner(native_node(directory, rank, world_size), transport)
         return RayMembership(group_name, transport, token, prefix, directory, members,
-                             post_office, forced, runner)
+                             post_office, forced, runner, self, timeout)
 
     def prepare_declaration(self, group_name: str) -> Declaration:
         # The driver opens the incarnation, so that the members join the same one whatever
-        # their order, and removes it after them whatever they did.
+        # their order, and removes it after them whatever they did (and those a shrink or a
+        # grow opened after it).
         job_id, _, session = runtime()
         sweep_finished_jobs(session)
         token = rendezvous.open_incarnation(rendezvous.KeyValue(),
                                             rendezvous.group_prefix(job_id, group_name))
         return Declaration(RayBackendFactory(token),
-                           functools.partial(_remove_incarnation, group_name, token))
+                           functools.partial(_remove_incarnations, group_name))
 
 
 def _listen_for_streams(kv: rendezvous.KeyValue, prefix: str, token: str, rank: int,
@@ -171,15 +212,17 @@ def _listen_for_streams(kv: rendezvous.KeyValue, prefix: str, token: str, rank: 
     return Streams(listener, address)
 
 
-def _remove_incarnation(group_name: str, token: str) -> None:
-    """Remove what a group leaves outside its members: keys, post offices, this node's files."""
+def _remove_incarnations(group_name: str) -> None:
+    """Remove what every incarnation of a group of this job leaves outside its members: keys,
+    post offices, this machine's files."""
     job_id, _, session = runtime()
     kv = rendezvous.KeyValue()
     prefix = rendezvous.group_prefix(job_id, group_name)
-    nodes = {member.node for member in rendezvous.registered_members(kv, prefix, token)}
-    for node in nodes:
-        shut_post_office(bytes.fromhex(token), node)
-    rendezvous.close_incarnation(kv, prefix, token)
-    root = private_dirs.group_root(session, job_id, group_name, token)
-    if root is not None:
-        shutil.rmtree(root, ignore_errors=True)
+    for token in rendezvous.incarnations(kv, prefix):
+        nodes = {member.node for member in rendezvous.registered_members(kv, prefix, token)}
+        for node in nodes:
+            shut_post_office(bytes.fromhex(token), node)
+        rendezvous.close_incarnation(kv, prefix, token)
+        root = private_dirs.group_root(session, job_id, group_name, token)
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)

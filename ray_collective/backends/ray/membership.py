@@ -2,33 +2,52 @@
 
 Leaving (``close``) removes this rank's socket; the last member on a node removes the node's
 directory and post office, the last member of the group its keys. A broken group's survivors
-leave for the members that died there (they never will).
+leave for the members that died there (they never will), and a shrink's survivors for the
+ranks it counted as gone (``elastic``); a node's directory on this machine goes once all its
+ranks are gone, whoever the last one out.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Mapping, Optional, Sequence
+from typing import FrozenSet, Mapping, Optional, Sequence
 
 from ...errors import error_record
 from ...native.runner import NativeRunner
 from ...transport.link_transport import LinkTransport
 from ...transport.processes import process_alive
+from ..base import BackendFactory, Reformed
 from ..transport_membership import TransportMembership
-from . import private_dirs, rendezvous
+from . import elastic, private_dirs, rendezvous
 from .machines import oversubscribed
 from .post_offices import shut_post_office
 from .rendezvous import Member
 
 
 class RayMembership(TransportMembership):
-    """A rank's membership of a ``ray`` group: the transport plus what leaving must undo."""
+    """A rank's membership of a ``ray`` group: the transport plus what leaving must undo.
+
+    Args (besides the transport membership's):
+        token, prefix: the incarnation and the group's key prefix.
+        directory: the group's directory on this node.
+        members: every rank as the rendezvous recorded it.
+        post_office: this node's post office, where this rank started it.
+        factory: makes the memberships of the group's next incarnations (shrink, grow).
+        timeout: the group's default deadline, in seconds (a next incarnation keeps it).
+
+    Attributes:
+        departed: set by a shrink, the ranks it found gone: closing leaves the incarnation for
+            them besides itself (and looks for no dead node-mate of its own); None before.
+        incarnation_closed: the incarnation's keys are gone already (the others went on
+            without this rank, or the group was destroyed): closing leaves nothing in the store.
+    """
 
     def __init__(self, group_name: str, transport: LinkTransport, token: str, prefix: str,
                  directory: str, members: Sequence[Member],
                  post_office: Optional[object], forced: Mapping[str, str],
-                 native: Optional[NativeRunner] = None):
+                 native: Optional[NativeRunner] = None,
+                 factory: Optional[BackendFactory] = None, timeout: float = 0.0):
         super().__init__(group_name, transport, epoch=int(token[:15], 16),
                          node_of=[m.node for m in members],
                          oversubscribed=oversubscribed(members), forced=forced, native=native)
@@ -38,6 +57,20 @@ class RayMembership(TransportMembership):
         self.members = tuple(members)
         # Held, never called: a post office lives as long as its creator holds a handle to it.
         self.post_office = post_office
+        self.factory = factory
+        self.timeout = timeout
+        self.departed: Optional[FrozenSet[int]] = None
+        self.incarnation_closed = False
+
+    def shrink(self, failures: Sequence[Optional[BaseException]],
+               timeout: float) -> Reformed:
+        return elastic.shrink(self, failures, timeout)
+
+    def prepare_grow(self, world_size: int) -> BackendFactory:
+        return elastic.prepare_grow(self, world_size)
+
+    def grow(self, world_size: int, timeout: float) -> Reformed:
+        return elastic.grow(self, world_size, timeout)
 
     def abort(self, error: BaseException) -> None:
         super().abort(error)
@@ -53,8 +86,9 @@ class RayMembership(TransportMembership):
         transport = self.transport
         node = transport.node
         # Only a broken group can hold members that will never leave; looking for them costs
-        # a /proc read per node-mate, which every rank of a healthy 400-rank group would pay.
-        broken = transport.state.aborted() is not None
+        # a /proc read per node-mate, which every rank of a healthy 400-rank group would pay
+        # (and every survivor of a shrink, which found them already).
+        broken = self.departed is None and transport.state.aborted() is not None
         super().close()
         try:
             os.unlink(os.path.join(self.directory, f"{self.rank}.sock"))
@@ -63,15 +97,16 @@ class RayMembership(TransportMembership):
         dead_here = [m.rank for m in self.members
                      if m.node == node and m.rank != self.rank and not process_alive(m.pid)
                      ] if broken else []
-        gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
-                                self.world_size, dead_here)
+        if self.incarnation_closed:
+            gone = set(range(self.world_size))
+        else:
+            gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
+                                    self.world_size, sorted(self.departed or dead_here))
         if {m.rank for m in self.members if m.node == node} <= gone:
             shut_post_office(transport.group_key, node)
-            shutil.rmtree(self.directory, ignore_errors=True)
-            root = os.path.dirname(self.directory)
-            try:
-                # Unless another node's directory of the group is still there (same machine).
-                if set(os.listdir(root)) <= {private_dirs.JOB_FILE}:
-                    shutil.rmtree(root, ignore_errors=True)
-            except OSError:
-                pass
+        root = os.path.dirname(self.directory)
+        for other in {m.node for m in self.members}:
+            # This node's directory, and that of a node of this machine whose ranks all died.
+            if {m.rank for m in self.members if m.node == other} <= gone:
+                shutil.rmtree(private_dirs.node_path(root, other), ignore_errors=True)
+        private_dirs.remove_if_no_node(root)

@@ -113,6 +113,37 @@ def node_directory(session_dir: str, job_id: str, group_name: str, token: str, n
     return path
 
 
+def node_path(root: str, node: str) -> str:
+    """Where ``node``'s directory of a group is (made by :func:`node_directory`), below the
+    group's ``root`` (:func:`group_root`)."""
+    return os.path.join(root, node[:_NODE_CHARS])
+
+
+def remove_node_directory(session_dir: str, job_id: str, group_name: str, token: str,
+                          node: str) -> None:
+    """Remove ``node``'s directory of the incarnation ``token``, and the incarnation's
+    directory on this machine once no node's is left in it (what remains is left as it is).
+
+    Args:
+        session_dir, job_id, group_name, token, node: as for :func:`node_directory`.
+    """
+    root = group_root(session_dir, job_id, group_name, token)
+    if root is None:
+        return
+    shutil.rmtree(node_path(root, node), ignore_errors=True)
+    remove_if_no_node(root)
+
+
+def remove_if_no_node(root: str) -> None:
+    """Remove an incarnation's directory on this machine (``root``, :func:`group_root`) if no
+    node's directory is left in it."""
+    try:
+        if set(os.listdir(root)) <= {JOB_FILE}:
+            shutil.rmtree(root, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def group_root(session_dir: str, job_id: str, group_name: str, token: str) -> Optional[str]:
     """The directory holding the group's per-node directories on this machine (nothing is made).
 

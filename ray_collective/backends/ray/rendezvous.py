@@ -13,6 +13,15 @@ group is identified by a random token:
   when it can run collectives on the C core, else ``python``; ``host``: its node's address as
   Ray knows it). Everything a peer needs is in the key itself, so one ``list`` call reads the
   whole membership.
+- ``<prefix><token>/size`` holds the incarnation's world size, written by whoever opens it
+  (rank 0 of an imperative group, the member whose decision opens a shrunk or grown one:
+  ``elastic``) before it publishes the token, or put (if absent) by the first rank to join a
+  token it was given (a declared group). A rank that follows ``<prefix>token`` registers only
+  under an incarnation whose size is there and is its own, and that is not complete: a new
+  rank of a grow that comes before the members opened the grown incarnation waits for it
+  rather than counting itself into the current one, and a rank that left an incarnation
+  never registers again in it as it closes. A rank joining a given token with another world
+  size is refused.
 - ``<prefix><token>/complete`` is written by the rank whose registration completed the
   membership (it is the one that finds all ``world_size`` keys when it lists them after its
   own); the others poll this one key rather than list the whole membership again and again,
@@ -25,7 +34,9 @@ group is identified by a random token:
 - ``<prefix><token>/broken`` marks an incarnation that can never complete a call again: a
   member raised a collective error in it (the key holds that error's record, which ranks
   waiting on other nodes read: see ``RayPostOffices.published_abort``), or a joining rank
-  found it dead.
+  found it dead. A rank joining a given token (a declared group, a shrink or grow) that finds
+  it broken raises at once: nobody will open another incarnation for it.
+- ``<prefix><token>/reform/...``: the agreement of a shrink or grow (``elastic``).
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
 group) registers again under the new one; a registered rank looks for that (and for a broken
@@ -51,9 +62,29 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from urllib.parse import quote
 
-from ...errors import CollectiveTimeoutError
+from ...errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError,
+                       error_from_record)
 from ...transport.processes import process_alive
 from ..key_value import KeyValue
+
+@dataclass(frozen=True)
+class Waiting:
+    """How a rank waits while it joins (:func:`join`).
+
+    Attributes:
+        nap: sleeps between two looks at the store, ``nap(seconds)``; it may end early (the
+            ``ray`` backend's ends when the rank's listening socket is knocked).
+        completed: run by the rank whose registration completed the membership, with every
+            member, after it told them through the store (the ``ray`` backend knocks its
+            node-mates, so that they look at once rather than at their next look).
+        longest_pause: the longest nap; None for one that grows with the world size
+            (``_longest_pause``).
+    """
+
+    nap: Callable[[float], None] = time.sleep
+    completed: Callable[[List["Member"]], None] = lambda members: None
+    longest_pause: Optional[float] = None
+
 
 @dataclass(frozen=True)
 class Member:
@@ -97,17 +128,21 @@ def sweep_finished_jobs(kv: KeyValue, finished_jobs: Set[str]) -> Set[str]:
     return swept
 
 
-def open_incarnation(kv: KeyValue, prefix: str) -> str:
-    """Start a new incarnation of the group: clear old keys and publish a fresh token."""
+def open_incarnation(kv: KeyValue, prefix: str, world_size: Optional[int] = None) -> str:
+    """Start a new incarnation of the group: clear old keys and publish a fresh token (with its
+    world size first, when known, so that no rank following the token can see it without)."""
     kv.delete_prefix(prefix)
     token = uuid.uuid4().hex
+    if world_size is not None:
+        kv.put(f"{prefix}{token}/size", str(world_size))
     kv.put(prefix + "token", token)
     return token
 
 
 def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member,
-         timeout: float, on_token: Callable[[str], None],
-         token: Optional[str] = None) -> Tuple[str, List[Member]]:
+         timeout: float, on_token: Callable[[str], None], token: Optional[str] = None,
+         watch: Optional[Callable[[], None]] = None,
+         waiting: Waiting = Waiting()) -> Tuple[str, List[Member]]:
     """Register ``me`` and wait until all ``world_size`` ranks have.
 
     Args:
@@ -120,18 +155,25 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
         on_token: called with each token before registering under it (the caller prepares
             what peers will look for, such as its socket, first).
         token: the incarnation to join; None follows ``<prefix>token``.
+        watch: called every ``RECHECK_S`` while this rank waits registered; what it raises
+            ends the join, the rank's key withdrawn first (a shrink's watch raises when a rank
+            it waits for is dead).
+        waiting: how the rank waits between two looks at the store.
 
     Returns:
         The token joined and every member, by rank.
 
     Raises:
         CollectiveTimeoutError: some ranks did not register in time (it names them).
-        ValueError: another live process registered as the same rank.
+        GroupBrokenError: ``token``'s incarnation was marked broken (its recorded failure is
+            the cause).
+        ValueError: another live process registered as the same rank, or ``token``'s
+            incarnation has another world size.
     """
     deadline = time.monotonic() + timeout
     registered = None
     abandoned: Set[str] = set()
-    pauses = _pauses(_longest_pause(world_size))
+    waits = pauses(world_size, waiting.longest_pause)
     members: List[Member] = []
     # The ranks seen registered in this incarnation while this rank waited: one whose own
     # deadline passed first withdrew its key, but it came, and is not named as missing.
@@ -146,17 +188,27 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             current = token or kv.get(prefix + "token")
             if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
                 kv.delete_prefix(_member_key(prefix, registered, me))
+                if token is not None:
+                    raise _broken(kv, prefix, token, group_name, me.rank)
                 abandoned.add(registered)
                 registered, members, seen = None, [], set()
+            if registered is not None and watch is not None:
+                try:
+                    watch()
+                except BaseException:
+                    kv.delete_prefix(_member_key(prefix, registered, me))
+                    raise
             # Never rejoin an incarnation this rank left: a re-init after a destroy waits for
             # the next one, which rank 0 opens once it has left too.
             if current is not None and current != registered and current not in abandoned \
                     and kv.get(f"{prefix}{current}/left/{me.rank}") is None:
                 if kv.get(f"{prefix}{current}/broken") is not None:
+                    if token is not None:
+                        raise _broken(kv, prefix, token, group_name, me.rank)
                     abandoned.add(current)
                 else:
                     registered = _register(kv, prefix, current, group_name, world_size, me,
-                                           on_token)
+                                           on_token, following=token is None)
                     if registered is None:
                         abandoned.add(current)
                     else:
@@ -166,6 +218,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         seen = {m.rank for m in members}
                         if len(members) >= world_size:
                             kv.put(f"{prefix}{registered}/complete")
+                            waiting.completed(members)
                             return registered, sorted(members, key=lambda m: m.rank)
         if registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
             members = registered_members(kv, prefix, registered)
@@ -180,16 +233,32 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)
                                           if r not in present and r != me.rank], timeout)
-        time.sleep(max(0.0, min(next(pauses), deadline - time.monotonic())))
+        waiting.nap(max(0.0, min(next(waits), deadline - time.monotonic())))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
-              me: Member, on_token: Callable[[str], None]) -> Optional[str]:
-    """Register ``me`` under ``token``; None if that incarnation turned out to be dead.
+              me: Member, on_token: Callable[[str], None], following: bool) -> Optional[str]:
+    """Register ``me`` under ``token``; None if that incarnation turned out to be dead, or, when
+    ``following`` the group's current token, not this rank's.
 
     Raises:
-        ValueError: a live member of a live incarnation holds ``me``'s rank.
+        ValueError: a live member of a live incarnation holds ``me``'s rank, or ``token``
+            (given, not followed) is an incarnation of another world size.
     """
+    size_key = f"{prefix}{token}/size"
+    if following:
+        # Only an open incarnation of this rank's world size: one whose keys are gone was
+        # closed (its members all left), and a grow's new rank waits for the incarnation of
+        # the grown size, which the members open.
+        size = kv.get(size_key)
+        if size is None or int(size) != world_size:
+            return None
+    elif kv.put(size_key, str(world_size), overwrite=False):
+        size = kv.get(size_key)
+        if size is not None and int(size) != world_size:
+            raise ValueError(f"group '{group_name}': rank {me.rank} joins with world_size="
+                             f"{world_size}, but the incarnation it was given has {size} "
+                             f"ranks; every member must pass the same world_size")
     # Look before registering: ``on_token`` takes over the rank's socket path, which a live
     # holder of the rank is using.
     holders = [m for m in registered_members(kv, prefix, token, me.rank) if m != me]
@@ -198,6 +267,10 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
         mark_broken(kv, prefix, token)
         return None
     if not holders:
+        # Complete without this rank: it left this incarnation, which may close (every member
+        # gone) at any moment. One that is not complete cannot close before this rank joins.
+        if following and kv.get(f"{prefix}{token}/complete") is not None:
+            return None
         on_token(token)
         if not kv.put(_member_key(prefix, token, me), "", overwrite=False):
             return token
@@ -205,6 +278,22 @@ def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size
                      f"process (pid {holders[0].pid if holders else os.getpid()}), which is "
                      f"alive in the group's current incarnation; every member needs its own "
                      f"rank in [0, {world_size})")
+
+
+def _broken(kv: KeyValue, prefix: str, token: str, group_name: str,
+            rank: int) -> GroupBrokenError:
+    """The error of a rank whose given incarnation was marked broken while it joined."""
+    try:
+        record = broken_by(kv, prefix, token)
+    except ValueError:
+        record = None
+    try:
+        cause = error_from_record(record, rank) if record else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        cause = None  # a record that is no error of this library's
+    return GroupBrokenError(group_name, rank, cause or CollectiveError(
+        f"rank {rank} of group '{group_name}': the incarnation it was joining was marked "
+        f"broken"))
 
 
 def _incarnation_is_dead(kv: KeyValue, prefix: str, token: str, members: List[Member],
@@ -248,6 +337,13 @@ def _pauses(longest: float = 0.05) -> Iterator[float]:
     while True:
         yield pause
         pause = min(pause * 1.5, longest)
+
+
+def pauses(world_size: int, longest: Optional[float] = None) -> Iterator[float]:
+    """The sleeps between two looks at the store of one of ``world_size`` ranks waiting for
+    each other: short at first, then at most ``longest``, or ``_longest_pause(world_size)``
+    when None."""
+    return _pauses(_longest_pause(world_size) if longest is None else longest)
 
 
 LOOKS_PER_SECOND = 4000
@@ -317,14 +413,14 @@ def wait_for_stream_endpoint(kv: KeyValue, prefix: str, token: str, rank: int,
         ConnectionError: ``rank`` published none within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    pauses = _pauses()
+    waits = _pauses()
     while True:
         found = stream_endpoints(kv, prefix, token)
         if rank in found:
             return found
         if time.monotonic() >= deadline:
             raise ConnectionError(f"rank {rank} published no stream endpoint within {timeout} s")
-        time.sleep(next(pauses))
+        time.sleep(next(waits))
 
 
 def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int,
@@ -352,6 +448,20 @@ def leave(kv: KeyValue, prefix: str, token: str, rank: int, world_size: int,
     if len(gone) >= world_size:
         close_incarnation(kv, prefix, token)
     return gone
+
+
+def incarnations(kv: KeyValue, prefix: str) -> Set[str]:
+    """The tokens of the group's incarnations that hold keys (and the current token's)."""
+    found = {key[len(prefix):].split("/", 1)[0] for key in kv.keys(prefix)} - {"token"}
+    current = kv.get(prefix + "token")
+    return {token for token in found | {current} if token and _is_token(token)}
+
+
+def _is_token(text: str) -> bool:
+    try:
+        return len(bytes.fromhex(text)) == 16
+    except ValueError:
+        return False
 
 
 def close_incarnation(kv: KeyValue, prefix: str, token: str) -> None:
