@@ -8,6 +8,7 @@ in a private directory; the Ray tests run the real ``ray`` backend in actors.
 """
 
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -41,9 +42,17 @@ def test_the_status_codes_are_the_cores_own():
                                                            _core.MISMATCH)
 
 
-def _native_factory(world_size):
+@pytest.fixture
+def shm_directory():
+    """A private directory on /dev/shm for one test's native rings, removed after it (the
+    rings are files of up to megabytes each: left behind, hundreds of runs fill /dev/shm)."""
     directory = tempfile.mkdtemp(prefix="rc-engines-", dir="/dev/shm")
     os.chmod(directory, 0o700)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _native_factory(world_size, directory):
     factory = LocalBackendFactory(LocalFabric(world_size, "default"), native_directory=directory)
     return lambda rank: factory
 
@@ -89,7 +98,8 @@ def _every_collective(rank, world_size, dtype, length, op, group="default"):
     ("float32", 1000, col.ReduceOp.SUM), ("float64", 7, col.ReduceOp.AVG),
     ("float32", 300_001, col.ReduceOp.SUM), ("float64", 0, col.ReduceOp.MAX),
     ("float16", 513, col.ReduceOp.PRODUCT)])
-def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(world_size, dtype, length,
+def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(shm_directory, world_size,
+                                                                    dtype, length,
                                                                     op):
     def body(rank):
         first = _every_collective(rank, world_size, dtype, length, op)
@@ -98,7 +108,8 @@ def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(world_size, 
             assert result.tobytes() == again[name].tobytes(), name
         return again
 
-    natively = run_ranks(world_size, body, factory_of=_native_factory(world_size), timeout=60)
+    natively = run_ranks(world_size, body,
+                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
     in_python = run_ranks(world_size, body, timeout=60)
     for rank in range(world_size):
         for name, result in natively[rank].items():
@@ -119,7 +130,7 @@ def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(world_size, 
 
 
 @needs_native
-def test_a_read_only_input_is_sent_from_but_never_written():
+def test_a_read_only_input_is_sent_from_but_never_written(shm_directory):
     """A reduce's input on a rank that gets no result may be read-only (Ray hands actors
     read-only arrays); a plan that would write into it is refused before anything is sent."""
     from ray_collective.native import _core, codes
@@ -133,9 +144,9 @@ def test_a_read_only_input_is_sent_from_but_never_written():
         col.reduce(x, 2)
         return x.copy()
 
-    assert run_ranks(3, body, factory_of=_native_factory(3))[2].tolist() == [6.0] * 8
-    directory = tempfile.mkdtemp(prefix="rc-engines-", dir="/dev/shm")
-    os.chmod(directory, 0o700)
+    with tempfile.TemporaryDirectory(dir=shm_directory) as calls:
+        assert run_ranks(3, body, factory_of=_native_factory(3, calls))[2].tolist() == [6.0] * 8
+    directory = shm_directory
     frozen = np.zeros(4)
     frozen.setflags(write=False)
     receive = point_to_point(False, 1, 4, np.dtype(np.float64))
@@ -147,7 +158,7 @@ def test_a_read_only_input_is_sent_from_but_never_written():
 
 
 @needs_native
-def test_a_native_call_that_disagrees_is_a_mismatch_on_every_rank():
+def test_a_native_call_that_disagrees_is_a_mismatch_on_every_rank(shm_directory):
     def body(rank):
         col.allreduce(np.ones(4))
         if rank == 0:
@@ -155,14 +166,15 @@ def test_a_native_call_that_disagrees_is_a_mismatch_on_every_rank():
         else:
             col.allreduce(np.ones(4))
 
-    outcome = run_ranks(2, body, factory_of=_native_factory(2), return_exceptions=True,
+    outcome = run_ranks(2, body, factory_of=_native_factory(2, shm_directory),
+                        return_exceptions=True,
                         timeout=10)
     assert all(isinstance(err, col.CollectiveMismatchError) for err in outcome), outcome
     assert all(err.differences.get("op") for err in outcome)
 
 
 @needs_native
-def test_a_native_call_whose_peer_never_comes_times_out_naming_it():
+def test_a_native_call_whose_peer_never_comes_times_out_naming_it(shm_directory):
     def body(rank):
         if rank == 1:
             return None
@@ -170,7 +182,7 @@ def test_a_native_call_whose_peer_never_comes_times_out_naming_it():
             col.allreduce(np.ones(4), timeout=0.5)
         return caught.value.missing_ranks
 
-    missing, _ = run_ranks(2, body, factory_of=_native_factory(2), timeout=30)
+    missing, _ = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
     assert list(missing) == [1]
 
 
