@@ -14,7 +14,7 @@ import pytest
 
 import ray_collective as col
 from ray_collective.backends.ray import private_dirs
-from ray_collective.transport.processes import process_alive
+from ray_collective.transport.processes import exits_within
 from support.helpers import group_keys, rank_data, run_in, start_members
 
 LENGTHS = (5, 300_000)
@@ -113,10 +113,7 @@ def _killed(pid, within=30.0):
     """SIGKILL ``pid`` and wait until it is gone (``ray.kill`` returns before the actor dies,
     which can then come to a shrink, alive, and die in it)."""
     _kill(pid)
-    deadline = time.monotonic() + within
-    while process_alive(pid):
-        assert time.monotonic() < deadline, f"process {pid} still alive {within} s after SIGKILL"
-        time.sleep(0.01)
+    assert exits_within(pid, within), f"process {pid} still alive {within} s after SIGKILL"
 
 
 def test_survivors_shrink_after_a_kill_then_a_fresh_actor_grows_the_group_back(ray_session):

@@ -46,6 +46,7 @@ from ray_collective.backends.ray.environment import CROSS_NODE_VARIABLE
 from ray_collective.backends.ray.post_offices import POST_OFFICE_LOOKUP_S
 from ray_collective.backends.key_value import NAMESPACE
 from ray_collective.transport import handshake, tcp
+from ray_collective.transport.processes import exits_within
 from support.helpers import Member, group_keys, join, leave, numpy_reduce, rank_data, run_in
 from support.contract import check_every_collective, every_collective
 from support.paths import python_path
@@ -382,21 +383,6 @@ def _allreduce_over_group(rank: int, group: str) -> bool:
         [rank_data(r, LARGE, "float64") for r in range(world_size)], col.ReduceOp.SUM)))
 
 
-def _wait_until_gone(pids: list, seconds: float) -> None:
-    """Wait until none of ``pids`` runs (gone, or a zombie), at most ``seconds``."""
-    deadline = time.monotonic() + seconds
-    def running(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-    while any(running(pid) for pid in pids):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"processes {pids} of the removed node still run after {seconds} s")
-        time.sleep(0.05)
-
-
 def node_removed(members: list, cluster: Cluster) -> dict:
     """Remove node 2 from the cluster (its raylet and every process on it, ranks and post
     office) while a group of the members still alive loops on allreduce: what each survivor
@@ -425,7 +411,9 @@ def node_removed(members: list, cluster: Cluster) -> dict:
     # The lost node's rank processes die after their raylet, a moment later under load. One
     # still alive would come to the shrink and be kept, and the next allreduce would fail on
     # its death: that is the library's contract (shrink again), not what this scenario checks.
-    _wait_until_gone(lost_pids, 60.0)
+    for pid in lost_pids:
+        if not exits_within(pid, 60.0):
+            raise TimeoutError(f"process {pid} of the removed node still runs after 60 s")
     shrink_started, attempts = time.time(), 0
     while True:
         # A process of the lost node may live on a moment and come to the shrink, then die:
