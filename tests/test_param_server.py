@@ -193,7 +193,7 @@ def test_synchronous_server_matches_one_process_and_drops_nothing(digits, pool):
 
 
 def test_asynchronous_server_learns_and_accounts_for_every_gradient(digits, pool):
-    steps = 30
+    steps = 80
     result = run("ps-async", digits, pool, steps=steps, record=False)
     arrays = len(parameter_keys(build_model(TINY, digits)))
     produced = steps * WORKERS * arrays
@@ -201,9 +201,10 @@ def test_asynchronous_server_learns_and_accounts_for_every_gradient(digits, pool
     dropped = sum(r.grads_dropped for r in result.reports)
     assert used + dropped == produced
     assert sum(sum(r.updates_per_key.values()) for r in result.reports) <= used // 2
-    # Stale views make its losses erratic; its weights still learn: chance is 10 %, and twelve
-    # runs of this test scored 27-68 % on the held-out digits.
-    assert result.reports[0].final_accuracy > 0.2
+    # Stale views make its losses erratic; its weights still learn: chance is 10 %. After 30
+    # steps runs scored 19-68 % (the low end under load, when more gradients go stale); after
+    # 80 steps (0.6 s) eight runs, some beside three busy processes, scored 78-89 %.
+    assert result.reports[0].final_accuracy > 0.3
 
 
 def test_run_options_and_pool_size_are_checked(pool, digits):

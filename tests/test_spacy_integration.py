@@ -32,6 +32,7 @@ from thinc.api import SGD, Adam, Relu, Softmax, chain, fix_random_seed  # noqa: 
 import ray_collective as col  # noqa: E402
 from ray_collective.integrations.spacy import corpus, driver, exchanges  # noqa: E402
 from ray_collective.integrations.spacy.settings import RunSettings  # noqa: E402
+from ray_collective.integrations.spacy.worker import WorkerFailure  # noqa: E402
 from ray_collective.integrations.thinc.communicators import (  # noqa: E402
     Communicator, RayCollectiveCommunicator)
 from ray_collective.integrations.thinc.params import parameter_vector  # noqa: E402
@@ -377,6 +378,21 @@ def test_a_worker_that_fails_ends_the_run_at_once_naming_its_rank(
     timeout = 120
     settings = RunSettings("allreduce", 2, code_path=str(code), timeout_s=timeout)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 failed in spaCy's training loop"):
+    with pytest.raises(driver.TrainingFailedError,
+                       match=r"^rank 1 failed in spaCy's training loop \(rank 0 stopped because "
+                             r"of it\); rank 1's traceback:\n") as raised:
         driver.train(config, settings, workers=pool)
     assert time.monotonic() - started < timeout / 2, "rank 0 waited for its deadline"
+    assert "AttributeError" in str(raised.value)
+    assert [(f.rank, f.in_collective) for f in raised.value.failures] == [(0, True), (1, False)]
+
+
+def test_a_failed_run_names_the_ranks_that_failed_first_whatever_their_order():
+    own = WorkerFailure(2, False, "Traceback: ValueError: bad batch\n")
+    followers = [WorkerFailure(0, True, "Traceback: RankFailedError\n"),
+                 WorkerFailure(1, True, "Traceback: RankFailedError\n")]
+    error = driver.TrainingFailedError(followers + [own])
+    assert str(error) == ("rank 2 failed in spaCy's training loop (ranks 0, 1 stopped because "
+                          "of it); rank 2's traceback:\nTraceback: ValueError: bad batch\n")
+    timeouts = driver.TrainingFailedError(followers)
+    assert str(timeouts).startswith("ranks 0, 1 failed in a collective; rank 0's traceback:\n")

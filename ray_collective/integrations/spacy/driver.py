@@ -33,7 +33,7 @@ from thinc.api import Config
 from wasabi import Printer
 
 from .settings import RunSettings
-from .worker import CONTROL_GROUP, WorkerReport, actor_class
+from .worker import CONTROL_GROUP, WorkerFailure, WorkerReport, actor_class
 
 POLL_S = 1.0
 """How long one progress call waits for rank 0's next row."""
@@ -64,6 +64,31 @@ class TrainingResult:
 class WorkersDisagreeError(RuntimeError):
     """The workers rebuilt different pipelines from the same bytes (a custom component whose
     initialization is not deterministic); nothing was trained."""
+
+
+class TrainingFailedError(RuntimeError):
+    """Training failed on one or more workers; the message names the rank that failed first
+    (spaCy's loop raised there) and the ranks that stopped because of it.
+
+    Attributes:
+        failures: every failed worker's ``WorkerFailure``, by rank.
+    """
+
+    def __init__(self, failures: List[WorkerFailure]) -> None:
+        self.failures = failures
+        first = [failure for failure in failures if not failure.in_collective]
+        followers = [failure.rank for failure in failures if failure.in_collective]
+        if first:
+            names = ", ".join(str(failure.rank) for failure in first)
+            where = "in spaCy's training loop"
+        else:  # every failure came out of a collective: a death or a timeout, say
+            first, followers, names = failures, [], ", ".join(str(f.rank) for f in failures)
+            where = "in a collective"
+        message = f"rank{'s' if len(first) > 1 else ''} {names} failed {where}"
+        if followers:
+            message += f" (rank{'s' if len(followers) > 1 else ''} " \
+                       f"{', '.join(map(str, followers))} stopped because of it)"
+        super().__init__(f"{message}; rank {first[0].rank}'s traceback:\n{first[0].traceback}")
 
 
 def start_workers(settings: RunSettings) -> List[Any]:
@@ -99,7 +124,8 @@ def train(config: Config, settings: RunSettings, *, stdout: Optional[IO] = None,
 
     Raises:
         WorkersDisagreeError: the workers' pipelines differ.
-        RuntimeError: a worker failed (its rank and traceback in the message).
+        TrainingFailedError: a worker failed (the first failed rank and its traceback in the
+            message).
         spacy's and thinc's config errors: the config is invalid (``init_nlp``).
     """
     msg, stdout = Printer(no_print=True), stdout or sys.stdout
@@ -155,8 +181,12 @@ def _run(nlp: Any, settings: RunSettings, actors: List[Any], stdout: IO,
     if settings.strategy == "parameter-server":
         for actor in actors[1:]:
             actor.stop.options(concurrency_group=CONTROL_GROUP).remote()
-    results = ray.get([actor.result.options(concurrency_group=CONTROL_GROUP).remote()
-                       for actor in actors], timeout=timeout)
+    outcomes = ray.get([actor.result.options(concurrency_group=CONTROL_GROUP).remote()
+                        for actor in actors], timeout=timeout)
+    failures = [failure for _, failure in outcomes if failure is not None]
+    if failures:
+        raise TrainingFailedError(failures)
+    results = [report for report, _ in outcomes]
     ray.get([actor.close.remote() for actor in actors], timeout=timeout)
     output = None
     if settings.output_path:

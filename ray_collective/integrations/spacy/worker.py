@@ -44,6 +44,7 @@ from spacy.training.loop import (DIR_MODEL_BEST, DIR_MODEL_LAST, create_before_t
 from spacy.util import load_model_from_config, registry, resolve_dot_names
 from thinc.api import Config, Model, fix_random_seed
 
+from ...errors import CollectiveError
 from ..thinc import communicators
 from ..thinc.params import parameter_count, parameter_digest
 from . import exchanges
@@ -133,6 +134,23 @@ class WorkerReport:
     final_score: Optional[float] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerFailure:
+    """How one worker's training failed.
+
+    Attributes:
+        rank: the worker.
+        in_collective: the failure came out of a collective (a peer's failure or death, a
+            timeout), so it is most likely the consequence of another rank's; otherwise spaCy's
+            loop itself raised on this rank.
+        traceback: the exception's formatted traceback.
+    """
+
+    rank: int
+    in_collective: bool
+    traceback: str
+
+
 class SpacyWorker:
     """One worker: builds the pipeline, joins its peers, trains on a thread, reports."""
 
@@ -170,7 +188,8 @@ class SpacyWorker:
         self.rows: List[Dict[str, Any]] = []
         self.changed = threading.Condition()
         self.stopping = threading.Event()
-        self.done, self.error = False, None
+        self.done = False
+        self.failure: Optional[WorkerFailure] = None
         self.exchange: Optional[exchanges.Exchange] = None
         return {"pipeline": list(self.nlp.pipe_names), "parameters": self.report.parameters,
                 "labels": {name: list(getattr(proc, "labels", ()))
@@ -227,21 +246,20 @@ class SpacyWorker:
         """End training after the current step (the parameter server's other workers)."""
         self.stopping.set()
 
-    def result(self) -> Dict[str, Any]:
+    def result(self) -> Tuple[Optional[Dict[str, Any]], Optional[WorkerFailure]]:
         """Wait for training to end; the parameter server also serves its peers' last calls.
 
         Returns:
-            The ``WorkerReport`` as a dict.
-
-        Raises:
-            RuntimeError: training failed on this worker (its traceback in the message).
+            ``(the WorkerReport as a dict, None)``, or ``(None, how it failed)``: the driver
+            sees every rank's outcome and names the rank that failed first, whichever
+            outcome arrives first.
         """
         self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"rank {self.rank} failed: {self.error}")
+        if self.failure is not None:
+            return None, self.failure
         if isinstance(self.exchange, exchanges.ParameterServerExchange):
             self._drain()
-        return dataclasses.asdict(self.report)
+        return dataclasses.asdict(self.report), None
 
     def close(self) -> None:
         """Leave the collective group, if any."""
@@ -270,8 +288,10 @@ class SpacyWorker:
     def _train_guarded(self) -> None:
         try:
             self._train()
+        except CollectiveError:  # reported to the driver by result()
+            self.failure = WorkerFailure(self.rank, True, traceback.format_exc())
         except Exception as err:  # reported to the driver by result()
-            self.error = traceback.format_exc()
+            self.failure = WorkerFailure(self.rank, False, traceback.format_exc())
             communicator = getattr(self.exchange, "communicator", None)
             if communicator is not None:
                 # The others may be waiting for this rank in a collective: they fail now.
