@@ -96,11 +96,11 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 # later calls go straight to the group with a runner the backend prepared for the shape
 # (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
 # Only blocking calls with the group's own deadline on writable numpy arrays take it; for
-# allgather and reducescatter, every array of the list must be like the tensor (dtype, shape,
-# strides), which is checked per call.
+# allgather, reducescatter, and gather and scatter at their root, every array of the list must
+# be like the tensor (dtype, shape, strides), which is checked per call.
 
 _ALLREDUCE, _REDUCE, _BROADCAST = "allreduce", "reduce", "broadcast"
-_ALLGATHER, _REDUCESCATTER = "allgather", "reducescatter"
+_ALLGATHER, _REDUCESCATTER, _GATHER, _SCATTER = "allgather", "reducescatter", "gather", "scatter"
 
 
 def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
@@ -114,11 +114,15 @@ def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tup
 
 
 def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
-                    list_written: bool) -> Optional[Tuple]:
-    """The key of an allgather (``list_written``: the list receives) or a reducescatter call,
-    or None when it cannot take the known-shape path (see :func:`_shape_key`; a list entry
-    unlike the tensor, or not writable where it is written)."""
-    key = _shape_key(collective, tensor, op, -1)
+                    list_written: bool, root: Any = -1) -> Optional[Tuple]:
+    """The key of an allgather or gather (``list_written``: the list receives), reducescatter
+    or scatter call, or None when it cannot take the known-shape path (see
+    :func:`_shape_key`; a list entry unlike the tensor, or not writable where it is written).
+    Gather and scatter use the list on their root only: elsewhere it may be None, and the
+    runner ignores it."""
+    key = _shape_key(collective, tensor, op, root)
+    if key is not None and tensors is None and root != -1:
+        return key + (None,)
     if key is None or type(tensors) not in (list, tuple):
         return None
     dtype, shape, strides = key[3], key[4], key[5]
@@ -702,13 +706,19 @@ def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
         ArgumentTypeError, ArgumentValueError: bad arguments.
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _list_shape_key(
+        _GATHER, tensor, tensor_list, ReduceOp.SUM, True, dst_rank)
+    if _run_known_shape(group_name, known, (tensor, tensor_list)):
+        return None
     group = _group(group_name)
     dst_rank = _check_rank(dst_rank, group, "dst_rank")
     view = _view(group, tensor, False, "tensor")
     outputs = (_views(group, tensor_list, True, "tensor_list", like=view)
                if group.rank == dst_rank else ())
-    return _submit(group, _options(group, Collective.GATHER, timeout, root=dst_rank), async_op,
-                   tensor=view, outputs=outputs)
+    options = _options(group, Collective.GATHER, timeout, root=dst_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view, outputs=outputs)
+    return _submit_and_learn(group, options, known, view, outputs=outputs)
 
 
 def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
@@ -731,13 +741,19 @@ def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
         ArgumentTypeError, ArgumentValueError: bad arguments.
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _list_shape_key(
+        _SCATTER, tensor, tensor_list, ReduceOp.SUM, False, src_rank)
+    if _run_known_shape(group_name, known, (tensor, tensor_list)):
+        return None
     group = _group(group_name)
     src_rank = _check_rank(src_rank, group, "src_rank")
     view = _view(group, tensor, True, "tensor")
     inputs = (_views(group, tensor_list, False, "tensor_list", like=view)
               if group.rank == src_rank else ())
-    return _submit(group, _options(group, Collective.SCATTER, timeout, root=src_rank), async_op,
-                   tensor=view, inputs=inputs)
+    options = _options(group, Collective.SCATTER, timeout, root=src_rank)
+    if known is None:
+        return _submit(group, options, async_op, tensor=view, inputs=inputs)
+    return _submit_and_learn(group, options, known, view, inputs=inputs)
 
 
 def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],

@@ -88,6 +88,12 @@ def _every_collective(rank, world_size, dtype, length, op, group="default"):
     received = [np.empty_like(mine) for _ in range(world_size)]
     col.alltoall(received, [mine + j for j in range(world_size)], group)
     out["alltoall"] = np.concatenate(received)
+    gathered = [np.zeros_like(mine) for _ in range(world_size)]
+    col.gather(gathered if rank == world_size - 1 else None, mine, world_size - 1, group)
+    out["gather"] = np.concatenate(gathered)
+    x = np.zeros_like(mine)
+    col.scatter(x, [mine * j for j in range(world_size)] if rank == 0 else None, 0, group)
+    out["scatter"] = x
     col.barrier(group)
     return out
 
@@ -127,6 +133,43 @@ def test_native_and_python_engines_agree_bit_for_bit_and_with_numpy(shm_director
                                    rtol=world_size * eps, atol=atol)
         np.testing.assert_array_equal(natively[rank]["broadcast"], inputs[0])
         np.testing.assert_array_equal(natively[rank]["allgather"], np.concatenate(inputs))
+        np.testing.assert_array_equal(natively[rank]["scatter"], inputs[0] * rank)
+    np.testing.assert_array_equal(natively[world_size - 1]["gather"], np.concatenate(inputs))
+
+
+@needs_native
+@pytest.mark.parametrize("world_size", [2, 4, 5])
+def test_a_large_allgather_receives_into_its_list_unless_the_entries_overlap(shm_directory,
+                                                                             world_size):
+    """Large blocks go straight into the caller's list (no buffer); a list whose entries
+    share memory takes the buffer, as the Python engine does, the last entry written last."""
+    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    length = DIRECT_BLOCK_BYTES // 4 + 3
+
+    def body(rank):
+        mine = _float_inputs(rank, length, "float32")
+        separate = [np.zeros(length, np.float32) for _ in range(world_size)]
+        col.allgather(separate, mine)
+        shared = np.zeros(length + 1, np.float32)
+        overlapping = [shared[1:]] + [shared[:-1]] * (world_size - 1)
+        col.allgather(overlapping, mine)
+        aliased = np.zeros(length, np.float32)
+        col.allgather([np.zeros(length, np.float32) for _ in range(world_size - 1)] + [mine],
+                      mine)                              # the tensor is its own entry
+        col.allgather([aliased] * world_size, mine)
+        return np.concatenate(separate), shared, aliased, mine
+
+    natively = run_ranks(world_size, body,
+                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
+    in_python = run_ranks(world_size, body, timeout=60)
+    inputs = [_float_inputs(r, length, "float32") for r in range(world_size)]
+    for rank in range(world_size):
+        separate, shared, aliased, mine = natively[rank]
+        np.testing.assert_array_equal(separate, np.concatenate(inputs))
+        np.testing.assert_array_equal(aliased, inputs[-1])
+        np.testing.assert_array_equal(mine, inputs[-1])  # its entry got rank p-1's block
+        for got, expected in zip(natively[rank], in_python[rank]):
+            assert got.tobytes() == expected.tobytes()
 
 
 @needs_native

@@ -54,13 +54,25 @@ def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, mo
                                      for j in range(world_size)])
             results.append(part)
             col.barrier()
+            root = step % world_size
+            into = [np.full(3, -1, np.int16) for _ in range(world_size)]
+            col.gather(into if rank == root else None, np.full(3, rank + step, np.int16),
+                       dst_rank=root)
+            results.append(np.stack(into))
+            mine = np.zeros((2, 1), np.float32)
+            col.scatter(mine, [np.full((2, 1), 100.0 * j + step, np.float32)
+                               for j in range(world_size)] if rank == root else None,
+                        src_rank=root)
+            results.append(mine)
         return results, len(_runners())
 
     outcome = run_ranks(world_size, body)
     for rank, (results, learnt) in enumerate(outcome):
-        assert learnt == 6  # allreduce, broadcast, reduce, allgather, reducescatter, barrier
+        # allreduce, broadcast, reduce, allgather, reducescatter, barrier, and gather and
+        # scatter once per root
+        assert learnt == 6 + 2 * min(world_size, 4)
         for step in range(4):
-            got = results[5 * step:5 * step + 5]
+            got = results[7 * step:7 * step + 7]
             expected = sum(np.arange(5, dtype=np.float64) * (r + 1) + step
                            for r in range(world_size))
             np.testing.assert_array_equal(got[0], expected)
@@ -71,9 +83,35 @@ def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, mo
                 got[3], np.stack([np.full((2, 2), r * 10.0 + step) for r in range(world_size)]))
             np.testing.assert_array_equal(
                 got[4], np.full(3, sum(r + rank + step for r in range(world_size))))
-    # Only each shape's first call took the full path, on every rank.
-    assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce", "allgather",
-                                    "reducescatter", "barrier"] * world_size)
+            if rank == step % world_size:
+                np.testing.assert_array_equal(
+                    got[5], np.stack([np.full(3, r + step, np.int16) for r in range(world_size)]))
+            else:
+                assert (got[5] == -1).all()
+            np.testing.assert_array_equal(got[6], np.full((2, 1), 100.0 * rank + step))
+    # Only each shape's first call took the full path, on every rank (gather and scatter: the
+    # first call at each root).
+    roots = min(world_size, 4)
+    assert sorted(taken) == sorted((["allreduce", "broadcast", "reduce", "allgather",
+                                     "reducescatter", "barrier"]
+                                    + ["gather", "scatter"] * roots) * world_size)
+
+
+def test_gather_and_scatter_of_a_known_shape_refuse_a_missing_list_at_their_root():
+    def body(rank):
+        for _ in range(2):
+            col.gather([np.zeros(2), np.zeros(2)] if rank == 0 else None, np.ones(2))
+            col.scatter(np.zeros(2), [np.ones(2), np.ones(2)] if rank == 0 else None)
+        if rank == 0:
+            with pytest.raises(col.ArgumentError, match="tensor_list"):
+                col.gather(None, np.ones(2))
+            with pytest.raises(col.ArgumentError, match="tensor_list"):
+                col.scatter(np.zeros(2), None)
+            with pytest.raises(col.ArgumentError, match="tensor_list"):
+                col.scatter(np.zeros(2), [np.ones(2), np.ones(3)])
+        return len(_runners())
+
+    assert run_ranks(2, body) == [2, 2]
 
 
 def test_average_divides_on_the_known_shape_path_too():

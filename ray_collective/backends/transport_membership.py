@@ -23,7 +23,7 @@ from ..executor import run_plan
 from ..plan import Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
-from ..native.runner import NativePlan, NativeRunner
+from ..native.runner import NativePlan, NativeRunner, entries_overlap
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
@@ -178,7 +178,7 @@ class TransportMembership(Membership):
         prepared = self.prepared(options, view)
         if prepared.tag != COLLECTIVE_TAG:
             return None
-        if prepared.layout in ("gather", "split"):
+        if prepared.layout in ("gather", "split", "receive block"):
             return self._list_runner(prepared, view.dtype_name)
         if prepared.layout != "in place":
             return None
@@ -205,15 +205,18 @@ class TransportMembership(Membership):
         return run
 
     def _list_runner(self, prepared: PreparedCall, dtype_name: str):
-        """The runner of allgather (``(tensor, outputs)``) or reducescatter (``(tensor,
-        inputs)``) calls of one shape."""
+        """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
+        (``(tensor, inputs)``) calls of one shape; gather and scatter ignore the list except
+        at their root, as the full path does."""
         template, gathering = prepared.template, prepared.layout == "gather"
         average, world_size, execute = prepared.average, self.world_size, self._execute
+        options = prepared.options
+        uses_list = options.collective in _LISTS or options.root == self.rank
 
         def run(seq: int, arrays) -> None:
             tensor, others = arrays
             flat = tensor.reshape(-1)
-            others = [array.reshape(-1) for array in others]
+            others = [array.reshape(-1) for array in others] if uses_list else ()
             if gathering:
                 execute(prepared, template.stamp(seq), flat, (), others)
             else:
@@ -287,11 +290,15 @@ class TransportMembership(Membership):
         options = prepared.options
         plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
         if prepared.native is not None and options.collective in _LISTS:
-            # The core copies the tensor and the list to and from the buffer itself.
+            # The core copies the tensor and the list to and from the buffer itself, or needs
+            # no buffer (a large allgather into a list whose entries do not overlap).
             lists = outputs if layout == "gather" else inputs
-            slots = plan.slots(np.empty(blocks.total, plan.dtype)) + [tensor, *lists]
-            self.native.run(prepared.native, slots, stamp, options.timeout,
-                            options.collective.value)
+            native, buffer = prepared.native, None
+            if native.buffered is None or entries_overlap(lists):
+                native = native.buffered or native
+                buffer = np.empty(blocks.total, plan.dtype)
+            self.native.run(native, plan.slots(buffer) + [tensor, *lists], stamp,
+                            options.timeout, options.collective.value)
             return
         recvbuf = None
         if layout == "in place":
