@@ -173,6 +173,55 @@ def test_a_large_allgather_receives_into_its_list_unless_the_entries_overlap(shm
 
 
 @needs_native
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_list_collectives_of_two_dimensional_tensors_agree_on_both_engines(shm_directory,
+                                                                          world_size):
+    """Gather, scatter, allgather and reducescatter (AVG) of 3x2 tensors, three times each
+    (the first by the full path, the others by the known-shape path, whose native runner
+    hands the core the arrays unflattened), at every root."""
+    def body(rank):
+        out = []
+        for call in range(3):
+            mine = np.arange(6.0).reshape(3, 2) * (rank + 1) + call
+            for root in range(world_size):
+                into = [np.full((3, 2), -1.0) for _ in range(world_size)]
+                col.gather(into if rank == root else None, mine, root)
+                out.append(np.stack(into))
+                part = np.zeros((3, 2))
+                col.scatter(part, [mine + 10 * j for j in range(world_size)]
+                            if rank == root else None, root)
+                out.append(part)
+            gathered = [np.zeros((3, 2)) for _ in range(world_size)]
+            col.allgather(gathered, mine)
+            out.append(np.stack(gathered))
+            reduced = np.zeros((3, 2))
+            col.reducescatter(reduced, [mine * (j + 1) for j in range(world_size)],
+                              op=col.ReduceOp.AVG)
+            out.append(reduced)
+        return out
+
+    natively = run_ranks(world_size, body,
+                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
+    in_python = run_ranks(world_size, body, timeout=60)
+    for rank in range(world_size):
+        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+            assert got.tobytes() == expected.tobytes()
+        results = iter(natively[rank])
+        for call in range(3):
+            inputs = [np.arange(6.0).reshape(3, 2) * (r + 1) + call for r in range(world_size)]
+            for root in range(world_size):
+                gathered = next(results)
+                if rank == root:
+                    np.testing.assert_array_equal(gathered, np.stack(inputs))
+                else:
+                    assert (gathered == -1.0).all()
+                np.testing.assert_array_equal(next(results), inputs[root] + 10 * rank)
+            np.testing.assert_array_equal(next(results), np.stack(inputs))
+            np.testing.assert_allclose(next(results),
+                                       sum(inputs) * (rank + 1) / world_size, rtol=1e-15)
+
+
+@needs_native
 def test_a_read_only_input_is_sent_from_but_never_written(shm_directory):
     """A reduce's input on a rank that gets no result may be read-only (Ray hands actors
     read-only arrays); a plan that would write into it is refused before anything is sent."""

@@ -20,7 +20,7 @@ from ..algorithms.catalog import flat_choice
 from ..algorithms.core import Blocks, Context, Team, Topology
 from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
-from ..plan import Local, Plan, point_to_point, record
+from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import NativePlan, NativeRunner, entries_overlap
@@ -32,8 +32,10 @@ _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 _GATHERING = (Collective.ALLGATHER, Collective.GATHER)
 _POINT_TO_POINT = (Collective.SEND, Collective.RECV)
 _LISTS = (Collective.ALLGATHER, Collective.REDUCESCATTER)
-"""Collectives whose list is on every rank: on the native core, the copies between the list
-and the plan's buffer run in C (``NativeRunner.prepare``)."""
+"""Collectives whose list is on every rank."""
+_LISTS_IN_CORE = _LISTS + (Collective.GATHER, Collective.SCATTER)
+"""Collectives whose tensors are copied to and from the plan's buffer in C on the native core
+(``NativeRunner.prepare``); gather and scatter have their list on the root only."""
 
 PLAN_CACHE_SIZE = 64
 """Call shapes a group keeps prepared; the oldest is dropped beyond this."""
@@ -54,10 +56,12 @@ class PreparedCall:
         average: divide the result by the world size at the end (AVG, on ranks that get one).
         native: the plan in the native core's form, where the membership runs its collectives
             there (None: the executor runs it over the transport).
+        kept_buffer: a list collective's buffer on the native core, kept from call to call
+            when it is small (calls of one group run one at a time), else None.
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native")
+                 "average", "native", "kept_buffer")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
@@ -71,6 +75,10 @@ class PreparedCall:
         self.layout = layout
         self.average = average
         self.native = native
+        self.kept_buffer = None
+        if (native is not None and options.collective in _LISTS_IN_CORE
+                and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
+            self.kept_buffer = np.empty(blocks.total, plan.dtype)
 
 
 def _layout(collective: Collective, rank: int, root: int) -> str:
@@ -212,6 +220,21 @@ class TransportMembership(Membership):
         average, world_size, execute = prepared.average, self.world_size, self._execute
         options = prepared.options
         uses_list = options.collective in _LISTS or options.root == self.rank
+        native, kept = prepared.native, prepared.kept_buffer
+        if native is not None and native.buffered is None and kept is not None:
+            # A small call on the native core: the core takes the arrays as they are (any
+            # C-contiguous shape) and copies them to and from the kept buffer.
+            head, native_run = prepared.plan.slots(kept), self.native.run
+            timeout, what = options.timeout, options.collective.value
+
+            def run_in_core(seq: int, arrays) -> None:
+                tensor, others = arrays
+                native_run(native, [*head, tensor, *others] if uses_list else [*head, tensor],
+                           template.stamp(seq), timeout, what)
+                if average:
+                    finalize_average(tensor.reshape(-1), dtype_name, world_size)
+
+            return run_in_core
 
         def run(seq: int, arrays) -> None:
             tensor, others = arrays
@@ -270,7 +293,9 @@ class TransportMembership(Membership):
         average = options.op is ReduceOp.AVG and reducing and (
             collective is not Collective.REDUCE or rank == options.root)
         layout = _layout(collective, rank, options.root)
-        lists = (layout, blocks, rank) if collective in _LISTS else None
+        lists = None
+        if collective in _LISTS_IN_CORE:
+            lists = (layout, blocks, rank, collective in _LISTS or rank == options.root)
         native = None if self.native is None else self.native.prepare(
             plan, dtype_name, options.op if reducing else None, lists)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
@@ -289,14 +314,16 @@ class TransportMembership(Membership):
         results back (see ``_layout``); AVG's division is the caller's."""
         options = prepared.options
         plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
-        if prepared.native is not None and options.collective in _LISTS:
+        if prepared.native is not None and options.collective in _LISTS_IN_CORE:
             # The core copies the tensor and the list to and from the buffer itself, or needs
             # no buffer (a large allgather into a list whose entries do not overlap).
             lists = outputs if layout == "gather" else inputs
             native, buffer = prepared.native, None
             if native.buffered is None or entries_overlap(lists):
                 native = native.buffered or native
-                buffer = np.empty(blocks.total, plan.dtype)
+                buffer = prepared.kept_buffer
+                if buffer is None:
+                    buffer = np.empty(blocks.total, plan.dtype)
             self.native.run(native, plan.slots(buffer) + [tensor, *lists], stamp,
                             options.timeout, options.collective.value)
             return

@@ -62,11 +62,14 @@ us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us ei
 (MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
 
 
-def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int) -> Plan:
+def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
+                      has_list: bool = True) -> Plan:
     """``plan`` with the copies of a list collective's layout around it: for ``gather``, this
     rank's tensor into its block of the buffer before, every block into its list entry after;
     for ``split``, every list entry into its block before, this rank's block into the tensor
-    after. The tensor is the slot after the plan's own, the list entries the ones after it."""
+    after; for ``receive block``, this rank's block into the tensor after. The tensor is the
+    slot after the plan's own, the list entries the ones after it; a rank without the list
+    (gather's and scatter's others) copies only its tensor."""
     tensor = 2 + len(plan.scratch)
 
     def block(i: int) -> Place:
@@ -75,8 +78,10 @@ def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int) -> Pla
     def whole(slot: int, i: int) -> Place:
         return Place(slot, 0, blocks.size(i))
 
-    entries = range(blocks.parts)
-    if layout == "gather":
+    entries = range(blocks.parts if has_list else 0)
+    if layout == "receive block":
+        before, after = [], [Local("copy", whole(tensor, rank), block(rank))]
+    elif layout == "gather":
         before = [Local("copy", block(rank), whole(tensor, rank))]
         after = [Local("copy", whole(tensor + 1 + i, i), block(i)) for i in entries]
     else:
@@ -193,10 +198,12 @@ class NativeRunner:
             plan: the recorded plan.
             dtype_name: the tensor's dtype name.
             op: the reduction (None when the call reduces nothing).
-            lists: for a call whose tensors are a list (``("gather", blocks, rank)`` for
-                allgather, ``("split", blocks, rank)`` for reducescatter), the copies between
-                the caller's arrays and the plan's buffer run in the core too: the call passes
-                its tensor, then its list, as slots after the plan's. An allgather of large
+            lists: for a call whose tensors are a list (``(layout, blocks, rank, has_list)``:
+                ``"gather"`` for allgather and gather, ``"split"`` for reducescatter and
+                scatter's root, ``"receive block"`` for scatter elsewhere; ``has_list`` False
+                where gather or scatter has no list), the copies between the caller's arrays
+                and the plan's buffer run in the core too: the call passes its tensor, then
+                its list, as slots after the plan's. An allgather (or gather's root) of large
                 blocks may not need the buffer at all (``NativePlan.buffered``).
 
         Returns:
@@ -209,11 +216,12 @@ class NativeRunner:
         dtype_code = codes.dtype_code(dtype_name or "uint8")
         if lists is None:
             return NativePlan(codes.encode_plan(plan), dtype_code, op_code, peers)
-        layout, blocks, rank = lists
+        layout, blocks, rank, has_list = lists
         buffered = NativePlan(codes.encode_plan(_with_list_copies(plan, *lists)), dtype_code,
                               op_code, peers)
         direct = None
-        if layout == "gather" and blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES:
+        if (layout == "gather" and has_list
+                and blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES):
             direct = _direct_gather(plan, blocks, rank)
         if direct is None:
             return buffered
