@@ -173,6 +173,53 @@ def test_a_large_allgather_receives_into_its_list_unless_the_entries_overlap(shm
 
 
 @needs_native
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_large_gather_and_scatter_agree_on_both_engines_at_every_root(shm_directory,
+                                                                     world_size):
+    """Blocks past DIRECT_BLOCK_BYTES: where the plan allows, the core sends from and
+    receives into the caller's arrays (at 2 ranks both ranks, at 4 the leaves of the tree);
+    scatter's root may pass its tensor as its own entry."""
+    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    length = DIRECT_BLOCK_BYTES // 8 + 5
+
+    def body(rank):
+        out = []
+        mine = _float_inputs(rank, length, "float64")
+        for root in (0, world_size - 1):
+            for _ in range(2):
+                into = [np.zeros(length) for _ in range(world_size)]
+                col.gather(into if rank == root else None, mine, root)
+                out.append(np.concatenate(into))
+                part = np.zeros(length)
+                entries = [mine * (j + 1) for j in range(world_size)]
+                col.scatter(part, entries if rank == root else None, root)
+                out.append(part)
+                own = mine * (rank + 1)
+                entries[rank] = own
+                col.scatter(own, entries if rank == root else None, root)
+                out.append(own)
+        return out
+
+    natively = run_ranks(world_size, body,
+                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
+    in_python = run_ranks(world_size, body, timeout=60)
+    inputs = [_float_inputs(r, length, "float64") for r in range(world_size)]
+    for rank in range(world_size):
+        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+            assert got.tobytes() == expected.tobytes()
+        results = iter(natively[rank])
+        for root in (0, world_size - 1):
+            for _ in range(2):
+                gathered = next(results)
+                if rank == root:
+                    np.testing.assert_array_equal(gathered, np.concatenate(inputs))
+                else:
+                    assert not gathered.any()
+                np.testing.assert_array_equal(next(results), inputs[root] * (rank + 1))
+                np.testing.assert_array_equal(next(results), inputs[root] * (rank + 1))
+
+
+@needs_native
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_list_collectives_of_two_dimensional_tensors_agree_on_both_engines(shm_directory,
                                                                           world_size):

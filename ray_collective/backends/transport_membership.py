@@ -316,7 +316,7 @@ class TransportMembership(Membership):
         plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
         if prepared.native is not None and options.collective in _LISTS_IN_CORE:
             # The core copies the tensor and the list to and from the buffer itself, or needs
-            # no buffer (a large allgather into a list whose entries do not overlap).
+            # no buffer (large blocks, and a list whose entries do not overlap).
             lists = outputs if layout == "gather" else inputs
             native, buffer = prepared.native, None
             if native.buffered is None or entries_overlap(lists):

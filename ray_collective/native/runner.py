@@ -62,6 +62,20 @@ us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us ei
 (MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
 
 
+SPIN_CROWDING_MAX = 64.0
+"""Ranks per core above which a waiting rank sleeps at once instead of polling. Polling with
+``sched_yield`` still paid at 32 ranks per core (``scale_real --ranks 64 --small``, 2 cores:
+allreduce 8 B 5.8 ms p50 polling, 10.6 ms sleeping at once), but every polling rank stays
+runnable: at 400 ranks on 2 cores (200 per core) all 400 were, an 8-byte allreduce took 3.6 s
+p50 and a killed rank was named after 3.1 s."""
+
+
+def native_spin_s(ranks_per_core: float) -> float:
+    """How long a rank polls before it sleeps, on a machine running ``ranks_per_core`` ranks
+    of its group per core."""
+    return SPIN_S if ranks_per_core <= SPIN_CROWDING_MAX else 0.0
+
+
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
                       has_list: bool = True) -> Plan:
     """``plan`` with the copies of a list collective's layout around it: for ``gather``, this
@@ -91,39 +105,56 @@ def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
 
 
 DIRECT_BLOCK_BYTES = 64 << 10
-"""An allgather whose blocks are at least this large receives straight into the caller's list
-when its plan allows it (``_direct_gather``): at 16 MiB and 4 ranks the buffer's extra copies
-made it 1.3x MPICH's time. Below, the per-call check that the list's entries are disjoint
-(a few microseconds of Python) would cost more than the copies it saves."""
+"""A list collective whose blocks are at least this large sends from and receives into the
+caller's arrays themselves when its plan allows it (``_direct``): at 16 MiB the buffer's extra
+copies made allgather 1.3x MPICH's time at 4 ranks. Below, the per-call check that the list's
+entries are disjoint (a few microseconds of Python) would cost more than the copies saved."""
 
 
-def _direct_gather(plan: Plan, blocks: Blocks, rank: int) -> Optional[Plan]:
-    """``plan`` (an allgather's) with every message sent from and received into the caller's
-    list entries instead of the buffer, and the tensor copied into this rank's entry first;
-    None when a message or a local step spans blocks (recursive doubling's), or a local step
-    touches the buffer. The list's entries must not overlap (the caller checks each call): a
-    block received into one entry is sent on from it later."""
+def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
+            has_list: bool) -> Optional[Plan]:
+    """``plan`` with its buffer replaced by the caller's arrays: each block is its list entry
+    where this rank has the list, else this rank's own block is its tensor. An allgather or
+    gather copies the tensor into this rank's entry first; scatter's root copies its entry
+    into the tensor last. None when the plan cannot run so: a message spans blocks
+    (recursive doubling's, a tree's forwarding ranks), names a block this rank has no array
+    for, or receives into a list that is an input (reducescatter), or a local step runs.
+    Entries written into must not overlap (the caller checks each call): a block received
+    into one is sent on from it later."""
     tensor = 2 + len(plan.scratch)
+    receives_into_list = layout == "gather"
 
-    def entry(place: Place) -> Optional[Place]:
+    def moved(message) -> Optional[Place]:
+        place = message.place
+        if place.slot != 0:
+            return place
         for i in range(blocks.parts):
             low, high = blocks.offsets[i], blocks.offsets[i + 1]
-            if low <= place.start and place.stop <= high:
+            if not (low <= place.start and place.stop <= high):
+                continue
+            if has_list and (message.is_send or receives_into_list):
                 return Place(tensor + 1 + i, place.start - low, place.stop - low)
+            if not has_list and i == rank:
+                return Place(tensor, place.start - low, place.stop - low)
+            return None
         return None
 
-    steps: list = [Local("copy", Place(tensor + 1 + rank, 0, blocks.size(rank)),
-                         Place(tensor, 0, blocks.size(rank)))]
+    own = blocks.size(rank)
+    steps: list = []
+    if has_list and layout == "gather":
+        steps.append(Local("copy", Place(tensor + 1 + rank, 0, own), Place(tensor, 0, own)))
     for step in plan.steps:
         if type(step) is Local:
             return None
         messages = []
         for message in step:
-            moved = entry(message.place) if message.place.slot == 0 else message.place
-            if moved is None:
+            place = moved(message)
+            if place is None:
                 return None
-            messages.append(message._replace(place=moved))
+            messages.append(message._replace(place=place))
         steps.append(tuple(messages))
+    if has_list and layout == "split":
+        steps.append(Local("copy", Place(tensor, 0, own), Place(tensor + 1 + rank, 0, own)))
     return Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
 
 
@@ -164,9 +195,9 @@ class NativePlan(NamedTuple):
         dtype_code: the wire dtype's code.
         op_code: the reduction's code, ``codes.NO_OP`` where nothing is reduced.
         peers: one request per peer the plan talks to (what a failure check asks about).
-        buffered: for an allgather that receives straight into the caller's list (``code``
-            then uses no buffer), the plan through the buffer, for a list whose entries
-            overlap; None otherwise.
+        buffered: for a list collective that runs on the caller's arrays (``code`` then uses
+            no buffer), the plan through the buffer, for a list whose entries overlap; None
+            otherwise.
     """
 
     code: np.ndarray
@@ -203,8 +234,8 @@ class NativeRunner:
                 scatter's root, ``"receive block"`` for scatter elsewhere; ``has_list`` False
                 where gather or scatter has no list), the copies between the caller's arrays
                 and the plan's buffer run in the core too: the call passes its tensor, then
-                its list, as slots after the plan's. An allgather (or gather's root) of large
-                blocks may not need the buffer at all (``NativePlan.buffered``).
+                its list, as slots after the plan's. A call of large blocks may not need the
+                buffer at all (``NativePlan.buffered``).
 
         Returns:
             The prepared plan.
@@ -220,9 +251,8 @@ class NativeRunner:
         buffered = NativePlan(codes.encode_plan(_with_list_copies(plan, *lists)), dtype_code,
                               op_code, peers)
         direct = None
-        if (layout == "gather" and has_list
-                and blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES):
-            direct = _direct_gather(plan, blocks, rank)
+        if blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES:
+            direct = _direct(plan, layout, blocks, rank, has_list)
         if direct is None:
             return buffered
         return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, buffered)
