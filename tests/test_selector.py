@@ -106,18 +106,6 @@ def test_oversubscription_is_judged_from_the_shared_membership():
     assert not _oversubscribed(two_cores + [Member(2, "b", 102, 1)])
 
 
-def test_a_crowded_machine_sleeps_at_once_in_the_native_core():
-    from ray_collective.backends.ray.rendezvous import Member
-    from ray_collective.backends.ray.machines import ranks_per_core
-    from ray_collective.native.runner import SPIN_CROWDING_MAX, SPIN_S, native_spin_s
-    eight = [Member(r, "a", 100 + r, 2) for r in range(8)]
-    assert ranks_per_core(eight) == {"a": 4.0}
-    assert ranks_per_core(eight + [Member(8, "b", 108, 4)]) == {"a": 4.0, "b": 0.25}
-    assert native_spin_s(0.5) == native_spin_s(SPIN_CROWDING_MAX) == SPIN_S > 0
-    crowd = [Member(r, "a", 100 + r, 2) for r in range(int(2 * SPIN_CROWDING_MAX) + 1)]
-    assert native_spin_s(ranks_per_core(crowd)["a"]) == 0.0
-
-
 def test_ray_nodes_at_one_address_share_its_cores():
     from ray_collective.backends.ray.rendezvous import Member
     from ray_collective.backends.ray.machines import ranks_over_cores as _ranks_over_cores

@@ -62,20 +62,6 @@ us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us ei
 (MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
 
 
-SPIN_CROWDING_MAX = 64.0
-"""Ranks per core above which a waiting rank sleeps at once instead of polling. Polling with
-``sched_yield`` still paid at 32 ranks per core (``scale_real --ranks 64 --small``, 2 cores:
-allreduce 8 B 5.8 ms p50 polling, 10.6 ms sleeping at once), but every polling rank stays
-runnable: at 400 ranks on 2 cores (200 per core) all 400 were, an 8-byte allreduce took 3.6 s
-p50 and a killed rank was named after 3.1 s."""
-
-
-def native_spin_s(ranks_per_core: float) -> float:
-    """How long a rank polls before it sleeps, on a machine running ``ranks_per_core`` ranks
-    of its group per core."""
-    return SPIN_S if ranks_per_core <= SPIN_CROWDING_MAX else 0.0
-
-
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
                       has_list: bool = True) -> Plan:
     """``plan`` with the copies of a list collective's layout around it: for ``gather``, this

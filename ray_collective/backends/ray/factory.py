@@ -36,10 +36,10 @@ from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
-from ...native.runner import NativeRunner, native_node, native_spin_s
+from ...native.runner import NativeRunner, native_node
 from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
                           ray_module, runtime)
-from .machines import ranks_per_core
+from .machines import ranks_over_cores
 from .membership import RayMembership
 from .post_offices import RayPostOffices, shut_post_office, start_post_office
 
@@ -168,15 +168,13 @@ class RayBackendFactory(BackendFactory):
                                                  node, local, timeout)
         # Polling without sleep answers small messages fastest, but only a rank with a core of
         # its own may do it: on a crowded machine it would take the core a peer needs.
-        crowding = ranks_per_core(members)[node]
-        spin_s = 0.0 if crowding > 1 else SPIN_S
+        spin_s = 0.0 if ranks_over_cores(members)[node] else SPIN_S
         transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)
         runner = None
         if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
-            runner = NativeRunner(native_node(directory, rank, world_size,
-                                              native_spin_s(crowding)), transport)
+            runner = NativeRunner(native_node(directory, rank, world_size), transport)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 

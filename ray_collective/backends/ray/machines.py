@@ -12,9 +12,9 @@ from typing import Dict, Sequence
 from .rendezvous import Member
 
 
-def ranks_per_core(members: Sequence[Member]) -> Dict[str, float]:
-    """For every node, how many ranks of the group its machine runs per core (the same answer
-    on every rank, since it comes from the shared membership).
+def ranks_over_cores(members: Sequence[Member]) -> Dict[str, bool]:
+    """For every node, whether its machine runs more ranks of the group than it has cores (the
+    same answer on every rank, since it comes from the shared membership).
 
     A machine is the Ray nodes at one address: the nodes of a ``ray.cluster_utils.Cluster``
     share the cores of the host they all run on, and counting each node's ranks alone would
@@ -28,14 +28,7 @@ def ranks_per_core(members: Sequence[Member]) -> Dict[str, float]:
         machine = machine_of[member.node]
         ranks[machine] = ranks.get(machine, 0) + 1
         cores[machine] = max(cores.get(machine, 0), member.cores)
-    return {node: ranks[machine] / max(cores[machine], 1)
-            for node, machine in machine_of.items()}
-
-
-def ranks_over_cores(members: Sequence[Member]) -> Dict[str, bool]:
-    """For every node, whether its machine runs more ranks of the group than it has cores
-    (see :func:`ranks_per_core`)."""
-    return {node: crowding > 1 for node, crowding in ranks_per_core(members).items()}
+    return {node: ranks[machine] > cores[machine] for node, machine in machine_of.items()}
 
 
 def oversubscribed(members: Sequence[Member]) -> bool:
