@@ -13,6 +13,7 @@ Point-to-point calls stay on the transport (their own tags: nothing of theirs sh
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from typing import NamedTuple, Optional, Sequence, Tuple
@@ -63,7 +64,7 @@ us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us ei
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
-                      has_list: bool = True) -> Plan:
+                      has_list: bool) -> Plan:
     """``plan`` with the copies of a list collective's layout around it: for ``gather``, this
     rank's tensor into its block of the buffer before, every block into its list entry after;
     for ``split``, every list entry into its block before, this rank's block into the tensor
@@ -114,15 +115,15 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
         place = message.place
         if place.slot != 0:
             return place
-        for i in range(blocks.parts):
-            low, high = blocks.offsets[i], blocks.offsets[i + 1]
-            if not (low <= place.start and place.stop <= high):
-                continue
-            if has_list and (message.is_send or receives_into_list):
-                return Place(tensor + 1 + i, place.start - low, place.stop - low)
-            if not has_list and i == rank:
-                return Place(tensor, place.start - low, place.stop - low)
-            return None
+        # The block the place starts in (blocks this large are never empty).
+        i = bisect.bisect_right(blocks.offsets, place.start) - 1
+        if i >= blocks.parts or place.stop > blocks.offsets[i + 1]:
+            return None  # past the buffer, or spanning blocks
+        low = blocks.offsets[i]
+        if has_list and (message.is_send or receives_into_list):
+            return Place(tensor + 1 + i, place.start - low, place.stop - low)
+        if not has_list and i == rank:
+            return Place(tensor, place.start - low, place.stop - low)
         return None
 
     own = blocks.size(rank)
