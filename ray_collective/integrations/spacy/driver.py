@@ -77,18 +77,21 @@ class TrainingFailedError(RuntimeError):
     def __init__(self, failures: List[WorkerFailure]) -> None:
         self.failures = failures
         first = [failure for failure in failures if not failure.in_collective]
-        followers = [failure.rank for failure in failures if failure.in_collective]
+        followers = [failure for failure in failures if failure.in_collective]
         if first:
-            names = ", ".join(str(failure.rank) for failure in first)
-            where = "in spaCy's training loop"
+            message = f"{_ranks(first)} failed in spaCy's training loop"
+            if followers:
+                message += f" ({_ranks(followers)} stopped because of it)"
         else:  # every failure came out of a collective: a death or a timeout, say
-            first, followers, names = failures, [], ", ".join(str(f.rank) for f in failures)
-            where = "in a collective"
-        message = f"rank{'s' if len(first) > 1 else ''} {names} failed {where}"
-        if followers:
-            message += f" (rank{'s' if len(followers) > 1 else ''} " \
-                       f"{', '.join(map(str, followers))} stopped because of it)"
+            first = failures
+            message = f"{_ranks(first)} failed in a collective"
         super().__init__(f"{message}; rank {first[0].rank}'s traceback:\n{first[0].traceback}")
+
+
+def _ranks(failures: List[WorkerFailure]) -> str:
+    """``rank 3`` or ``ranks 0, 1``."""
+    ranks = ", ".join(str(failure.rank) for failure in failures)
+    return f"rank{'s' if len(failures) > 1 else ''} {ranks}"
 
 
 def start_workers(settings: RunSettings) -> List[Any]:
