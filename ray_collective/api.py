@@ -36,7 +36,7 @@ from .declared import declare_in_actors
 from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
 from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
                      UnsupportedOperationError)
-from .group import Group, Work, current_registry
+from .group import Group, Work, current_registry, find_group
 from .tensors import TensorView, as_view, check_op, check_same_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
 from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,
@@ -138,7 +138,7 @@ def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any) -> bool
     (or asynchronous calls are queued): nothing was done then."""
     if key is None or type(group_name) is not str:
         return False
-    group = current_registry().find(group_name)
+    group = find_group(group_name)
     if group is None:
         return False
     runner = group.shape_runners.get(key)

@@ -264,8 +264,16 @@ class Group:
             seq = self._seq
             self._seq = seq + 1
         runner, shape = known
+        recorder = self.recorder
+        # _guarded, inlined: this is the path of every small call.
         with self._running:
-            self._guarded(shape, seq, runner, seq, array)
+            start = clock() if recorder is not None else 0.0
+            try:
+                runner(seq, array)
+            except BaseException as err:
+                self._failed(err, shape, seq, start)
+            if recorder is not None:
+                recorder.finished(shape, seq, start)
         return True
 
     def _raise_if_broken(self) -> None:
@@ -281,26 +289,32 @@ class Group:
 
     def _guarded(self, shape: Optional[CallShape], seq: int, run: Callable, *args) -> None:
         """``run(*args)``, recorded as call ``seq`` of ``shape``, turning its failure into the
-        group's broken state (argument errors found by the backend before anything was sent
-        leave the group usable, unrecorded)."""
+        group's broken state (see :meth:`_failed`)."""
         recorder = self.recorder
         start = clock() if recorder is not None else 0.0
         try:
             run(*args)
-        except GroupBrokenError as err:
+        except BaseException as err:
+            self._failed(err, shape, seq, start)
+        if recorder is not None:
+            recorder.finished(shape, seq, start)
+
+    def _failed(self, err: BaseException, shape: Optional[CallShape], seq: int,
+                start: float) -> None:
+        """Raise the failure ``err`` of call ``seq`` (started at ``start``), recorded, with the
+        group broken by it; argument errors found by the backend before anything was sent
+        leave the group usable, unrecorded."""
+        if isinstance(err, GroupBrokenError):
             self._broken = err.cause
             raised = _from_my_side(err.cause, self.rank) or err
             self._record_failure(shape, seq, start, raised)
             raise raised from None
-        except (TypeError, ValueError):
-            raise
-        except BaseException as err:
-            self._broken = err
-            self._record_failure(shape, seq, start, err)
-            self.membership.abort(err)
-            raise
-        if recorder is not None:
-            recorder.finished(shape, seq, start)
+        if isinstance(err, (TypeError, ValueError)):
+            raise err
+        self._broken = err
+        self._record_failure(shape, seq, start, err)
+        self.membership.abort(err)
+        raise err
 
     # ------------------------------------------------------------------ the flight recorder
 
@@ -551,6 +565,11 @@ def current_registry() -> GroupRegistry:
     """The registry the calling thread uses: its own if set with :func:`use_registry`, else the
     process's."""
     return _active_registry.get(_PROCESS_REGISTRY)
+
+
+def find_group(name: str) -> Optional[Group]:
+    """``current_registry().find(name)`` in one step: every call of a known shape does it."""
+    return _active_registry.get(_PROCESS_REGISTRY)._groups.get(name)
 
 
 @contextlib.contextmanager

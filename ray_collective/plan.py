@@ -110,6 +110,11 @@ class Plan:
         """How many rounds of messages the plan has."""
         return sum(1 for step in self.steps if not isinstance(step, Local))
 
+    def fixed_tail(self) -> Optional[List[np.ndarray]]:
+        """What :meth:`slots` puts after ``buf`` when there is no ``recvbuf``, where it is the
+        same arrays on every call (the scratch is kept); else None."""
+        return None if self._kept is None else [self._empty] + self._kept
+
     def slots(self, buf: Optional[np.ndarray], recvbuf: Optional[np.ndarray] = None
               ) -> List[np.ndarray]:
         """The arrays a call's places refer to: its buffers, then the scratch memory."""

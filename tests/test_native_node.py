@@ -6,6 +6,7 @@ where a rank must die. Ordering between ranks goes through events and the calls 
 never through sleeps; the only time bounds are generous ceilings that a hang would break.
 """
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -34,8 +35,9 @@ HANG = 30.0
 """Seconds after which a test that waits for something declares it hung."""
 
 
-def node(directory, rank, world=2, ring_bytes=1 << 16, part_bytes=4096, spin_ns=0):
-    return _core.Node(directory, rank, world, ring_bytes, part_bytes, spin_ns)
+def node(directory, rank, world=2, ring_bytes=1 << 16, part_bytes=4096, spin_ns=0,
+         remote_min_bytes=0):
+    return _core.Node(directory, rank, world, ring_bytes, part_bytes, spin_ns, remote_min_bytes)
 
 
 def stamp(collective="allreduce", algorithm="recursive_doubling", count=4, seq=0, root=-1,
@@ -118,6 +120,83 @@ def test_world_size_one_and_an_empty_plan_are_done_at_once():
         np.testing.assert_array_equal(call.slots[0], np.ones(4))
 
 
+def run_call(node_, call_, seq, slice_s=0.05, call_code=5):
+    """``Node.run`` of ``call_`` as call number ``seq`` (its header's number is replaced)."""
+    return node_.run(call_.code, call_.slots, call_.header, seq, call_.dtype_code, call_.op_code,
+                     call_.tag, call_code, slice_s)
+
+
+def test_run_writes_the_call_number_into_the_header_and_records_on_the_state_page():
+    """Two ranks run the same header template as calls 7 and 8: rank 0's run is a mismatch
+    whose frame carries 8. With the state page bound, a run that is DONE leaves the rank's
+    started word at seq + 1, its beat at 0 and its call word at start (ms) x span + code; a
+    run left PENDING (its peer absent) leaves its beat at the start."""
+    with node_directory() as directory:
+        template = allreduce(0, seq=0)
+        other = allreduce(1, seq=0)
+
+        def rank1():
+            with node(directory, 1) as n:
+                status = run_call(n, other, 8, slice_s=HANG)
+                return status
+        late = in_thread(rank1)
+        with node(directory, 0) as n:
+            status = run_call(n, template, 7, slice_s=HANG)
+            assert status == _core.MISMATCH
+            got = CallHeader.unpack(n.mismatch_details()["header"])
+            assert got.seq == 8
+        assert late() == _core.MISMATCH
+
+    with node_directory() as directory:
+        page = bytearray(8 * 10)
+        words = memoryview(page).cast("q")
+        nodes = [node(directory, rank) for rank in range(2)]
+        try:
+            for rank, n in enumerate(nodes):
+                n.bind_state(page, 1 + rank, 3 + rank, 5 + rank, 64)
+            before = int(time.monotonic() * 1000)
+            assert run_call(nodes[0], allreduce(0), 3, slice_s=0.01, call_code=5) \
+                == _core.PENDING
+            assert words[1] == 4 and words[3] >= before and words[5] // 64 == words[3]
+            assert words[5] % 64 == 5 and words[2] == words[4] == 0
+            second = in_thread(run_call, nodes[1], allreduce(1), 3, HANG, 9)
+            assert finish(nodes[0]) == _core.DONE
+            assert second() == _core.DONE
+            assert words[2] == 4 and words[4] == 0 and words[6] % 64 == 9
+            # progress() leaves the beat to the caller (NodeState.complete), run() clears it
+            # only when the call is over at its return.
+            assert words[3] >= before
+        finally:
+            for n in nodes:
+                n.close()
+        words.release()
+        page.extend(b"closed")  # BufferError while a closed node still held the page
+
+
+def test_run_and_bind_state_refuse_bad_arguments():
+    with node_directory() as directory, node(directory, 0) as n:
+        call = allreduce(0)
+        with pytest.raises(TypeError, match="9 arguments"):
+            n.run(call.code, call.slots, call.header, 0)
+        with pytest.raises(ValueError, match="at least 0"):
+            run_call(n, call, -1)
+        with pytest.raises(ValueError, match="at least 0"):
+            run_call(n, call, 0, slice_s=-1.0)
+        with pytest.raises(ValueError, match="too short"):
+            n.run(call.code, call.slots, b"short", 0, call.dtype_code, call.op_code, -1, 1, 0.0)
+        with pytest.raises(ValueError, match="no reduction"):
+            n.run(call.code, call.slots, call.header, 0, 99, call.op_code, -1, 1, 0.0)
+        assert not n.active
+        page = bytearray(8 * 4)
+        for words in [(4, 0, 0), (0, -1, 0), (0, 0, 9)]:
+            with pytest.raises(ValueError, match="inside"):
+                n.bind_state(page, *words, 64)
+        with pytest.raises(ValueError, match="code_span"):
+            n.bind_state(page, 0, 1, 2, 0)
+        with pytest.raises(BufferError):
+            n.bind_state(bytes(32), 0, 1, 2, 64)
+
+
 def test_local_steps_copy_and_combine_strided_and_overlapping_places():
     """A reversed 2-D copy between slots, a strided combine, and a copy onto an overlapping
     part of its own slot (numpy reads the source as it was; so must we)."""
@@ -189,6 +268,142 @@ def test_a_call_that_sent_into_overflow_is_done_only_once_the_peer_took_it():
             assert finish(sender) == _core.DONE
             assert got() == _core.DONE
     np.testing.assert_array_equal(out, data)
+
+
+# ------------------------------------------------------------------ reading in place
+
+REMOTE_COUNT = 50_000
+"""float64 elements of the large message the tests below offer to be read in place."""
+
+
+def moved(is_send, peer, data, tag=-1):
+    """A call that sends ``data`` to ``peer`` (or receives into it) on channel ``tag``; with
+    tag -1 a collective that reduces nothing, whose large messages are offered."""
+    plan = point_to_point(is_send, peer, len(data), np.float64)
+    return Call(encode_plan(plan), plan.slots(data), stamp("broadcast", "binomial", len(data),
+                                                           root=0, op="").packed,
+                dtype_code("float64"), NO_OP, tag)
+
+
+def remote_nodes(directory, **node_args):
+    return [node(directory, rank, remote_min_bytes=1024, **node_args) for rank in range(2)]
+
+
+@contextlib.contextmanager
+def offering(data):
+    """Two nodes that read large messages in place, with rank 0's send of ``data`` to rank 1
+    started."""
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            sender.start(*moved(True, 1, data))
+            yield sender, receiver
+
+
+def test_a_large_message_is_read_in_place_and_its_sender_done_once_read():
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with offering(data) as (sender, receiver):
+        assert sender.remote_min_bytes == 1024
+        # Offered: the sender waits for its reader, however long its ring is idle.
+        assert sender.progress(0.005) == _core.PENDING
+        got = in_thread(finish, receiver, moved(False, 0, out))
+        assert finish(sender) == _core.DONE
+        assert got() == _core.DONE
+        assert receiver.remote_reads == 1 and sender.remote_reads == 0
+    np.testing.assert_array_equal(out, data)
+
+
+def test_an_offer_nobody_reads_is_taken_back_and_sent_through_the_ring():
+    """The receiver comes only after the sender's stall outlasted the offer's grace: the
+    sender takes its offer back (its call can then end once its ring is drained) and the
+    receiver gets the message from the ring, reading nothing in place."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with offering(data) as (sender, receiver):
+        for _ in range(3):
+            assert sender.progress(0.05) == _core.PENDING
+        data[:] = -1.0  # the caller's memory is no longer needed once taken back
+        got = in_thread(finish, receiver, moved(False, 0, out))
+        assert finish(sender) == _core.DONE
+        assert got() == _core.DONE
+        assert receiver.remote_reads == 0
+    np.testing.assert_array_equal(out, np.arange(REMOTE_COUNT, dtype=np.float64))
+
+
+def test_an_abandoned_offer_is_never_read():
+    """The sender abandons its call while its offer waits: the receiver then finds it taken
+    back, reads nothing from the sender's memory and waits for data that never comes."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with offering(data) as (sender, receiver):
+        assert sender.progress(0.005) == _core.PENDING
+        sender.abandon()
+        receiver.start(*moved(False, 0, out))
+        assert receiver.progress(0.05) == _core.PENDING
+        assert receiver.remote_reads == 0 and not out.any()
+        receiver.abandon()
+
+
+def test_an_offer_met_by_another_channel_is_declined_and_its_message_comes_through_the_ring():
+    """Rank 1 receives on channel 5 first and meets rank 0's offer (a collective's, channel
+    -1) on the way: it declines it and sets it aside; rank 0 then sends the message through
+    the ring, and rank 1's collective receive later takes it from what was set aside."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    p2p_data, p2p_out = np.full(8, 7.0), np.zeros(8)
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            got = in_thread(finish, receiver, moved(False, 0, p2p_out, tag=5))
+            assert finish(sender, moved(True, 1, data)) == _core.DONE
+            assert finish(sender, moved(True, 1, p2p_data, tag=5)) == _core.DONE
+            assert got() == _core.DONE
+            assert finish(receiver, moved(False, 0, out)) == _core.DONE
+            assert receiver.remote_reads == 0
+    np.testing.assert_array_equal(p2p_out, p2p_data)
+    np.testing.assert_array_equal(out, data)
+
+
+def test_an_offer_whose_cookie_is_wrong_is_denied_and_nothing_is_read():
+    """A hostile REMOTE frame naming memory of this process with a cookie that is not there:
+    the receiver refuses it (DENIED in the frame), reads nothing and waits for data."""
+    secret = np.full(REMOTE_COUNT, 13.0)
+    cookie_there = np.array([1234], np.uint64)
+    out = np.zeros(REMOTE_COUNT)
+    header = stamp("broadcast", "binomial", REMOTE_COUNT, root=0, op="").packed
+    with node_directory() as directory:
+        receiver = node(directory, 1, remote_min_bytes=1024)
+        with receiver:
+            receiver.start(*moved(False, 0, out))
+            assert receiver.progress(0) == _core.PENDING  # its rings exist now
+            offer = np.array([1, os.getpid(), secret.ctypes.data, 4321,
+                              cookie_there.ctypes.data], np.int64)
+            payload_at = 64 + (len(header) + 7) // 8 * 8
+            frame_bytes = (payload_at + offer.nbytes + 63) // 64 * 64
+            head = np.array([3 | (len(header) << 32), frame_bytes, 0, -1, REMOTE_COUNT,
+                             out.nbytes, 0, offer.nbytes], np.int64)
+            frame = bytearray(frame_bytes)
+            frame[:64] = head.tobytes().ljust(64, b"\0")
+            frame[64:64 + len(header)] = header
+            frame[payload_at:payload_at + offer.nbytes] = offer.tobytes()
+            with open(os.path.join(directory, "ring-0-1"), "r+b") as ring:
+                ring.seek(128)
+                ring.write(frame)
+                ring.seek(0)
+                ring.write(np.array([frame_bytes], np.uint64).tobytes())
+            assert receiver.progress(0.05) == _core.PENDING
+            with open(os.path.join(directory, "ring-0-1"), "rb") as ring:
+                ring.seek(128 + payload_at)
+                state = int.from_bytes(ring.read(4), "little")
+            assert state == 6  # RC_REMOTE_DENIED
+            assert receiver.remote_reads == 0 and not out.any()
+            receiver.abandon()
+
+
+def test_bad_remote_min_bytes_is_refused():
+    with node_directory() as directory, pytest.raises(ValueError, match="remote_min_bytes"):
+        node(directory, 0, remote_min_bytes=-1)
 
 
 def test_small_messages_touch_one_page_of_a_large_ring():

@@ -23,7 +23,7 @@ from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice
 from ray_collective.algorithms.core import Blocks, Context, Team
 from ray_collective.algorithms.selector import select
 from ray_collective.executor import run_plan
-from ray_collective.plan import Message, Place, Plan, record
+from ray_collective.plan import Local, Message, Place, Plan, record
 from ray_collective.tensors import combiner
 from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.local import LocalFabric
@@ -157,10 +157,13 @@ def cases_of(algorithm, p, counts, seed):
     return cases
 
 
-def run_world(ranks, cases, p, ring_bytes, part_bytes):
+def run_world(ranks, cases, p, ring_bytes, part_bytes, remote_min_bytes=0):
+    """Run ``cases`` back to back on ``p`` processes; check every result against the Python
+    engine's bits and numpy. Returns the outcomes (per rank, per case)."""
     with node_directory() as directory:
         args = [(directory, rank, p, ring_bytes, part_bytes, 0,
-                 [case.native_call(rank) for case in cases], CALL_TIMEOUT) for rank in range(p)]
+                 [case.native_call(rank) for case in cases], CALL_TIMEOUT, 0.05,
+                 remote_min_bytes) for rank in range(p)]
         outcomes = ranks.run(run_calls, args, timeout=CALL_TIMEOUT * len(cases) + 30)
     for index, case in enumerate(cases):
         statuses = [outcomes[rank][index].status if index < len(outcomes[rank]) else None
@@ -176,6 +179,7 @@ def run_world(ranks, cases, p, ring_bytes, part_bytes):
                     f"call {index} ({case.count} elements, root {case.root}): rank {rank} "
                     f"slot {slot} differs from the Python engine's")
         case.check_numpy(finals)
+    return outcomes
 
 
 def algorithm_cases(world_sizes):
@@ -191,6 +195,26 @@ def algorithm_cases(world_sizes):
 def test_every_algorithm_matches_the_python_engine_and_numpy(ranks, algorithm, p):
     cases = cases_of(algorithm, p, (0, 1, 7, LARGE), seed=p)
     run_world(ranks, cases, p, ring_bytes=1 << 16, part_bytes=256)
+
+
+@pytest.mark.parametrize("algorithm, p", list(algorithm_cases((2, 3, 4))))
+def test_large_messages_read_in_place_give_the_same_bits(ranks, algorithm, p):
+    """Every message of 64 bytes or more offered to be read in place (remote.c), over rings
+    too small to hold one: the same bits as the Python engine and numpy. A collective that
+    reduces nothing reads its large messages in place; one that reduces never does."""
+    cases = cases_of(algorithm, p, (7, LARGE), seed=p + 200)
+    outcomes = run_world(ranks, cases, p, ring_bytes=1024, part_bytes=16, remote_min_bytes=64)
+    for index, case in enumerate(cases):
+        reads = sum(outcomes[rank][index].remote_reads for rank in range(p))
+        if case.combine is not None:
+            assert reads == 0, f"call {index}: a reduction read {reads} messages in place"
+        else:
+            large = sum(message.is_send and (message.place.stop - message.place.start)
+                        * plan.dtype.itemsize >= 64
+                        for plan in case.plans for step in plan.steps if type(step) is not Local
+                        for message in step)
+            assert reads == large, (f"call {index} ({algorithm.name}): {reads} of {large} "
+                                    f"messages of 64 bytes or more were read in place")
 
 
 @pytest.mark.parametrize("algorithm, p", list(algorithm_cases((2, 3, 4, 8))))

@@ -199,11 +199,22 @@ class TransportMembership(Membership):
         if view is not None:
             dtype_name = view.dtype_name
         native, native_run = prepared.native, self.native and self.native.run
+        tail = plan.fixed_tail()
+        if native is not None and tail is not None and not average:
+            # The core takes the caller's array as it is (any C-contiguous shape): no reshape,
+            # and the slots after it are the same every call.
+            nothing = plan.slots(None)[0]
+
+            def run_in_core(seq: int, array) -> None:
+                native_run(native, [nothing if array is None else array, *tail], template, seq,
+                           timeout, what)
+
+            return run_in_core
 
         def run(seq: int, array) -> None:
             flat = None if array is None else array.reshape(-1)
             if native is not None:
-                native_run(native, plan.slots(flat), template.stamp(seq), timeout, what)
+                native_run(native, plan.slots(flat), template, seq, timeout, what)
             else:
                 run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
                          combine, timeout, what)
@@ -230,7 +241,7 @@ class TransportMembership(Membership):
             def run_in_core(seq: int, arrays) -> None:
                 tensor, others = arrays
                 native_run(native, [*head, tensor, *others] if uses_list else [*head, tensor],
-                           template.stamp(seq), timeout, what)
+                           template, seq, timeout, what)
                 if average:
                     finalize_average(tensor.reshape(-1), dtype_name, world_size)
 
@@ -297,7 +308,7 @@ class TransportMembership(Membership):
         if collective in _LISTS_IN_CORE:
             lists = (layout, blocks, rank, collective in _LISTS or rank == options.root)
         native = None if self.native is None else self.native.prepare(
-            plan, dtype_name, options.op if reducing else None, lists)
+            plan, collective.value, dtype_name, options.op if reducing else None, lists)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
                             COLLECTIVE_TAG, layout, average, native)
 
@@ -324,8 +335,8 @@ class TransportMembership(Membership):
                 buffer = prepared.kept_buffer
                 if buffer is None:
                     buffer = np.empty(blocks.total, plan.dtype)
-            self.native.run(native, plan.slots(buffer) + [tensor, *lists], stamp,
-                            options.timeout, options.collective.value)
+            self.native.run(native, plan.slots(buffer) + [tensor, *lists], prepared.template,
+                            stamp.seq, options.timeout, options.collective.value)
             return
         recvbuf = None
         if layout == "in place":
@@ -340,8 +351,8 @@ class TransportMembership(Membership):
             if layout == "exchange":
                 recvbuf = np.empty(blocks.total, plan.dtype)
         if prepared.native is not None:
-            self.native.run(prepared.native, plan.slots(buf, recvbuf), stamp, options.timeout,
-                            options.collective.value)
+            self.native.run(prepared.native, plan.slots(buf, recvbuf), prepared.template,
+                            stamp.seq, options.timeout, options.collective.value)
         else:
             run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
                      prepared.combine, options.timeout, options.collective.value)

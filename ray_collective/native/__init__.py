@@ -4,9 +4,12 @@ over shared memory with the GIL released.
 Importing this package never fails: :func:`available` says whether the extension was built and
 imports, :func:`import_error` why not. The extension, ``ray_collective.native._core``::
 
-    node = Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns)
+    node = Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns,
+                remote_min_bytes=0)
     node.start(code, slots, header, dtype_code, op_code, tag=-1)
     status = node.progress(slice_s)        # DONE, PENDING or MISMATCH
+    status = node.run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s)
+    node.bind_state(page, started_word, beat_word, call_word, code_span)
     node.mismatch_details()                # after MISMATCH: a dict, else None
     node.abandon()                         # forget a failed or unfinished call
     node.wake_all()                        # every rank of the node returns PENDING once, now
@@ -23,8 +26,13 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   call that names a peer, ``ring-<src>-<dst>`` (128 + ring_bytes, of which tmpfs backs only the
   pages touched). A file that is a symlink is refused with OSError (ELOOP), one of another
   user or open to group or others with PermissionError, one of another size with OSError
-  (EINVAL); ValueError for bad parameters. Read-only attributes: ``rank``, ``world_size``,
-  ``ring_bytes``, ``part_bytes``, ``spin_ns``, ``active`` (a call is running).
+  (EINVAL); ValueError for bad parameters. ``remote_min_bytes`` (0: never): in a collective
+  that reduces nothing (op code ``NO_OP``, a negative tag), a message this large is offered to
+  its receiver, which reads it from the sender's memory itself (``process_vm_readv``, one copy
+  instead of two; ``remote.c`` says how the two sides agree, and falls back to the ring where
+  the kernel refuses). Read-only attributes: ``rank``, ``world_size``, ``ring_bytes``,
+  ``part_bytes``, ``spin_ns``, ``remote_min_bytes``, ``remote_reads`` (messages this rank has
+  read in place), ``active`` (a call is running).
 - ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
   ``plan.slots(buf, recvbuf)`` (C-contiguous, aligned, of the dtype code's item size;
   writable, except a slot the plan only sends from: a reduce's input on a rank that gets no
@@ -41,6 +49,13 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   (call again: it resumes where it stopped; also returned at once, once per ``wake_all`` by
   any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
   this rank expects; the call is over). MemoryError if overflow memory runs out.
+- ``run(...)``: ``start`` and a first ``progress(slice_s)`` in one call, the cheap way to run a
+  small call: ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
+  replaced by ``seq``. Once ``bind_state`` named this rank's words of its group's state page
+  (``transport.node_state``: int64 words of a writable buffer the node holds until it
+  closes), ``run`` records there what ``NodeState.arrive`` would (the started call number, a
+  beat of now in milliseconds of ``CLOCK_MONOTONIC``, and now times ``code_span`` plus
+  ``call_code``), and on ``DONE`` what ``NodeState.complete`` would (a beat of 0).
 - ``mismatch_details()``: ``peer``; ``reason`` (``"header"``, ``"step"``, ``"count"``,
   ``"part"`` or ``"a malformed frame"``); what the message said: ``header`` (its packed call
   header, for ``wire.mismatch``), ``step``, ``count``, ``nbytes``, ``part_offset``,
@@ -53,7 +68,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
 Semantics kept from ``executor.run_plan``: messages between two ranks on one tag are matched in
 posting order; each part's header, step, element count, message size and offset are checked
 against the receive. Sends are eager: a send completes once its bytes are in the ring or copied
-aside (see ``executor.c``), so any plan runs whatever ``ring_bytes``. One difference from the
+aside (see ``executor.c``), so any plan runs whatever ``ring_bytes``; an offered message
+completes once its receiver has read it, or, after a stall of 20 ms, is taken back and sent
+through the ring like the others. One difference from the
 Python transport: a call ends only when every byte it sent is in a ring, so a send whose
 receiver never posts a receive from this rank and never drains its ring (a point-to-point
 message larger than the ring that the peer receives only after a collective in which it does
@@ -61,8 +78,8 @@ not hear from this rank) waits for it, as MPI's large sends do.
 
 Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
 ``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
-``executor.c`` (a call's messages and local steps), ``progress.c`` (waiting), ``module.c``
-(this API).
+``executor.c`` (a call's messages and local steps), ``remote.c`` (large messages read in
+place), ``progress.c`` (waiting), ``module.c`` (this API).
 """
 
 from __future__ import annotations

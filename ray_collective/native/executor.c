@@ -70,7 +70,7 @@ static int queue_send(rc_node *node, int64_t index, const int64_t *message)
     int64_t count = message[5] - message[4];
     rc_link *link = node->links[peer];
     *out = (rc_outgoing){NULL, call->slots[message[3]].base + message[4] * call->itemsize, NULL,
-                         message[2], count, count * call->itemsize, 0, index};
+                         message[2], count, count * call->itemsize, 0, index, NULL, 0};
     if (link->queue_last != NULL)
         link->queue_last->next = out;
     else
@@ -84,6 +84,45 @@ static int queue_send(rc_node *node, int64_t index, const int64_t *message)
     return 0;
 }
 
+/* The send at the head of the link's queue has left: its round may end without it. */
+static void sent(rc_call *call, rc_link *link, rc_outgoing *out)
+{
+    link->queue = out->next;
+    if (link->queue == NULL)
+        link->queue_last = NULL;
+    if (out->message >= 0) {
+        call->progress[out->message] = -1;
+        call->left--;
+        call->attached--;
+    }
+}
+
+/* Where the offer of `out` stands for its sender: RC_REMOTE_OFFERED while the receiver may
+ * still read it (OFFERED or TAKING), RC_REMOTE_TAKEN once read; otherwise the offer is
+ * dropped (withdrawn or refused, the message to be framed as DATA) and 0 is returned. */
+static int offer_outcome(rc_link *link, rc_outgoing *out)
+{
+    int state = rc_remote_state(out);
+    if (state == RC_REMOTE_OFFERED || state == RC_REMOTE_TAKING)
+        return RC_REMOTE_OFFERED;
+    if (state == RC_REMOTE_TAKEN)
+        return RC_REMOTE_TAKEN;
+    if (state == RC_REMOTE_DENIED)
+        link->remote_denied = 1;
+    out->offer = NULL;
+    return 0;
+}
+
+/* Whether `out` goes as an offer to read it in place (remote.c): a large message of a call
+ * that reduces nothing, still in the caller's memory, to a peer that can read this process. */
+static int to_offer(const rc_node *node, const rc_link *link, const rc_outgoing *out)
+{
+    const rc_call *call = &node->call;
+    return node->remote_min > 0 && (uint64_t)out->nbytes >= node->remote_min
+           && call->kernel == NULL && call->tag < 0 && out->message >= 0 && !out->offered
+           && out->owned == NULL && out->framed == 0 && !link->remote_denied;
+}
+
 /* Frames what the link's queue holds into its ring while there is room. */
 static int pump(rc_node *node, int peer, rc_link *link)
 {
@@ -92,6 +131,22 @@ static int pump(rc_node *node, int peer, rc_link *link)
     uint64_t payload_at = rc_payload_offset(call->header_len);
     while (link->queue != NULL) {
         rc_outgoing *out = link->queue;
+        if (out->offer != NULL) {
+            int outcome = offer_outcome(link, out);
+            if (outcome == RC_REMOTE_OFFERED)
+                break; /* later messages of the link wait behind it */
+            moved = 1;
+            if (outcome == RC_REMOTE_TAKEN) {
+                sent(call, link, out);
+                rc_outgoing_recycle(node, out);
+                continue;
+            }
+        } else if (to_offer(node, link, out)) {
+            if (!rc_remote_offer(node, peer, link, out))
+                break;
+            moved = 1;
+            continue;
+        }
         uint64_t part = (uint64_t)(out->nbytes - out->framed);
         part = part < call->part_max ? part : call->part_max;
         uint64_t bytes = rc_frame_bytes(call->header_len, part);
@@ -109,14 +164,7 @@ static int pump(rc_node *node, int peer, rc_link *link)
         out->data += part;
         out->framed += (int64_t)part; /* a message of 0 bytes goes as one frame of 0 */
         if (out->framed == out->nbytes) {
-            link->queue = out->next;
-            if (link->queue == NULL)
-                link->queue_last = NULL;
-            if (out->message >= 0) {
-                call->progress[out->message] = -1;
-                call->left--;
-                call->attached--;
-            }
+            sent(call, link, out);
             rc_outgoing_recycle(node, out);
         }
     }
@@ -150,6 +198,8 @@ static int stash(rc_node *node, int peer, rc_link *link, const rc_frame *frame,
         return RC_FAILED;
     }
     kept->next = NULL;
+    if (frame->kind == RC_FRAME_REMOTE) /* its state would not be shared once copied */
+        rc_remote_decline(node, peer, (rc_remote *)(at + rc_payload_offset(frame->header_len)));
     memcpy(kept->frame, at, frame->frame_bytes);
     memcpy(kept->frame, frame, sizeof *frame); /* the head as checked */
     if (link->stash_last != NULL)
@@ -190,6 +240,25 @@ static int next_frame(rc_node *node, int peer, rc_link *link, rc_frame *frame,
     }
 }
 
+/* Lets go of a frame that has been used: out of the stash, or released in the ring. */
+static void drop_frame(rc_node *node, int peer, rc_link *link, const rc_frame *frame,
+                       rc_stashed **kept)
+{
+    if (kept != NULL) {
+        rc_stashed *used = *kept;
+        *kept = used->next;
+        if (link->stash_last == used) {
+            link->stash_last = NULL;
+            for (rc_stashed *p = link->stash; p != NULL; p = p->next)
+                link->stash_last = p;
+        }
+        free(used);
+    } else {
+        rc_ring_release(&link->in, frame->frame_bytes);
+        rc_bell_ring(node->doorbell, peer);
+    }
+}
+
 /* Takes what has arrived for receive `index` of the round. */
 static int receive(rc_node *node, int64_t index, const int64_t *message)
 {
@@ -213,6 +282,25 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             return fail_mismatch(node, peer, frame.step != message[2] ? "step" : "count", &frame,
                                  header, message);
         int64_t received = call->progress[index], part = frame.part_bytes;
+        if (frame.kind == RC_FRAME_REMOTE) {
+            if (frame.nbytes != nbytes || frame.part_offset != 0 || received != 0
+                    || part != (int64_t)sizeof(rc_remote))
+                return fail_mismatch(node, peer, "part", &frame, header, message);
+            rc_remote *offer = (rc_remote *)(at + rc_payload_offset(frame.header_len));
+            int taken = rc_remote_take(node, peer, link, offer,
+                                       call->slots[message[3]].base
+                                       + message[4] * call->itemsize, nbytes,
+                                       (message[0] & RC_MESSAGE_REDUCE) != 0, kept != NULL);
+            if (taken < 0)
+                return moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
+            drop_frame(node, peer, link, &frame, kept);
+            moved = 1;
+            if (taken == 1) {
+                call->progress[index] = -1;
+                call->left--;
+            }
+            continue;
+        }
         if (frame.nbytes != nbytes || frame.part_offset != received || part % call->itemsize
                 || part > nbytes - received || (part == 0 && nbytes != 0))
             return fail_mismatch(node, peer, "part", &frame, header, message);
@@ -223,19 +311,7 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             call->kernel(target, payload, part / call->itemsize, 1, 1);
         else
             memcpy(target, payload, (size_t)part);
-        if (kept != NULL) {
-            rc_stashed *used = *kept;
-            *kept = used->next;
-            if (link->stash_last == used) {
-                link->stash_last = NULL;
-                for (rc_stashed *p = link->stash; p != NULL; p = p->next)
-                    link->stash_last = p;
-            }
-            free(used);
-        } else {
-            rc_ring_release(&link->in, frame.frame_bytes);
-            rc_bell_ring(node->doorbell, peer);
-        }
+        drop_frame(node, peer, link, &frame, kept);
         moved = 1;
         received += part;
         if (received == nbytes) {
@@ -310,13 +386,22 @@ int rc_pass(rc_node *node)
 }
 
 /* Copies what the round's sends have not framed yet into overflow memory. */
-int rc_detach(rc_node *node)
+int rc_detach(rc_node *node, int offers_too)
 {
     rc_call *call = &node->call;
+    int detached = 0;
     for (int i = 0; i < node->n_senders; i++) {
-        for (rc_outgoing *out = node->links[node->senders[i]]->queue; out; out = out->next) {
+        rc_link *link = node->links[node->senders[i]];
+        for (rc_outgoing *out = link->queue; out; out = out->next) {
             if (out->message < 0)
                 continue;
+            if (out->offer != NULL) {
+                int withdrawn = offers_too && rc_remote_withdraw(out, 0);
+                if (!withdrawn && offer_outcome(link, out) != 0)
+                    continue; /* still offered, being read, or read: the pump finishes it */
+            }
+            out->offer = NULL;
+            detached = 1;
             size_t rest = (size_t)(out->nbytes - out->framed);
             if (rest != 0) {
                 out->owned = malloc(rest);
@@ -333,7 +418,7 @@ int rc_detach(rc_node *node)
             out->message = -1;
         }
     }
-    return RC_PASS_PROGRESS;
+    return detached ? RC_PASS_PROGRESS : RC_PASS_IDLE;
 }
 
 /* A first frame of this call's tag and number whose header differs from ours. */

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "node.h"
@@ -21,7 +22,20 @@ typedef struct {
     Py_buffer *views; /* the slots of the running call */
     int n_views;
     int64_t views_capacity;
+    /* The rank's words on its group's state page (bind_state), which run() keeps as the
+     * transport's NodeState.arrive and complete would; page.buf is NULL when unbound. */
+    Py_buffer page;
+    int64_t *started_word, *beat_word, *call_word;
+    int64_t code_span;
 } NodeObject;
+
+static void release_page(NodeObject *self)
+{
+    if (self->page.buf != NULL) {
+        PyBuffer_Release(&self->page);
+        self->page.buf = NULL;
+    }
+}
 
 static void release_views(NodeObject *self)
 {
@@ -47,14 +61,20 @@ static PyObject *node_error(NodeObject *self, int kind)
 static int Node_init(NodeObject *self, PyObject *args, PyObject *kwds)
 {
     static char *keywords[] = {"directory", "rank", "world_size", "ring_bytes", "part_bytes",
-                               "spin_ns", NULL};
+                               "spin_ns", "remote_min_bytes", NULL};
     PyObject *path = NULL;
     int rank, world;
     unsigned long long ring_bytes, part_bytes;
-    long long spin_ns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&iiKKL", keywords, PyUnicode_FSConverter,
-                                     &path, &rank, &world, &ring_bytes, &part_bytes, &spin_ns))
+    long long spin_ns, remote_min = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&iiKKL|L", keywords, PyUnicode_FSConverter,
+                                     &path, &rank, &world, &ring_bytes, &part_bytes, &spin_ns,
+                                     &remote_min))
         return -1;
+    if (remote_min < 0) {
+        Py_DECREF(path);
+        PyErr_SetString(PyExc_ValueError, "remote_min_bytes must be at least 0");
+        return -1;
+    }
     if (self->opened) {
         Py_DECREF(path);
         PyErr_SetString(PyExc_RuntimeError, "this Node is open already");
@@ -77,7 +97,8 @@ static int Node_init(NodeObject *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     Py_DECREF(path);
-    int opened = rc_node_open(&self->node, fd, rank, world, ring_bytes, part_bytes, spin_ns);
+    int opened = rc_node_open(&self->node, fd, rank, world, ring_bytes, part_bytes, spin_ns,
+                              (uint64_t)remote_min);
     if (opened != RC_OK) {
         node_error(self, opened);
         rc_node_close(&self->node);
@@ -201,16 +222,11 @@ static int take_header(rc_call *call, const Py_buffer *header)
     return 0;
 }
 
-static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
+/* Check and take a call's code, slots and header (its sequence number written in when seq is
+ * not negative), and start it; 0, or -1 with the Python error set. */
+static int begin_call(NodeObject *self, PyObject *code, PyObject *slots, const Py_buffer *header,
+                      long long seq, int dtype, int op, long long tag)
 {
-    static char *keywords[] = {"code", "slots", "header", "dtype_code", "op_code", "tag", NULL};
-    PyObject *code, *slots;
-    Py_buffer header;
-    int dtype, op;
-    long long tag = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*ii|L", keywords, &code, &slots, &header,
-                                     &dtype, &op, &tag))
-        return NULL;
     rc_call *call = &self->node.call;
     int failed = check_usable(self);
     if (!failed && call->active) {
@@ -224,23 +240,81 @@ static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
                      op);
         failed = -1;
     }
+    if (!failed && seq >= 0 && header->len < RC_HEADER_SEQ_OFFSET + 8) {
+        PyErr_SetString(PyExc_ValueError, "the call header is too short to hold its number");
+        failed = -1;
+    }
     if (!failed) {
         call->itemsize = rc_itemsize(dtype);
         call->kernel = op == RC_OP_NONE ? NULL : rc_kernel_for(dtype, op);
         call->tag = tag;
-        failed = take_header(call, &header) || take_code(call, code) || take_slots(self, slots);
+        failed = take_header(call, header) || take_code(call, code) || take_slots(self, slots);
     }
-    PyBuffer_Release(&header);
     if (failed)
-        return NULL;
+        return -1;
+    if (seq >= 0) {
+        /* Little-endian, as wire.CallHeader packs it. */
+        for (int i = 0; i < 8; i++)
+            call->header[RC_HEADER_SEQ_OFFSET + i] = (unsigned char)((uint64_t)seq >> (8 * i));
+    }
     free(self->node.mismatch.header);
     memset(&self->node.mismatch, 0, sizeof self->node.mismatch);
     int started = rc_call_start(&self->node);
     if (started != RC_OK) {
         release_views(self);
-        return node_error(self, started);
+        node_error(self, started);
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *keywords[] = {"code", "slots", "header", "dtype_code", "op_code", "tag", NULL};
+    PyObject *code, *slots;
+    Py_buffer header;
+    int dtype, op;
+    long long tag = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*ii|L", keywords, &code, &slots, &header,
+                                     &dtype, &op, &tag))
+        return NULL;
+    int failed = begin_call(self, code, slots, &header, -1, dtype, op, tag);
+    PyBuffer_Release(&header);
+    if (failed)
+        return NULL;
     Py_RETURN_NONE;
+}
+
+/* Run the started call for at most slice_ns with the GIL released: its status, or -1 with the
+ * Python error set (the call is then over). */
+static int progress_call(NodeObject *self, int64_t slice_ns)
+{
+    int status;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    status = rc_progress(&self->node, slice_ns);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (status != RC_PENDING)
+        release_views(self);
+    if (status == RC_FAILED) {
+        PyErr_SetString(PyExc_MemoryError, self->node.error);
+        return -1;
+    }
+    return status;
+}
+
+static int64_t slice_ns_of(double slice_s)
+{
+    return slice_s < 1e9 ? (int64_t)(slice_s * 1e9) : (int64_t)1e18;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t ms = (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+    return ms ? ms : 1; /* 0 means "not in a call", as in node_state._now_ms */
 }
 
 static PyObject *Node_progress(NodeObject *self, PyObject *args)
@@ -256,19 +330,76 @@ static PyObject *Node_progress(NodeObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "slice_s must be at least 0");
         return NULL;
     }
-    int64_t slice_ns = slice_s < 1e9 ? (int64_t)(slice_s * 1e9) : (int64_t)1e18;
-    int status;
-    self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    status = rc_progress(&self->node, slice_ns);
-    Py_END_ALLOW_THREADS
-    self->busy = 0;
-    if (status != RC_PENDING)
-        release_views(self);
-    if (status == RC_FAILED) {
-        PyErr_SetString(PyExc_MemoryError, self->node.error);
+    int status = progress_call(self, slice_ns_of(slice_s));
+    return status < 0 ? NULL : PyLong_FromLong(status);
+}
+
+static PyObject *Node_bind_state(NodeObject *self, PyObject *args)
+{
+    PyObject *page;
+    Py_ssize_t started, beat, called;
+    long long code_span;
+    if (!PyArg_ParseTuple(args, "OnnnL", &page, &started, &beat, &called, &code_span)
+            || check_usable(self) != 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(page, &view, PyBUF_WRITABLE) != 0)
+        return NULL;
+    Py_ssize_t words = view.len / 8;
+    if ((uintptr_t)view.buf % 8 != 0 || started < 0 || beat < 0 || called < 0
+            || started >= words || beat >= words || called >= words || code_span < 1) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "the state words must lie inside an aligned page, "
+                        "and code_span must be positive");
         return NULL;
     }
+    release_page(self);
+    self->page = view;
+    self->started_word = (int64_t *)view.buf + started;
+    self->beat_word = (int64_t *)view.buf + beat;
+    self->call_word = (int64_t *)view.buf + called;
+    self->code_span = code_span;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "run(code, slots, header, seq, dtype_code, op_code, "
+                        "tag, call_code, slice_s) takes 9 arguments");
+        return NULL;
+    }
+    long long seq = PyLong_AsLongLong(args[3]);
+    long dtype = PyLong_AsLong(args[4]), op = PyLong_AsLong(args[5]);
+    long long tag = PyLong_AsLongLong(args[6]), call_code = PyLong_AsLongLong(args[7]);
+    double slice_s = PyFloat_AsDouble(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (seq < 0 || !(slice_s >= 0.0) || dtype > INT32_MAX || dtype < INT32_MIN
+            || op > INT32_MAX || op < INT32_MIN) {
+        PyErr_SetString(PyExc_ValueError, "seq and slice_s must be at least 0, the codes ints");
+        return NULL;
+    }
+    Py_buffer header;
+    if (PyObject_GetBuffer(args[2], &header, PyBUF_SIMPLE) != 0)
+        return NULL;
+    int failed = begin_call(self, args[0], args[1], &header, seq, (int)dtype, (int)op, tag);
+    PyBuffer_Release(&header);
+    if (failed)
+        return NULL;
+    if (self->page.buf != NULL) {
+        /* What NodeState.arrive records: the call started, its rank alive in it since now. */
+        int64_t now = now_ms();
+        if (*self->started_word < seq + 1)
+            *self->started_word = seq + 1;
+        *self->beat_word = now;
+        *self->call_word = now * self->code_span + call_code;
+    }
+    int status = progress_call(self, slice_ns_of(slice_s));
+    if (status < 0)
+        return NULL;
+    if (status == RC_DONE && self->page.buf != NULL)
+        *self->beat_word = 0; /* NodeState.complete: out of the call */
     return PyLong_FromLong(status);
 }
 
@@ -332,6 +463,7 @@ static PyObject *Node_close(NodeObject *self, PyObject *unused)
     }
     if (self->opened) {
         release_views(self);
+        release_page(self);
         rc_node_close(&self->node);
         self->opened = 0;
     }
@@ -359,6 +491,7 @@ static void Node_dealloc(NodeObject *self)
         release_views(self);
         rc_node_close(&self->node);
     }
+    release_page(self);
     free(self->views);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -367,6 +500,13 @@ static PyMethodDef Node_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Node_start, METH_VARARGS | METH_KEYWORDS,
      "start(code, slots, header, dtype_code, op_code, tag=-1): begin a call (see the package "
      "docstring)"},
+    {"run", (PyCFunction)(void (*)(void))Node_run, METH_FASTCALL,
+     "run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s) -> DONE, "
+     "PENDING or MISMATCH: start() with call number seq written into the header, then "
+     "progress(slice_s); keeps the state words bind_state() named"},
+    {"bind_state", (PyCFunction)Node_bind_state, METH_VARARGS,
+     "bind_state(page, started_word, beat_word, call_word, code_span): the int64 words of "
+     "this rank on its group's state page that run() keeps"},
     {"progress", (PyCFunction)Node_progress, METH_VARARGS,
      "progress(slice_s) -> DONE, PENDING or MISMATCH: run the call for at most slice_s seconds"},
     {"scan_incoming", (PyCFunction)Node_scan_incoming, METH_NOARGS,
@@ -392,6 +532,10 @@ static PyMemberDef Node_members[] = {
      "the largest part of a message"},
     {"spin_ns", T_LONGLONG, offsetof(NodeObject, node.spin_ns), READONLY,
      "how long a waiting rank polls before it sleeps"},
+    {"remote_min_bytes", T_ULONGLONG, offsetof(NodeObject, node.remote_min), READONLY,
+     "messages of a reduction-free collective this large are read in place (0: never)"},
+    {"remote_reads", T_LONGLONG, offsetof(NodeObject, node.remote_reads), READONLY,
+     "messages this rank has read in place from its peers' memory"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -405,7 +549,8 @@ static PyTypeObject NodeType = {
     .tp_name = "ray_collective.native._core.Node",
     .tp_basicsize = sizeof(NodeObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns): one rank's "
+    .tp_doc = "Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns, "
+              "remote_min_bytes=0): one rank's "
               "shared memory and executor on a node (see the package docstring)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Node_init,

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,7 +17,7 @@
 #define MIN_RING_BYTES 1024
 
 int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
-                 uint64_t part_bytes, int64_t spin_ns)
+                 uint64_t part_bytes, int64_t spin_ns, uint64_t remote_min)
 {
     memset(node, 0, sizeof *node);
     node->dirfd = dirfd;
@@ -32,6 +33,13 @@ int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_by
     node->ring_bytes = ring_bytes;
     node->part_bytes = part_bytes;
     node->spin_ns = spin_ns;
+    node->remote_min = remote_min;
+    node->pid = (int64_t)getpid();
+    if (remote_min > 0 && getrandom(&node->cookie, sizeof node->cookie, 0)
+            != (ssize_t)sizeof node->cookie) {
+        snprintf(node->error, sizeof node->error, "getrandom: no cookie for remote reads");
+        return RC_OS_ERROR;
+    }
     node->doorbell_bytes = (size_t)RC_LINE * (1 + (size_t)world);
     void *map = NULL;
     const char *failed = rc_map_file(dirfd, "doorbell", node->doorbell_bytes, &map);
@@ -69,6 +77,9 @@ void rc_call_end(rc_node *node)
         while (link->queue != NULL) {
             rc_outgoing *out = link->queue;
             link->queue = out->next;
+            /* The caller may reuse its memory at once: no peer may read it any more. */
+            if (out->offer != NULL)
+                rc_remote_withdraw(out, 1);
             rc_outgoing_recycle(node, out);
         }
         link->queue_last = NULL;
@@ -221,6 +232,7 @@ int rc_call_start(rc_node *node)
     call->round = NULL;
     call->left = call->attached = 0;
     call->detach_armed = 0;
+    call->stalled_since = 0;
     call->active = 1;
     return RC_OK;
 }

@@ -30,7 +30,27 @@ typedef struct rc_outgoing {
     unsigned char *owned;      /* the overflow copy, or NULL */
     int64_t step, count, nbytes, framed; /* framed: bytes already in the ring */
     int64_t message;           /* its index in the current round, -1 once detached */
+    struct rc_remote *offer;   /* its REMOTE frame's offer while the receiver may read it */
+    int offered;               /* it was offered once (a refused offer is not made again) */
 } rc_outgoing;
+
+/* The payload of a REMOTE frame (remote.c): the receiver reads the message from the sender's
+ * memory itself; `state` (RC_REMOTE_*) is where both sides agree on who has it. */
+typedef struct rc_remote {
+    _Atomic uint32_t state;
+    uint32_t unused;
+    int64_t pid;
+    uint64_t address;      /* the message's first byte in the sender's memory */
+    uint64_t cookie;       /* the sender node's cookie ... */
+    uint64_t cookie_address; /* ... and where it lies in the sender's memory */
+} rc_remote;
+
+/* OFFERED: the sender waits. TAKING: the receiver reads. TAKEN: the bytes are in place.
+ * WITHDRAWN (sender) and DECLINED, DENIED (receiver; DENIED: it cannot read that process):
+ * the message follows as DATA frames. POISONED: the sender abandoned its call while the
+ * receiver read, which then throws away what it read. */
+enum { RC_REMOTE_OFFERED = 1, RC_REMOTE_TAKING, RC_REMOTE_TAKEN, RC_REMOTE_WITHDRAWN,
+       RC_REMOTE_DECLINED, RC_REMOTE_DENIED, RC_REMOTE_POISONED };
 
 /* A frame taken out of a ring early because it belongs to another tag (channel). */
 typedef struct rc_stashed {
@@ -43,6 +63,9 @@ typedef struct {
     rc_outgoing *queue, *queue_last;
     rc_stashed *stash, *stash_last;
     int sending; /* listed in node->senders */
+    int remote_denied; /* the peer cannot read this process: offer it nothing more */
+    int64_t verified_pid; /* the peer process whose cookie this rank has read (0: none) */
+    uint64_t verified_cookie;
 } rc_link;
 
 typedef struct {
@@ -83,6 +106,7 @@ typedef struct {
     int64_t progress_capacity;
     int64_t attached;     /* sends of the round still reading the caller's memory */
     int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
+    int64_t stalled_since; /* when the current stall of a call with attached sends began */
 } rc_call;
 
 typedef struct rc_node {
@@ -98,6 +122,10 @@ typedef struct rc_node {
     uint64_t *blocked, pass;    /* per peer: the pass in which a receive from it waited */
     uint8_t *peer_use;          /* per peer, while a call starts: RC_USE_* bits */
     rc_outgoing *spare;         /* finished outgoing records, for reuse */
+    uint64_t remote_min;        /* offer messages of this many bytes or more (0: never) */
+    uint64_t cookie;            /* a random word a reader checks it reads the right process */
+    int64_t pid;
+    int64_t remote_reads;       /* messages this rank has read in place, ever */
     rc_call call;
     rc_mismatch mismatch;
     char error[256];            /* why the last start or open failed */
@@ -108,7 +136,7 @@ enum { RC_OK = 0, RC_INVALID = 1, RC_OS_ERROR = 2 }; /* errors: the text is node
 
 /* node.c. Opening: the caller has opened `dirfd`, which the node then owns. */
 int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
-                 uint64_t part_bytes, int64_t spin_ns);
+                 uint64_t part_bytes, int64_t spin_ns, uint64_t remote_min);
 void rc_node_close(rc_node *node);
 /* Starts the call the caller has put in node->call (code, slots, header, dtype, kernel, tag):
  * checks it, opens the rings it needs. */
@@ -126,8 +154,10 @@ int rc_progress(rc_node *node, int64_t slice_ns);
 enum { RC_PASS_IDLE = -1, RC_PASS_PROGRESS = -2 };
 /* One pass over everything pending. */
 int rc_pass(rc_node *node);
-/* Copies what the round's sends have not framed yet into overflow memory; they count as done. */
-int rc_detach(rc_node *node);
+/* Copies what the round's sends have not framed yet into overflow memory; they count as done.
+ * Offers (remote.c) are taken back first only when `offers_too`; one being read stays.
+ * RC_PASS_IDLE when nothing could be detached. */
+int rc_detach(rc_node *node, int offers_too);
 /* Opens, to read, every ring a peer has made towards this rank that this rank has not opened
  * (RC_OK, or RC_OS_ERROR with node->error): the early mismatch check then sees the messages
  * of peers this rank never expects (ranks that disagree about a root disagree about who
@@ -137,6 +167,23 @@ int rc_scan_incoming(rc_node *node);
 /* RC_MISMATCH if a ring holds a frame of this call number with another header, else
  * RC_PASS_IDLE. */
 int rc_early_mismatch(rc_node *node);
+
+/* remote.c: single-copy reads of large messages. */
+/* Sender: frames the offer of `out` into the link's ring; 1, or 0 when the ring is full. */
+int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out);
+/* Sender: what the receiver did with the offer (an RC_REMOTE_* state). */
+int rc_remote_state(const rc_outgoing *out);
+/* Sender: takes the offer back (1), or cannot while the receiver reads (0); when `abandon`,
+ * a read in progress is poisoned instead (its reader throws it away). */
+int rc_remote_withdraw(rc_outgoing *out, int abandon);
+/* Receiver: reads the message offered by the REMOTE frame `offer` into `target` (nbytes):
+ * 1 once there; 0 when it was not taken (its DATA frames follow); -1 when it cannot go on
+ * (the sender died or abandoned its call: the rank's failure check will tell). `stashed`:
+ * the offer is a copy taken out of the ring (its state no longer shared). */
+int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
+                   unsigned char *target, int64_t nbytes, int reduce, int stashed);
+/* Receiver: declines an offer met while another channel's call runs (the frame is stashed). */
+void rc_remote_decline(rc_node *node, int peer, rc_remote *offer);
 
 /* program.c: checks the call's code against its slots, the node's rank and world and the
  * call's kernel; marks the peers it names in node->peer_use and returns the largest round.

@@ -42,16 +42,18 @@ class Call(NamedTuple):
 
 class Outcome(NamedTuple):
     """How a call ended on one rank: its status (``PENDING`` if it ran out of time and was
-    abandoned), its slots afterwards, and the mismatch details."""
+    abandoned), its slots afterwards, the mismatch details, and how many messages of it this
+    rank read in place from its peers' memory."""
 
     status: int
     slots: List[np.ndarray]
     mismatch: Optional[dict]
+    remote_reads: int = 0
 
 
 def run_calls(directory: str, rank: int, world_size: int, ring_bytes: int, part_bytes: int,
               spin_ns: int, calls: Sequence[Call], call_timeout: float,
-              slice_s: float = 0.05) -> List[Outcome]:
+              slice_s: float = 0.05, remote_min_bytes: int = 0) -> List[Outcome]:
     """A rank's body: open a Node and run ``calls`` one after the other, each for at most
     ``call_timeout`` seconds; stops after the first call that does not end DONE.
 
@@ -59,8 +61,10 @@ def run_calls(directory: str, rank: int, world_size: int, ring_bytes: int, part_
         The outcome of every call run.
     """
     outcomes = []
-    with _core.Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns) as node:
+    with _core.Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns,
+                    remote_min_bytes) as node:
         for call in calls:
+            reads = node.remote_reads
             node.start(*call)
             deadline = time.monotonic() + call_timeout
             status = node.progress(slice_s)
@@ -68,7 +72,8 @@ def run_calls(directory: str, rank: int, world_size: int, ring_bytes: int, part_
                 status = node.progress(slice_s)
             if status == _core.PENDING:
                 node.abandon()
-            outcomes.append(Outcome(status, call.slots, node.mismatch_details()))
+            outcomes.append(Outcome(status, call.slots, node.mismatch_details(),
+                                    node.remote_reads - reads))
             if status != _core.DONE:
                 break
     return outcomes

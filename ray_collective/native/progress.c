@@ -6,7 +6,8 @@
  * room, the slice ends, or an alarm (rc_wake_all) rings. A rank whose round still has sends in
  * the caller's memory sleeps at most DETACH_GRACE_NS first; if that brought nothing either, the
  * sends are detached into overflow memory (executor.c), which keeps bounded rings free of
- * deadlocks whatever the plan.
+ * deadlocks whatever the plan. A large message offered to be read in place (remote.c) is
+ * taken back and detached so only once the stall has lasted OFFER_GRACE_NS.
  *
  * Why yield rather than pause between polls: where ranks outnumber cores, a rank that spins on
  * the core its peer needs delays the peer by the whole spin. Measured on the shared 2-core
@@ -20,6 +21,9 @@
 #include "node.h"
 
 #define DETACH_GRACE_NS 1000000
+/* An offer to read a large message in place (remote.c) is taken back only after a longer
+ * stall: a receiver a scheduler's time slice late should still read it in one copy. */
+#define OFFER_GRACE_NS 20000000
 
 static int64_t now_ns(void)
 {
@@ -56,6 +60,7 @@ int rc_progress(rc_node *node, int64_t slice_ns)
         if (result == RC_PASS_PROGRESS) {
             spin_until = 0;
             call->detach_armed = 0;
+            call->stalled_since = 0;
         }
         if (alarmed(node))
             return RC_PENDING;
@@ -77,10 +82,15 @@ int rc_progress(rc_node *node, int64_t slice_ns)
         }
         int64_t timeout = deadline - now;
         if (call->attached > 0) {
+            if (call->stalled_since == 0)
+                call->stalled_since = now;
             if (call->detach_armed) {
-                result = rc_detach(node);
+                result = rc_detach(node, now - call->stalled_since >= OFFER_GRACE_NS);
                 if (settle(node, result) >= 0)
                     return result;
+                /* Nothing to detach (offers wait for their readers): wait the grace again
+                 * rather than retry at once. */
+                call->detach_armed = result == RC_PASS_PROGRESS;
                 continue;
             }
             call->detach_armed = 1;

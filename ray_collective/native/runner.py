@@ -24,7 +24,8 @@ from ..algorithms.core import Blocks
 from ..errors import CollectiveTimeoutError
 from ..plan import Local, Place, Plan
 from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
-from ..transport.wire import CallStamp, mismatch
+from ..transport.node_state import COLLECTIVE_CODES
+from ..transport.wire import CallStamp, HeaderTemplate, mismatch
 from ..types import ReduceOp
 from . import codes, node_type
 from .codes import DONE, MISMATCH
@@ -61,6 +62,14 @@ unlike the Python engine's spin. Measured with ``python -m benchmarks --collecti
 at 4 ranks 104 us with no polling, 66 us with 20 us, 36-45 us with 100-500 us (MPICH 20-40
 us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us either way
 (MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
+
+
+REMOTE_MIN_BYTES = 256 << 10
+"""From this size on, a message of a collective that reduces nothing (broadcast, allgather,
+gather, scatter) is read by its receiver straight from the sender's memory
+(``process_vm_readv``, see ``remote.c``): one copy instead of two through the ring. Where the
+kernel refuses (another user's process, Yama's ptrace_scope above 0 without CAP_SYS_PTRACE),
+the messages go through the ring as below this size."""
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
@@ -152,7 +161,8 @@ def entries_overlap(arrays: Sequence[np.ndarray]) -> bool:
     return any(first[1] > second[0] for first, second in zip(spans, spans[1:]))
 
 
-def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN_S):
+def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN_S,
+                remote_min_bytes: int = REMOTE_MIN_BYTES):
     """This rank's node of the native core, in the group's private ``directory``.
 
     Args:
@@ -161,6 +171,8 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN
         rank: this rank.
         world_size: ranks in the group.
         spin_s: how long a waiting rank polls, yielding its core, before it sleeps.
+        remote_min_bytes: messages of a collective that reduces nothing this large are read
+            by their receiver from the sender's memory (0: never).
 
     Returns:
         The ``_core.Node``.
@@ -171,7 +183,7 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN
     """
     size = ring_bytes(world_size)
     return node_type()(directory, rank, world_size, size, size // PARTS_PER_RING,
-                       int(spin_s * 1e9))
+                       int(spin_s * 1e9), remote_min_bytes)
 
 
 class NativePlan(NamedTuple):
@@ -182,6 +194,7 @@ class NativePlan(NamedTuple):
         dtype_code: the wire dtype's code.
         op_code: the reduction's code, ``codes.NO_OP`` where nothing is reduced.
         peers: one request per peer the plan talks to (what a failure check asks about).
+        call_code: the collective's code on the node's state page (``COLLECTIVE_CODES``).
         buffered: for a list collective that runs on the caller's arrays (``code`` then uses
             no buffer), the plan through the buffer, for a list whose entries overlap; None
             otherwise.
@@ -191,6 +204,7 @@ class NativePlan(NamedTuple):
     dtype_code: int
     op_code: int
     peers: Tuple[SendRequest, ...]
+    call_code: int
     buffered: Optional["NativePlan"] = None
 
 
@@ -207,13 +221,20 @@ class NativeRunner:
         self.node = node
         self.transport = transport
         self.slice_s = slice_s
+        words = transport.rank_words()
+        # Where the core records a call's start and end itself, a call it finishes in its
+        # first slice costs no Python of the transport's.
+        self.core_records_calls = words is not None
+        if words is not None:
+            node.bind_state(*words)
 
-    def prepare(self, plan: Plan, dtype_name: str, op: Optional[ReduceOp],
+    def prepare(self, plan: Plan, collective: str, dtype_name: str, op: Optional[ReduceOp],
                 lists: Optional[Tuple[str, Blocks, int]] = None) -> NativePlan:
         """The core's form of a call shape's plan.
 
         Args:
             plan: the recorded plan.
+            collective: the collective's name (``Collective.value``).
             dtype_name: the tensor's dtype name.
             op: the reduction (None when the call reduces nothing).
             lists: for a call whose tensors are a list (``(layout, blocks, rank, has_list)``:
@@ -232,26 +253,29 @@ class NativeRunner:
              for message in step}))
         op_code = codes.NO_OP if op is None else codes.op_code(op, dtype_name)
         dtype_code = codes.dtype_code(dtype_name or "uint8")
+        call_code = COLLECTIVE_CODES.get(collective, 0)
         if lists is None:
-            return NativePlan(codes.encode_plan(plan), dtype_code, op_code, peers)
+            return NativePlan(codes.encode_plan(plan), dtype_code, op_code, peers, call_code)
         layout, blocks, rank, has_list = lists
         buffered = NativePlan(codes.encode_plan(_with_list_copies(plan, *lists)), dtype_code,
-                              op_code, peers)
+                              op_code, peers, call_code)
         direct = None
         if blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES:
             direct = _direct(plan, layout, blocks, rank, has_list)
         if direct is None:
             return buffered
-        return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, buffered)
+        return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, call_code,
+                          buffered)
 
-    def run(self, native: NativePlan, slots: Sequence[np.ndarray], stamp: CallStamp,
-            timeout: float, what: str) -> None:
+    def run(self, native: NativePlan, slots: Sequence[np.ndarray], template: HeaderTemplate,
+            seq: int, timeout: float, what: str) -> None:
         """Run one call to completion, blocking.
 
         Args:
             native: the call shape's prepared plan.
             slots: the call's arrays (``plan.slots(...)``).
-            stamp: the call's header.
+            template: the call shape's header.
+            seq: the call's number.
             timeout: seconds the whole call may take.
             what: the call's name in a timeout error.
 
@@ -262,12 +286,19 @@ class NativeRunner:
             PeerDiedError, GroupBrokenError: from the transport's failure check.
         """
         node, transport = self.node, self.transport
-        deadline = time.monotonic() + timeout
-        transport.arrive(stamp)
-        node.start(native.code, slots, stamp.packed, native.dtype_code, native.op_code,
-                   COLLECTIVE_TAG)
-        status = node.progress(self.slice_s)
+        records = self.core_records_calls
+        stamp = None
+        if not records:
+            stamp = template.stamp(seq)
+            transport.arrive(stamp)
+        status = node.run(native.code, slots, template.packed, seq, native.dtype_code,
+                          native.op_code, COLLECTIVE_TAG, native.call_code, self.slice_s)
         if status != DONE:
+            # The first slice is over: the deadline counts it as if it took all of its time.
+            deadline = time.monotonic() + timeout - self.slice_s
+            if stamp is None:
+                stamp = template.stamp(seq)
+                transport.arrive(stamp)  # names the call in a failure's error
             while status != DONE:
                 if status == MISMATCH:
                     raise self._mismatch(stamp)
@@ -278,15 +309,16 @@ class NativeRunner:
                 try:
                     transport.check_failures(native.peers)
                     if time.monotonic() >= deadline:
-                        absent = transport.absent_ranks(stamp.seq)
+                        absent = transport.absent_ranks(seq)
                         raise CollectiveTimeoutError(
-                            stamp.template.group, transport.rank, what, stamp.seq,
+                            template.header.group, transport.rank, what, seq,
                             absent or [r.peer for r in native.peers], timeout)
                 except BaseException:
                     node.abandon()
                     raise
                 status = node.progress(self.slice_s)
-        transport.complete(stamp)
+        if stamp is not None:
+            transport.complete(stamp)
 
     def _mismatch(self, stamp: CallStamp):
         details = self.node.mismatch_details()

@@ -176,7 +176,8 @@ int rc_ring_peek(rc_ring *ring, rc_frame *frame, const unsigned char **at)
             ring->position += bytes; /* released with the frame that follows */
             continue;
         }
-        if (frame->kind != RC_FRAME_DATA || frame->part_bytes < 0
+        if ((frame->kind != RC_FRAME_DATA && frame->kind != RC_FRAME_REMOTE)
+                || frame->part_bytes < 0
                 || rc_payload_offset(frame->header_len) + (uint64_t)frame->part_bytes > bytes)
             return -1;
         *at = ring->data + offset;

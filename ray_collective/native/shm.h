@@ -11,9 +11,11 @@
 #define RC_RING_DATA_OFFSET 128 /* the head and the tail lines precede a ring's data */
 #define RC_FRAME_DATA 1
 #define RC_FRAME_PAD 2
+#define RC_FRAME_REMOTE 3 /* an offer to read a message from the sender's memory (remote.c) */
 
 /* The fixed head of every frame, one cache line. A DATA frame continues with the packed call
- * header (padded to 8 bytes) and the part's payload; a PAD frame only says how far to skip. */
+ * header (padded to 8 bytes) and the part's payload; a REMOTE frame likewise, its payload an
+ * rc_remote (remote.c); a PAD frame only says how far to skip. */
 typedef struct {
     uint32_t kind;
     uint32_t header_len;
@@ -71,7 +73,7 @@ void rc_ring_close(rc_ring *ring);
 unsigned char *rc_ring_reserve(rc_ring *ring, uint64_t frame_bytes);
 void rc_ring_publish(rc_ring *ring, uint64_t frame_bytes);
 
-/* Consumer: the next DATA frame (pads skipped), its head copied into *frame. Returns 1 and
+/* Consumer: the next DATA or REMOTE frame (pads skipped), its head copied into *frame. Returns 1 and
  * sets *at to the frame's first byte; 0 when the ring is empty; -1 when the ring holds
  * something that is not a well-formed frame. */
 int rc_ring_peek(rc_ring *ring, rc_frame *frame, const unsigned char **at);

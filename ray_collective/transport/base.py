@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .node_state import RankWords
 from .wire import COLLECTIVE_TAG, CallStamp
 
 __all__ = ["COLLECTIVE_TAG", "Request", "SendRequest", "Transport"]
@@ -96,6 +97,15 @@ class Transport(ABC):
         Raises:
             PeerDiedError, GroupBrokenError: as :meth:`wait`.
         """
+
+    def rank_words(self) -> Optional[RankWords]:
+        """Where this rank's words lie on its node's state page, for the native core to
+        record there itself what :meth:`arrive` and :meth:`complete` record of a call it runs
+        (so that a call the core finishes in its first slice needs neither); None where the
+        transport keeps no such page (then the runner calls them around every call). A
+        transport that returns words needs nothing else of ``arrive`` and ``complete`` for a
+        call the core finishes at once."""
+        return None
 
     def arrive(self, stamp: CallStamp) -> None:
         """Note that this rank has started the collective of ``stamp`` (its number and header).

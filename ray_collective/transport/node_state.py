@@ -35,6 +35,27 @@ CODE_SPAN = 64
 """A rank's call word is its start in milliseconds times this, plus its collective's code."""
 _NAMES = {code: name for name, code in COLLECTIVE_CODES.items()}
 
+
+
+class RankWords(NamedTuple):
+    """Where one rank's words lie on the page, for the native core to keep them itself (see
+    ``Transport.rank_words``): the page and the indices of its int64 words.
+
+    Attributes:
+        page: the mapped page (writable).
+        started: the word of the last collective it started plus one.
+        beat: the word of its last sign of life in a call.
+        call: the word of its last collective's start and code.
+        code_span: ``CODE_SPAN``.
+    """
+
+    page: mmap.mmap
+    started: int
+    beat: int
+    call: int
+    code_span: int
+
+
 STALL_S = 1.0
 """A rank in a call that has given no sign of life for this long is reported as stalled."""
 
@@ -93,6 +114,12 @@ class NodeState:
         now = _now_ms()
         words[self._beats + rank] = now
         words[self._calls + rank] = now * CODE_SPAN + COLLECTIVE_CODES.get(collective, 0)
+
+    def words_of(self, rank: int) -> RankWords:
+        """Where ``rank``'s words lie on the page (what :meth:`arrive` and :meth:`complete`
+        write)."""
+        return RankWords(self._map, _HEAD + rank, self._beats + rank, self._calls + rank,
+                         CODE_SPAN)
 
     def beat(self, rank: int) -> None:
         """Record that ``rank``, waiting in a call, is alive."""

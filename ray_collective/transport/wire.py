@@ -152,13 +152,17 @@ class HeaderTemplate:
 
     Args:
         header: the call shape's header; its ``seq`` is ignored.
+
+    Attributes:
+        header: the header with ``seq`` 0.
+        packed: its packed form (the native core writes a call's number into a copy).
     """
 
-    __slots__ = ("header", "_prefix", "_suffix")
+    __slots__ = ("header", "packed", "_prefix", "_suffix")
 
     def __init__(self, header: CallHeader):
         self.header = replace(header, seq=0)
-        packed = self.header.pack()
+        self.packed = packed = self.header.pack()
         self._prefix = packed[:CallHeader.SEQ_OFFSET]
         self._suffix = packed[CallHeader.SEQ_OFFSET + _SEQ.size:]
 
