@@ -57,6 +57,18 @@ def _native_factory(world_size, directory):
     return lambda rank: factory
 
 
+def _on_both_engines(world_size, body, shm_directory):
+    """Run ``body`` on every rank natively and on the Python engine; check that every array it
+    returns has the same bits on both; return the native results."""
+    natively = run_ranks(world_size, body,
+                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
+    in_python = run_ranks(world_size, body, timeout=60)
+    for rank in range(world_size):
+        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+            assert got.tobytes() == expected.tobytes()
+    return natively
+
+
 def _float_inputs(rank, length, dtype, op=col.ReduceOp.SUM):
     """Floats that round: the order of a sum or product shows in its bits (factors near 1, so
     that a product of several stays finite)."""
@@ -200,13 +212,9 @@ def test_large_gather_and_scatter_agree_on_both_engines_at_every_root(shm_direct
                 out.append(own)
         return out
 
-    natively = run_ranks(world_size, body,
-                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
-    in_python = run_ranks(world_size, body, timeout=60)
+    natively = _on_both_engines(world_size, body, shm_directory)
     inputs = [_float_inputs(r, length, "float64") for r in range(world_size)]
     for rank in range(world_size):
-        for got, expected in zip(natively[rank], in_python[rank], strict=True):
-            assert got.tobytes() == expected.tobytes()
         results = iter(natively[rank])
         for root in (0, world_size - 1):
             for _ in range(2):
@@ -217,6 +225,38 @@ def test_large_gather_and_scatter_agree_on_both_engines_at_every_root(shm_direct
                     assert not gathered.any()
                 np.testing.assert_array_equal(next(results), inputs[root] * (rank + 1))
                 np.testing.assert_array_equal(next(results), inputs[root] * (rank + 1))
+
+
+@needs_native
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_large_reducescatter_agrees_on_both_engines_whatever_its_tensor_aliases(
+        shm_directory, world_size):
+    """Blocks past DIRECT_BLOCK_BYTES: at 2 ranks the core sends from the list and reduces
+    into the tensor itself (4 ranks forward partial sums through the buffer). The tensor may
+    be a separate array, this rank's own entry, or another rank's entry (which it is sent
+    from: the buffered plan then runs); SUM and AVG."""
+    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    length = DIRECT_BLOCK_BYTES // 8 + 5
+
+    def entries_of(rank):
+        return [_float_inputs(rank * 10 + j, length, "float64") for j in range(world_size)]
+
+    def body(rank):
+        out = []
+        for op in (col.ReduceOp.SUM, col.ReduceOp.AVG):
+            for aliased in (None, rank, (rank + 1) % world_size):
+                entries = entries_of(rank)
+                tensor = np.zeros(length) if aliased is None else entries[aliased]
+                col.reducescatter(tensor, entries, op=op)
+                out.append(tensor.copy())
+        return out
+
+    natively = _on_both_engines(world_size, body, shm_directory)
+    for rank in range(world_size):
+        total = np.sum([entries_of(r)[rank] for r in range(world_size)], axis=0)
+        for index, got in enumerate(natively[rank]):
+            expected = total if index < 3 else total / world_size
+            np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
 @needs_native
@@ -247,12 +287,8 @@ def test_list_collectives_of_two_dimensional_tensors_agree_on_both_engines(shm_d
             out.append(reduced)
         return out
 
-    natively = run_ranks(world_size, body,
-                         factory_of=_native_factory(world_size, shm_directory), timeout=60)
-    in_python = run_ranks(world_size, body, timeout=60)
+    natively = _on_both_engines(world_size, body, shm_directory)
     for rank in range(world_size):
-        for got, expected in zip(natively[rank], in_python[rank], strict=True):
-            assert got.tobytes() == expected.tobytes()
         results = iter(natively[rank])
         for call in range(3):
             inputs = [np.arange(6.0).reshape(3, 2) * (r + 1) + call for r in range(world_size)]

@@ -314,6 +314,28 @@ def test_a_large_message_is_read_in_place_and_its_sender_done_once_read():
     np.testing.assert_array_equal(out, data)
 
 
+def test_a_large_message_is_reduced_in_place_a_piece_at_a_time():
+    """A receive that reduces reads the offered message in pieces of 64 KiB (7 here, the
+    last one short) and adds each into its place: numpy's sums, one read."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.full(REMOTE_COUNT, 0.5)
+    header = stamp("reduce", "binomial", REMOTE_COUNT, root=1).packed
+    receive = Plan(None, [(Message(False, 0, 0, Place(0, 0, REMOTE_COUNT), True),)], [],
+                   np.dtype(np.float64))
+    send = point_to_point(True, 1, REMOTE_COUNT, np.float64)
+    codes = (dtype_code("float64"), op_code(ReduceOp.SUM, "float64"))
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            got = in_thread(finish, receiver, Call(encode_plan(receive), receive.slots(out),
+                                                   header, *codes))
+            assert finish(sender, Call(encode_plan(send), send.slots(data), header,
+                                       *codes)) == _core.DONE
+            assert got() == _core.DONE
+            assert receiver.remote_reads == 1
+    np.testing.assert_array_equal(out, data + 0.5)
+
+
 def test_an_offer_nobody_reads_is_taken_back_and_sent_through_the_ring():
     """The receiver comes only after the sender's stall outlasted the offer's grace: the
     sender takes its offer back (its call can then end once its ring is drained) and the

@@ -32,7 +32,12 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("allgather", 1 << 20, 8, None, "ring"),
     ("reducescatter", 2, 8, None, "recursive_halving"),
     ("reducescatter", 2, 9, None, "halving_fold"),
-    ("reducescatter", 1 << 20, 9, None, "ring"),
+    # large blocks: pairwise on one node (reduced at their owners from the inputs), the ring
+    # across nodes, and past 16 ranks the log-round algorithms
+    ("reducescatter", 1 << 20, 9, None, "pairwise"),
+    ("reducescatter", 1 << 20, 4, (0, 0, 1, 1), "ring"),
+    ("reducescatter", 1 << 20, 9, (0,) * 9, "pairwise"),
+    ("reducescatter", 1 << 20, 32, None, "recursive_halving"),
     ("alltoall", 2, 64, None, "bruck"),
     ("alltoall", 1 << 20, 64, None, "pairwise"),
     ("barrier", 0, 64, None, "dissemination"),

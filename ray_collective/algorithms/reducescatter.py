@@ -9,7 +9,7 @@ blocks of b elements; they differ in rounds and in whom a rank talks to:
 - **ring** — in round s, rank v sends its partial sum of block (v-s-1) mod p to v+1 and adds
   v-1's partial sum of block (v-s-2) mod p into its own. After p-1 rounds block v has passed
   every rank once and ends at v. One fixed neighbour each way: chosen for large blocks on few
-  ranks, where the bandwidth term dominates the p-1 latencies.
+  ranks across nodes, where the bandwidth term dominates the p-1 latencies.
 - **recursive halving** — rank v holds a range of blocks, all p at first; in round i it keeps
   the half of its range that holds block v, sends the other half to v XOR 2^(k-1-i) (whose
   half it is) and adds the partner's copy of the kept half. log2(p) rounds, p a power of two
@@ -23,7 +23,9 @@ blocks of b elements; they differ in rounds and in whom a rank talks to:
 - **pairwise** — in round s (1 ≤ s < p), rank v sends block v+s straight to its owner v+s
   and adds v-s's copy of block v into its own. p-1 rounds at any p, like the ring, but with
   all-to-all traffic instead of one neighbour: every block is reduced only at its owner, from
-  the original inputs, so no partial sums are forwarded.
+  the original inputs, so no partial sums are forwarded. Chosen for large blocks on one node
+  (up to 16 ranks): there the native core reads each block where it lies in the sender's list
+  and reduces it into the receiver's tensor, with no buffer at all.
 
 Incoming blocks are reduced in place with ``Recv(reduce=True)``: the block a round receives
 into is never one it sends from. Each algorithm labels round i with step ``step0 + i``.

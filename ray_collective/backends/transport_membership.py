@@ -330,7 +330,9 @@ class TransportMembership(Membership):
             # no buffer (large blocks, and a list whose entries do not overlap).
             lists = outputs if layout == "gather" else inputs
             native, buffer = prepared.native, None
-            if native.buffered is None or entries_overlap(lists):
+            # Where the list is an input, the tensor is written while entries are sent.
+            if native.buffered is None or entries_overlap(
+                    lists if layout == "gather" else [*lists, tensor]):
                 native = native.buffered or native
                 buffer = prepared.kept_buffer
                 if buffer is None:

@@ -113,13 +113,13 @@ static int offer_outcome(rc_link *link, rc_outgoing *out)
     return 0;
 }
 
-/* Whether `out` goes as an offer to read it in place (remote.c): a large message of a call
- * that reduces nothing, still in the caller's memory, to a peer that can read this process. */
+/* Whether `out` goes as an offer to read it in place (remote.c): a large message of a
+ * collective, still in the caller's memory, to a peer that can read this process. */
 static int to_offer(const rc_node *node, const rc_link *link, const rc_outgoing *out)
 {
     const rc_call *call = &node->call;
     return node->remote_min > 0 && (uint64_t)out->nbytes >= node->remote_min
-           && call->kernel == NULL && call->tag < 0 && out->message >= 0 && !out->offered
+           && call->tag < 0 && out->message >= 0 && !out->offered
            && out->owned == NULL && out->framed == 0 && !link->remote_denied;
 }
 
@@ -290,7 +290,8 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             int taken = rc_remote_take(node, peer, link, offer,
                                        call->slots[message[3]].base
                                        + message[4] * call->itemsize, nbytes,
-                                       (message[0] & RC_MESSAGE_REDUCE) != 0, kept != NULL);
+                                       message[0] & RC_MESSAGE_REDUCE ? call->kernel : NULL,
+                                       call->itemsize, kept != NULL);
             if (taken < 0)
                 return moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
             drop_frame(node, peer, link, &frame, kept);

@@ -122,6 +122,7 @@ void rc_node_close(rc_node *node)
     free(call->header);
     free(call->progress);
     free(node->mismatch.header);
+    free(node->remote_scratch);
     free(node->links);
     free(node->senders);
     free(node->receiving);

@@ -49,6 +49,7 @@ typedef struct rc_remote {
  * WITHDRAWN (sender) and DECLINED, DENIED (receiver; DENIED: it cannot read that process):
  * the message follows as DATA frames. POISONED: the sender abandoned its call while the
  * receiver read, which then throws away what it read. */
+#define RC_REMOTE_PIECE_BYTES (64 << 10)
 enum { RC_REMOTE_OFFERED = 1, RC_REMOTE_TAKING, RC_REMOTE_TAKEN, RC_REMOTE_WITHDRAWN,
        RC_REMOTE_DECLINED, RC_REMOTE_DENIED, RC_REMOTE_POISONED };
 
@@ -126,6 +127,7 @@ typedef struct rc_node {
     uint64_t cookie;            /* a random word a reader checks it reads the right process */
     int64_t pid;
     int64_t remote_reads;       /* messages this rank has read in place, ever */
+    unsigned char *remote_scratch; /* RC_REMOTE_PIECE_BYTES, for reads that reduce */
     rc_call call;
     rc_mismatch mismatch;
     char error[256];            /* why the last start or open failed */
@@ -176,12 +178,14 @@ int rc_remote_state(const rc_outgoing *out);
 /* Sender: takes the offer back (1), or cannot while the receiver reads (0); when `abandon`,
  * a read in progress is poisoned instead (its reader throws it away). */
 int rc_remote_withdraw(rc_outgoing *out, int abandon);
-/* Receiver: reads the message offered by the REMOTE frame `offer` into `target` (nbytes):
- * 1 once there; 0 when it was not taken (its DATA frames follow); -1 when it cannot go on
+/* Receiver: reads the message offered by the REMOTE frame `offer` into `target` (nbytes), or
+ * reduces it into `target` with `kernel` (elements of `itemsize` bytes) unless it is NULL:
+ * 1 once done; 0 when it was not taken (its DATA frames follow); -1 when it cannot go on
  * (the sender died or abandoned its call: the rank's failure check will tell). `stashed`:
  * the offer is a copy taken out of the ring (its state no longer shared). */
 int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
-                   unsigned char *target, int64_t nbytes, int reduce, int stashed);
+                   unsigned char *target, int64_t nbytes, rc_kernel kernel, int itemsize,
+                   int stashed);
 /* Receiver: declines an offer met while another channel's call runs (the frame is stashed). */
 void rc_remote_decline(rc_node *node, int peer, rc_remote *offer);
 

@@ -1,10 +1,11 @@
 /* Single-copy reads of large messages between the ranks of a node.
  *
  * Through the ring a message is copied twice: into the ring by its sender, out of it by its
- * receiver. For a large message of a call that moves data without reducing it (broadcast,
- * allgather, gather, scatter: a call with no kernel), the sender instead frames a REMOTE frame
+ * receiver. For a large message of a collective, the sender instead frames a REMOTE frame
  * whose payload says where the message lies in its own memory, and the receiver copies it
- * from there into its place with process_vm_readv: one copy, as MPI's CMA path does.
+ * from there into its place with process_vm_readv: one copy, as MPI's CMA path does. A
+ * receive that reduces reads the message a piece at a time into a scratch buffer that stays in
+ * cache, and reduces each piece from there.
  *
  * The offer's state word lives in the frame, in the ring both processes map, and settles who
  * holds the message (RC_REMOTE_* in node.h), with compare-and-swaps only:
@@ -12,8 +13,8 @@
  *   done once it sees TAKEN (its memory is no longer read);
  * - the sender may take an offer back while it is OFFERED (WITHDRAWN: a stalled round detaches
  *   its sends, executor.c), and then frames the message as DATA parts after it;
- * - the receiver may refuse it (DECLINED: a reduction, or a frame met by another channel's
- *   call and stashed; DENIED: this process may not read the sender's, and the sender offers
+ * - the receiver may refuse it (DECLINED: a frame met by another channel's call and stashed;
+ *   DENIED: this process may not read the sender's, and the sender offers
  *   that peer nothing more), and the DATA parts follow likewise;
  * - a sender that abandons its call while the receiver reads moves TAKING to POISONED and
  *   returns: the receiver's TAKING to TAKEN then fails and it throws away what it read.
@@ -26,6 +27,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -98,6 +100,28 @@ static int read_process(int64_t pid, unsigned char *target, uint64_t address, in
     return 0;
 }
 
+/* Reduces the offered message into `target` a piece at a time, each piece read into the
+ * node's scratch (which stays in cache) first: 0, or the errno that stopped it. Only the first
+ * piece may fail with EPERM (the cookie was read already): a later failure leaves `target`
+ * partly reduced, and the caller then ends the call as a failure, never as DATA frames. */
+static int read_and_reduce(rc_node *node, const rc_remote *offer, unsigned char *target,
+                           int64_t nbytes, rc_kernel kernel, int itemsize)
+{
+    if (node->remote_scratch == NULL
+            && (node->remote_scratch = malloc(RC_REMOTE_PIECE_BYTES)) == NULL)
+        return ENOMEM;
+    for (int64_t done = 0; done < nbytes; done += RC_REMOTE_PIECE_BYTES) {
+        int64_t piece = nbytes - done < RC_REMOTE_PIECE_BYTES ? nbytes - done
+                                                               : RC_REMOTE_PIECE_BYTES;
+        int failed = read_process(offer->pid, node->remote_scratch,
+                                  offer->address + (uint64_t)done, piece);
+        if (failed != 0)
+            return done == 0 ? failed : EFAULT;
+        kernel(target + done, node->remote_scratch, piece / itemsize, 1, 1);
+    }
+    return 0;
+}
+
 /* Whether the offer's process is the sender's node (its cookie where the offer says). */
 static int verified(rc_link *link, const rc_remote *offer)
 {
@@ -120,7 +144,8 @@ void rc_remote_decline(rc_node *node, int peer, rc_remote *offer)
 }
 
 int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
-                   unsigned char *target, int64_t nbytes, int reduce, int stashed)
+                   unsigned char *target, int64_t nbytes, rc_kernel kernel, int itemsize,
+                   int stashed)
 {
     uint32_t state = atomic_load_explicit(&offer->state, memory_order_acquire);
     if (stashed || state == RC_REMOTE_WITHDRAWN || state == RC_REMOTE_DECLINED
@@ -128,10 +153,6 @@ int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
         return 0; /* a stashed offer was declined when it was stashed */
     if (state != RC_REMOTE_OFFERED)
         return -1; /* this rank's read failed before: the call ends by a failure check */
-    if (reduce) {
-        rc_remote_decline(node, peer, offer);
-        return 0;
-    }
     if (!verified(link, offer)) {
         if (swap(offer, RC_REMOTE_OFFERED, RC_REMOTE_DENIED))
             rc_bell_ring(node->doorbell, peer);
@@ -139,7 +160,9 @@ int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
     }
     if (!swap(offer, RC_REMOTE_OFFERED, RC_REMOTE_TAKING))
         return 0; /* withdrawn meanwhile */
-    int failed = read_process(offer->pid, target, offer->address, nbytes);
+    int failed = kernel == NULL ? read_process(offer->pid, target, offer->address, nbytes)
+                                : read_and_reduce(node, offer, target, nbytes, kernel,
+                                                  itemsize);
     if (failed == EPERM || failed == EACCES || failed == ENOSYS) {
         if (!swap(offer, RC_REMOTE_TAKING, RC_REMOTE_DENIED))
             return -1;

@@ -111,12 +111,14 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
             has_list: bool) -> Optional[Plan]:
     """``plan`` with its buffer replaced by the caller's arrays: each block is its list entry
     where this rank has the list, else this rank's own block is its tensor. An allgather or
-    gather copies the tensor into this rank's entry first; scatter's root copies its entry
-    into the tensor last. None when the plan cannot run so: a message spans blocks
-    (recursive doubling's, a tree's forwarding ranks), names a block this rank has no array
-    for, or receives into a list that is an input (reducescatter), or a local step runs.
-    Entries written into must not overlap (the caller checks each call): a block received
-    into one is sent on from it later."""
+    gather copies the tensor into this rank's entry first. Where the list is an input
+    (reducescatter, scatter's root), this rank's own block is its tensor, which takes a copy
+    of its entry first: the list is only sent from. None when the plan cannot run so: a
+    message spans blocks (recursive doubling's, a tree's forwarding ranks), names a block this
+    rank has no array for, receives into another block of an input list (reducescatter's ring
+    beyond 2 ranks forwards partial sums), or a local step runs. The arrays written into must
+    not overlap the others (the caller checks each call): a block received into one is sent on
+    from it later."""
     tensor = 2 + len(plan.scratch)
     receives_into_list = layout == "gather"
 
@@ -129,9 +131,9 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
         if i >= blocks.parts or place.stop > blocks.offsets[i + 1]:
             return None  # past the buffer, or spanning blocks
         low = blocks.offsets[i]
-        if has_list and (message.is_send or receives_into_list):
+        if has_list and (receives_into_list or (message.is_send and i != rank)):
             return Place(tensor + 1 + i, place.start - low, place.stop - low)
-        if not has_list and i == rank:
+        if i == rank:
             return Place(tensor, place.start - low, place.stop - low)
         return None
 
@@ -139,6 +141,8 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
     steps: list = []
     if has_list and layout == "gather":
         steps.append(Local("copy", Place(tensor + 1 + rank, 0, own), Place(tensor, 0, own)))
+    if has_list and layout == "split":
+        steps.append(Local("copy", Place(tensor, 0, own), Place(tensor + 1 + rank, 0, own)))
     for step in plan.steps:
         if type(step) is Local:
             return None
@@ -149,8 +153,6 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
                 return None
             messages.append(message._replace(place=place))
         steps.append(tuple(messages))
-    if has_list and layout == "split":
-        steps.append(Local("copy", Place(tensor, 0, own), Place(tensor + 1 + rank, 0, own)))
     return Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
 
 
