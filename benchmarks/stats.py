@@ -34,7 +34,13 @@ class IterationCounts:
 # fewer. Large messages keep 5 warm-up iterations: a backend's shared-memory buffers grow to
 # their steady size during the first calls, and on this VM the page faults of fresh memory
 # made the first two or three 64 MiB calls up to three times slower than the rest.
+#
+# Up to 1 KiB a call takes a few microseconds here, so 200 iterations in 4 blocks made blocks
+# of 150 us: one block run while the previous backend's threads were still winding down took
+# the whole p50 with it (allreduce 8 B at 2 ranks, 2026-11-26: blocks of 2.8, 14.0, 12.6 and
+# 3.1 us). 2000 iterations make such a burst a minority of every block.
 _COUNTS_BY_SIZE = (
+    (1024, IterationCounts(warmup=100, iterations=2000)),
     (64 * 1024, IterationCounts(warmup=20, iterations=200)),
     (1024 * 1024, IterationCounts(warmup=10, iterations=50)),
     (16 * 1024 * 1024, IterationCounts(warmup=5, iterations=30)),
@@ -49,8 +55,8 @@ def default_iteration_counts(nbytes: int) -> IterationCounts:
         nbytes: the message size of the point.
 
     Returns:
-        200 timed iterations (20 warm-up) up to 64 KiB, 50 (10) up to 1 MiB, 30 (5) up
-        to 16 MiB, 20 (5) above.
+        2000 timed iterations (100 warm-up) up to 1 KiB, 200 (20) up to 64 KiB, 50 (10) up
+        to 1 MiB, 30 (5) up to 16 MiB, 20 (5) above.
     """
     for largest, counts in _COUNTS_BY_SIZE:
         if nbytes <= largest:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from time import monotonic
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -43,6 +44,23 @@ BACK_TO_BACK = "back-to-back"
 
 BARRIER = "barrier"
 """Timing mode: the peer's barrier before every call, which alone is timed."""
+
+SPREAD_S = 0.05
+"""How long every rank computes before a block's barrier, so that the kernel spreads the ranks
+over the cores again. A backend whose ranks wait blocking on each other (torch's Gloo, in the
+same actors) can leave two ranks' threads on one core: the kernel places a woken thread beside
+its waker. The next block's spinning ranks then took turns on that core for several
+milliseconds: allreduce 8 B at 2 ranks 9-15 us a call instead of 2.6 until the load balancer
+moved one (2026-11-26, `/proc/thread-self/stat` sampled in both ranks), in 2-5 of every 8
+blocks that followed a Gloo block. Measured again after this spread: see the results page."""
+
+
+def spread_over_cores() -> None:
+    """Keep this rank's thread busy for ``SPREAD_S`` (every rank does it at once), on the real
+    clock (``monotonic``, imported apart: the timing tests replace this module's ``time``)."""
+    end = monotonic() + SPREAD_S
+    while monotonic() < end:
+        pass
 
 TIMINGS = (BACK_TO_BACK, BARRIER)
 """Every timing mode, the headline first."""
@@ -135,6 +153,7 @@ def time_back_to_back(barrier: Callable[[], Any], call: Callable[[], Any], warmu
         call's, or the barrier's without warm-up) to its own; and the CPU seconds from that
         first start to the last call's return.
     """
+    spread_over_cores()
     barrier()
     for _ in range(warmup):
         call()
@@ -161,6 +180,7 @@ def time_with_barriers(barrier: Callable[[], Any], call: Callable[[], Any], warm
         The seconds of each timed call, and the CPU seconds of the timed calls alone (the
         barriers left out).
     """
+    spread_over_cores()
     for _ in range(warmup):
         barrier()
         call()

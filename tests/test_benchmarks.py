@@ -97,7 +97,8 @@ def test_message_layout(collective, requested, world_size, itemsize, expected):
 
 
 def test_iteration_counts_and_blocks():
-    assert default_iteration_counts(8).iterations == 200
+    assert default_iteration_counts(8).iterations == 2000
+    assert default_iteration_counts(64 * 1024).iterations == 200
     assert default_iteration_counts(MIB).iterations == 50
     assert default_iteration_counts(64 * MIB).iterations == 20
     assert split_iterations(10, 4) == [3, 3, 2, 2]
