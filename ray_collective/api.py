@@ -133,9 +133,21 @@ def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
     return key + (len(tensors),)
 
 
-def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any) -> bool:
+def _point_to_point_key(collective: str, tensor: Any, peer: Any, tag: Any) -> Optional[Tuple]:
+    """The key of a send or recv for the known-shape path (see :func:`_shape_key`); its
+    peer and tag are part of it, so a key learnt once names a valid peer and tag. A send
+    only reads its array, which may be read-only (as Ray hands arguments to an actor)."""
+    if (type(tensor) is not np.ndarray or type(peer) is not int or type(tag) is not int
+            or (collective == "recv" and not tensor.flags.writeable)):
+        return None
+    return (collective, peer, tag, tensor.dtype, tensor.shape, tensor.strides)
+
+
+def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any,
+                     channel: Optional[Tuple[str, int, int]] = None) -> bool:
     """Run the call through its shape's runner if its shape was learnt; False when it was not
-    (or asynchronous calls are queued): nothing was done then."""
+    (or asynchronous calls are queued): nothing was done then. ``channel``: a send's or
+    recv's ``(collective, peer, tag)``."""
     if key is None or type(group_name) is not str:
         return False
     group = find_group(group_name)
@@ -144,13 +156,14 @@ def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any) -> bool
     runner = group.shape_runners.get(key)
     if runner is None:
         return False
-    return group.run_shape(runner, arrays)
+    return group.run_shape(runner, arrays, channel)
 
 
 def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
-                      view: Optional[TensorView], **lists) -> None:
+                      view: Optional[TensorView], seq_key: Tuple[str, int, int] = ("", -1, 0),
+                      **lists) -> None:
     """A blocking call by the full path; once it has run, its shape is learnt."""
-    group.submit(lambda seq: GroupCall(options, seq, tensor=view, **lists), False)
+    group.submit(lambda seq: GroupCall(options, seq, tensor=view, **lists), False, seq_key)
     if key is not None:
         group.learn_shape(key, options, view)
 
@@ -811,6 +824,11 @@ _BARRIER_KEY = ("barrier",)
 
 def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: str, tag: int,
                     async_op: bool, timeout: Optional[float]) -> Optional[Work]:
+    channel = (collective.value, peer, tag)
+    known = None if async_op or timeout is not None else _point_to_point_key(
+        collective.value, tensor, peer, tag)
+    if _run_known_shape(group_name, known, tensor, channel):
+        return None
     group = _group(group_name)
     what = "dst_rank" if collective is Collective.SEND else "src_rank"
     peer = _check_rank(peer, group, what)
@@ -822,7 +840,9 @@ def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: 
         raise ArgumentValueError(f"tag must be an int >= 0, not {tag!r}")
     view = _view(group, tensor, collective is Collective.RECV, "tensor")
     options = _options(group, collective, timeout, peer=peer, tag=tag)
-    return _submit(group, options, async_op, (collective.value, peer, tag), tensor=view)
+    if async_op:
+        return _submit(group, options, async_op, channel, tensor=view)
+    return _submit_and_learn(group, options, known, view, channel)
 
 
 def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, *,

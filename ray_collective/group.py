@@ -240,13 +240,16 @@ class Group:
                 self.shape_runners.clear()
             self.shape_runners[key] = (runner, self._shape(options, view))
 
-    def run_shape(self, known: Tuple[Callable[[int, Any], None], CallShape], array: Any) -> bool:
+    def run_shape(self, known: Tuple[Callable[[int, Any], None], CallShape], array: Any,
+                  channel: Optional[Tuple[str, int, int]] = None) -> bool:
         """Run a call of a shape learnt before (:meth:`learn_shape`), blocking, in the caller's
         thread.
 
         Args:
             known: the shape's entry in ``shape_runners``: its runner and its recorded shape.
             array: the call's numpy array (None for a barrier).
+            channel: ``("send"|"recv", peer, tag)`` for a point-to-point call (numbered per
+                channel), None for a collective.
 
         Returns:
             True once the call ran; False when it must take the ordinary path instead
@@ -261,8 +264,11 @@ class Group:
                 raise GroupBrokenError(self.name, self.rank, self._broken)
             if self._queued:
                 return False
-            seq = self._seq
-            self._seq = seq + 1
+            if channel is None:
+                seq = self._seq
+                self._seq = seq + 1
+            else:
+                seq = self._next_seq_locked(*channel)
         runner, shape = known
         recorder = self.recorder
         # _guarded, inlined: this is the path of every small call.

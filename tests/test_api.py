@@ -218,17 +218,27 @@ def test_send_recv_tags_match_in_order_per_tag():
 
 
 def test_p2p_does_not_disturb_collective_sequence_of_other_ranks():
+    """Also once the shapes are known (the second round and later take the known-shape path,
+    which numbers a send or recv per channel)."""
     def body(rank):
-        if rank == 0:
-            col.send(np.ones(2), 2)
-        elif rank == 2:
-            col.recv(np.zeros(2), 0)
-        x = np.full(2, rank, np.int64)
-        col.allreduce(x)
-        return x
+        results = []
+        for round_ in range(3):
+            if rank == 0:
+                col.send(np.full(2, round_ + 1.0), 2)
+            elif rank == 2:
+                got = np.zeros(2)
+                col.recv(got, 0)
+                results.append(got[0])
+            x = np.full(2, rank + round_, np.int64)
+            col.allreduce(x)
+            results.append(x[0])
+        return results
 
-    for x in run_ranks(3, body):
-        np.testing.assert_array_equal(x, [3, 3])
+    outcome = run_ranks(3, body)
+    for rank, results in enumerate(outcome):
+        sums = [3 + 3 * round_ for round_ in range(3)]
+        assert results == ([v for r in range(3) for v in (r + 1.0, sums[r])] if rank == 2
+                           else sums)
 
 
 def test_overlapping_groups_with_other_rank_orders_do_not_interfere():

@@ -361,6 +361,122 @@ def test_a_native_call_whose_peer_never_comes_times_out_naming_it(shm_directory)
     assert list(missing) == [1]
 
 
+# ------------------------------------------------------------------ send and recv
+
+
+def _core_tags(monkeypatch):
+    """The tag of every call the native core runs from now on (a list that fills up)."""
+    from ray_collective.native.runner import NativeRunner
+    tags = []
+    run = NativeRunner.run
+
+    def spy(self, native_plan, slots, template, seq, timeout, what, tag=-1):
+        tags.append(tag)
+        return run(self, native_plan, slots, template, seq, timeout, what, tag)
+
+    monkeypatch.setattr(NativeRunner, "run", spy)
+    return tags
+
+
+@needs_native
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_send_and_recv_agree_on_both_engines_between_collectives(shm_directory, world_size,
+                                                                  monkeypatch):
+    """Messages up to ``p2p_max_bytes`` run on the core on their tag, larger ones on the
+    transport, interleaved with collectives whose rings carry the small ones: every message
+    arrives in order per tag with the Python engine's bits, the second time round through the
+    known-shape path."""
+    from ray_collective.native.runner import P2P_MAX_BYTES
+    sizes = [1, 7, P2P_MAX_BYTES // 8, P2P_MAX_BYTES // 8 + 1, 300_000]
+
+    def body(rank):
+        last = world_size - 1
+        out = []
+        for round_ in range(2):
+            for tag in (0, 5):
+                for count in sizes:
+                    mine = _float_inputs(rank * 10 + tag + round_, count, "float64")
+                    mine.setflags(write=round_ == 0)  # a send may read a read-only array
+                    if rank == 0:
+                        col.send(mine, last, tag=tag)
+                    elif rank == last:
+                        got = np.empty(count)
+                        col.recv(got, 0, tag=tag)
+                        out.append(got)
+                    x = mine[:3].copy()
+                    col.allreduce(x)
+                    out.append(x)
+            # Both directions at once: each rank sends before it receives, at every size.
+            for count in sizes:
+                if rank in (0, last):
+                    peer = last - rank
+                    col.send(_float_inputs(rank + 50, count, "float64"), peer, tag=9)
+                    got = np.empty(count)
+                    col.recv(got, peer, tag=9)
+                    out.append(got)
+        return out
+
+    tags = _core_tags(monkeypatch)
+    natively = _on_both_engines(world_size, body, shm_directory)
+    small = sum(count * 8 <= P2P_MAX_BYTES for count in sizes)
+    assert tags.count(0) == tags.count(5) == 2 * 2 * small  # a send and a recv per message
+    assert tags.count(9) == 2 * 2 * 2 * small
+    results = iter(natively[world_size - 1])
+    for round_ in range(2):
+        for tag in (0, 5):
+            for count in sizes:
+                np.testing.assert_array_equal(next(results),
+                                              _float_inputs(tag + round_, count, "float64"))
+                next(results)  # the allreduce
+        for count in sizes:
+            np.testing.assert_array_equal(next(results), _float_inputs(50, count, "float64"))
+
+
+@needs_native
+def test_a_recv_unlike_its_send_on_the_core_is_a_mismatch(shm_directory):
+    def body(rank):
+        if rank == 0:
+            col.send(np.ones(4, np.float32), 1, tag=2)
+            return None
+        with pytest.raises(col.CollectiveMismatchError) as caught:
+            col.recv(np.ones(4, np.float64), 0, tag=2, timeout=5)
+        return caught.value
+
+    _, error = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
+    assert error.differences.get("dtype") and error.ranks == (1, 0)
+
+
+@needs_native
+def test_a_recv_on_the_core_whose_sender_never_sends_times_out_naming_it(shm_directory):
+    def body(rank):
+        if rank == 1:
+            return None
+        with pytest.raises(col.CollectiveTimeoutError) as caught:
+            col.recv(np.ones(4), 1, tag=1, timeout=0.5)
+        return caught.value
+
+    error, _ = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
+    assert list(error.missing_ranks) == [1] and error.collective == "recv"
+
+
+@needs_native
+@pytest.mark.parametrize("sender_count, receiver_count", [(20_000, 8), (8, 20_000)])
+def test_a_send_and_recv_on_either_side_of_the_cores_limit_time_out_naming_the_sender(
+        shm_directory, sender_count, receiver_count):
+    """160 KB and 64 B take different ways (the transport, the core): the recv cannot see the
+    send's header, so it times out naming its sender instead (docs/semantics.md)."""
+    def body(rank):
+        if rank == 0:
+            col.send(np.ones(sender_count), 1)
+            return None
+        with pytest.raises(col.CollectiveTimeoutError) as caught:
+            col.recv(np.ones(receiver_count), 0, timeout=0.5)
+        return caught.value
+
+    _, error = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
+    assert list(error.missing_ranks) == [0] and error.collective == "recv"
+
+
 # ------------------------------------------------------------------ the ray backend
 
 

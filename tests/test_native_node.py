@@ -166,6 +166,15 @@ def test_run_writes_the_call_number_into_the_header_and_records_on_the_state_pag
             # progress() leaves the beat to the caller (NodeState.complete), run() clears it
             # only when the call is over at its return.
             assert words[3] >= before
+            # A send or recv (a tag >= 0: numbered per channel) records nothing, waiting or
+            # not: the page's words stay those of the last collective.
+            kept = words.tolist()
+            data = np.arange(4.0)
+            assert run_call(nodes[1], moved(False, 0, np.empty(4), tag=2), 12, 0.01) \
+                == _core.PENDING
+            assert run_call(nodes[0], moved(True, 1, data, tag=2), 12) == _core.DONE
+            assert finish(nodes[1]) == _core.DONE
+            assert words.tolist() == kept
         finally:
             for n in nodes:
                 n.close()

@@ -75,7 +75,8 @@ class Membership(ABC):
 
         Asked once per call shape, after a call with ``options`` on a tensor like ``view``
         (None for a barrier) passed every check of the API; the group then runs each later
-        call of the same shape (numpy array, dtype, shape, strides, root, op) as
+        call of the same shape (numpy array, dtype, shape, strides, root, op; the peer and
+        tag of a send or recv, numbered per channel) as
         ``runner(seq, array)``, with the same failure handling as :meth:`run`. The default
         offers none: every call goes through :meth:`run`.
 

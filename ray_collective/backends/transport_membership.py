@@ -129,8 +129,8 @@ class TransportMembership(Membership):
         forced: the algorithm forced per collective; None reads ``RAY_COLLECTIVE_ALGORITHM``.
         native: runs the collectives on the node's native core (every rank of the group on one
             node, every one of them with the core); None: the executor runs every plan over
-            ``transport``, the pure-Python engine. Point-to-point calls take the transport
-            either way.
+            ``transport``, the pure-Python engine. Point-to-point calls larger than
+            ``native.p2p_max_bytes`` take the transport either way.
 
     Raises:
         ValueError: ``RAY_COLLECTIVE_ALGORITHM`` is malformed.
@@ -184,8 +184,6 @@ class TransportMembership(Membership):
 
     def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
         prepared = self.prepared(options, view)
-        if prepared.tag != COLLECTIVE_TAG:
-            return None
         if prepared.layout in ("gather", "split", "receive block"):
             return self._list_runner(prepared, view.dtype_name)
         if prepared.layout != "in place":
@@ -195,7 +193,7 @@ class TransportMembership(Membership):
             # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
             return _nothing_to_run
         transport, timeout, what = self.transport, options.timeout, options.collective.value
-        average, dtype_name, world_size = prepared.average, "", self.world_size
+        average, dtype_name, world_size, tag = prepared.average, "", self.world_size, prepared.tag
         if view is not None:
             dtype_name = view.dtype_name
         native, native_run = prepared.native, self.native and self.native.run
@@ -207,17 +205,17 @@ class TransportMembership(Membership):
 
             def run_in_core(seq: int, array) -> None:
                 native_run(native, [nothing if array is None else array, *tail], template, seq,
-                           timeout, what)
+                           timeout, what, tag)
 
             return run_in_core
 
         def run(seq: int, array) -> None:
             flat = None if array is None else array.reshape(-1)
             if native is not None:
-                native_run(native, plan.slots(flat), template, seq, timeout, what)
+                native_run(native, plan.slots(flat), template, seq, timeout, what, tag)
             else:
-                run_plan(plan, plan.slots(flat), transport, COLLECTIVE_TAG, template.stamp(seq),
-                         combine, timeout, what)
+                run_plan(plan, plan.slots(flat), transport, tag, template.stamp(seq), combine,
+                         timeout, what)
             if average:
                 finalize_average(flat, dtype_name, world_size)
 
@@ -288,8 +286,11 @@ class TransportMembership(Membership):
             plan = point_to_point(collective is Collective.SEND, options.peer, count, dtype)
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
+            native = None
+            if self.native is not None and count * dtype.itemsize <= self.native.p2p_max_bytes:
+                native = self.native.prepare(plan, collective.value, dtype_name, None)
             return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
-                                options.tag, "in place", False)
+                                options.tag, "in place", False, native)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
@@ -354,7 +355,7 @@ class TransportMembership(Membership):
                 recvbuf = np.empty(blocks.total, plan.dtype)
         if prepared.native is not None:
             self.native.run(prepared.native, plan.slots(buf, recvbuf), prepared.template,
-                            stamp.seq, options.timeout, options.collective.value)
+                            stamp.seq, options.timeout, options.collective.value, prepared.tag)
         else:
             run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
                      prepared.combine, options.timeout, options.collective.value)

@@ -53,9 +53,11 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   small call: ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
   replaced by ``seq``. Once ``bind_state`` named this rank's words of its group's state page
   (``transport.node_state``: int64 words of a writable buffer the node holds until it
-  closes), ``run`` records there what ``NodeState.arrive`` would (the started call number, a
-  beat of now in milliseconds of ``CLOCK_MONOTONIC``, and now times ``code_span`` plus
-  ``call_code``), and on ``DONE`` what ``NodeState.complete`` would (a beat of 0).
+  closes), ``run`` of a collective (a negative tag) records there what ``NodeState.arrive``
+  would (the started call number, a beat of now in milliseconds of ``CLOCK_MONOTONIC``, and
+  now times ``code_span`` plus ``call_code``), and on ``DONE`` what ``NodeState.complete``
+  would (a beat of 0); a point-to-point call (its numbers count per peer and tag) leaves
+  them alone, as the transport's own path does.
 - ``mismatch_details()``: ``peer``; ``reason`` (``"header"``, ``"step"``, ``"count"``,
   ``"part"`` or ``"a malformed frame"``); what the message said: ``header`` (its packed call
   header, for ``wire.mismatch``), ``step``, ``count``, ``nbytes``, ``part_offset``,

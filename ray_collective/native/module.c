@@ -387,7 +387,10 @@ static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t na
     PyBuffer_Release(&header);
     if (failed)
         return NULL;
-    if (self->page.buf != NULL) {
+    /* Only collectives are numbered alike on every rank: a point-to-point call (tag >= 0)
+     * leaves the words alone, as the transport's own path does. */
+    int records = self->page.buf != NULL && tag < 0;
+    if (records) {
         /* What NodeState.arrive records: the call started, its rank alive in it since now. */
         int64_t now = now_ms();
         if (*self->started_word < seq + 1)
@@ -398,7 +401,7 @@ static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t na
     int status = progress_call(self, slice_ns_of(slice_s));
     if (status < 0)
         return NULL;
-    if (status == RC_DONE && self->page.buf != NULL)
+    if (status == RC_DONE && records)
         *self->beat_word = 0; /* NodeState.complete: out of the call */
     return PyLong_FromLong(status);
 }
@@ -503,7 +506,7 @@ static PyMethodDef Node_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Node_run, METH_FASTCALL,
      "run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s) -> DONE, "
      "PENDING or MISMATCH: start() with call number seq written into the header, then "
-     "progress(slice_s); keeps the state words bind_state() named"},
+     "progress(slice_s); keeps the state words bind_state() named for a collective (tag < 0)"},
     {"bind_state", (PyCFunction)Node_bind_state, METH_VARARGS,
      "bind_state(page, started_word, beat_word, call_word, code_span): the int64 words of "
      "this rank on its group's state page that run() keeps"},

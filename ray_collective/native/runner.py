@@ -8,7 +8,9 @@ transport whether a peer died or the group was aborted (``Transport.check_failur
 gives up at the call's deadline. A mismatch the core finds becomes the same
 ``CollectiveMismatchError`` the Python engine raises (``wire.mismatch``).
 
-Point-to-point calls stay on the transport (their own tags: nothing of theirs shares a ring).
+Point-to-point calls of up to :attr:`NativeRunner.p2p_max_bytes` run on the core too, on their
+own tag (a collective that meets one of their frames sets it aside for the receive that wants
+it); larger ones stay on the transport, whose sends never wait for their receiver.
 """
 
 from __future__ import annotations
@@ -188,6 +190,13 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN
                        int(spin_s * 1e9), remote_min_bytes)
 
 
+P2P_MAX_BYTES = 64 << 10
+"""The largest point-to-point message the core carries (at most a quarter of a ring). A send on
+the core waits for its receiver once the ring between them is full; one through the transport
+never does, so a message too large to leave room behind it takes the transport: two ranks
+that each send a message before they receive the other's keep working at any size."""
+
+
 class NativePlan(NamedTuple):
     """What the core needs of one call shape, prepared once.
 
@@ -217,12 +226,17 @@ class NativeRunner:
         node: the rank's ``_core.Node``.
         transport: the rank's transport (failures, who came to a call, point-to-point).
         slice_s: the longest the core runs before the rank looks for failures.
+
+    Attributes:
+        p2p_max_bytes: the largest send or recv the core runs (``P2P_MAX_BYTES``, at most a
+            quarter of a ring: the same on every rank of the group).
     """
 
     def __init__(self, node, transport: Transport, slice_s: float = SLICE_S):
         self.node = node
         self.transport = transport
         self.slice_s = slice_s
+        self.p2p_max_bytes = min(P2P_MAX_BYTES, node.ring_bytes // 4)
         words = transport.rank_words()
         # Where the core records a call's start and end itself, a call it finishes in its
         # first slice costs no Python of the transport's.
@@ -270,16 +284,17 @@ class NativeRunner:
                           buffered)
 
     def run(self, native: NativePlan, slots: Sequence[np.ndarray], template: HeaderTemplate,
-            seq: int, timeout: float, what: str) -> None:
+            seq: int, timeout: float, what: str, tag: int = COLLECTIVE_TAG) -> None:
         """Run one call to completion, blocking.
 
         Args:
             native: the call shape's prepared plan.
             slots: the call's arrays (``plan.slots(...)``).
             template: the call shape's header.
-            seq: the call's number.
+            seq: the call's number (of its peer and tag for a send or recv).
             timeout: seconds the whole call may take.
             what: the call's name in a timeout error.
+            tag: ``COLLECTIVE_TAG``, or a send's or recv's own tag.
 
         Raises:
             CollectiveMismatchError: a message differs from what this rank expects.
@@ -288,19 +303,24 @@ class NativeRunner:
             PeerDiedError, GroupBrokenError: from the transport's failure check.
         """
         node, transport = self.node, self.transport
-        records = self.core_records_calls
+        # Only collectives are recorded on the node's state page (numbered alike everywhere).
+        collective = tag == COLLECTIVE_TAG
         stamp = None
-        if not records:
+        if collective and not self.core_records_calls:
             stamp = template.stamp(seq)
             transport.arrive(stamp)
         status = node.run(native.code, slots, template.packed, seq, native.dtype_code,
-                          native.op_code, COLLECTIVE_TAG, native.call_code, self.slice_s)
+                          native.op_code, tag, native.call_code, self.slice_s)
         if status != DONE:
             # The first slice is over: the deadline counts it as if it took all of its time.
             deadline = time.monotonic() + timeout - self.slice_s
             if stamp is None:
                 stamp = template.stamp(seq)
-                transport.arrive(stamp)  # names the call in a failure's error
+                # Names the call in a failure's error.
+                if collective:
+                    transport.arrive(stamp)
+                else:
+                    transport.name_call(stamp)
             while status != DONE:
                 if status == MISMATCH:
                     raise self._mismatch(stamp)
@@ -311,7 +331,7 @@ class NativeRunner:
                 try:
                     transport.check_failures(native.peers)
                     if time.monotonic() >= deadline:
-                        absent = transport.absent_ranks(seq)
+                        absent = transport.absent_ranks(seq) if collective else None
                         raise CollectiveTimeoutError(
                             template.header.group, transport.rank, what, seq,
                             absent or [r.peer for r in native.peers], timeout)
@@ -319,7 +339,7 @@ class NativeRunner:
                     node.abandon()
                     raise
                 status = node.progress(self.slice_s)
-        if stamp is not None:
+        if stamp is not None and collective:
             transport.complete(stamp)
 
     def _mismatch(self, stamp: CallStamp):

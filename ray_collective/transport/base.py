@@ -117,6 +117,11 @@ class Transport(ABC):
     def complete(self, stamp: CallStamp) -> None:
         """Note that this rank has finished the collective of ``stamp``. Default: nothing."""
 
+    def name_call(self, stamp: CallStamp) -> None:
+        """Name the send or recv of ``stamp`` in the errors of failures met from now on: a
+        point-to-point call that runs outside the transport (the native core) and waits.
+        (:meth:`arrive` names a collective.) Default: nothing to name."""
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         """The ranks known to hold up collective ``seq``: those that have not started it, and
         (where the transport can tell) those stalled in it; None when it cannot tell."""

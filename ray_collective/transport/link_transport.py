@@ -159,6 +159,9 @@ class LinkTransport(Transport):
         if self._inbox.error is not None:
             raise self._inbox.error  # found on a part no receive of the call waited for
 
+    def name_call(self, stamp: wire.CallStamp) -> None:
+        self.failures.current = stamp
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         return self.failures.absent_ranks(seq)
 
