@@ -12,7 +12,7 @@ transport they give it.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,14 +58,21 @@ class PreparedCall:
             there (None: the executor runs it over the transport).
         kept_buffer: a list collective's buffer on the native core, kept from call to call
             when it is small (calls of one group run one at a time), else None.
+        header_ahead: for a send or recv too large for the native core, in a group on it:
+            the core's plan of a message of no elements with the call's header, and its
+            slots. Such a send sends it through the ring before its data goes through the
+            transport, and such a recv receives it first, so that a send and a recv of
+            sizes on either side of the core's limit meet each other's header in the ring
+            (a mismatch) rather than wait on different ways. None otherwise.
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native", "kept_buffer")
+                 "average", "native", "kept_buffer", "header_ahead")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
-                 native: Optional[NativePlan] = None):
+                 native: Optional[NativePlan] = None,
+                 header_ahead: Optional[Tuple[NativePlan, List[np.ndarray]]] = None):
         self.options = options
         self.plan = plan
         self.template = template
@@ -75,6 +82,7 @@ class PreparedCall:
         self.layout = layout
         self.average = average
         self.native = native
+        self.header_ahead = header_ahead
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
                 and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
@@ -194,6 +202,7 @@ class TransportMembership(Membership):
             return _nothing_to_run
         transport, timeout, what = self.transport, options.timeout, options.collective.value
         average, dtype_name, world_size, tag = prepared.average, "", self.world_size, prepared.tag
+        header_ahead = prepared.header_ahead
         if view is not None:
             dtype_name = view.dtype_name
         native, native_run = prepared.native, self.native and self.native.run
@@ -214,6 +223,8 @@ class TransportMembership(Membership):
             if native is not None:
                 native_run(native, plan.slots(flat), template, seq, timeout, what, tag)
             else:
+                if header_ahead is not None:
+                    self.native.run(*header_ahead, template, seq, timeout, what, tag)
                 run_plan(plan, plan.slots(flat), transport, tag, template.stamp(seq), combine,
                          timeout, what)
             if average:
@@ -286,11 +297,15 @@ class TransportMembership(Membership):
             plan = point_to_point(collective is Collective.SEND, options.peer, count, dtype)
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
-            native = None
+            native = header_ahead = None
             if self.native is not None and count * dtype.itemsize <= self.native.p2p_max_bytes:
                 native = self.native.prepare(plan, collective.value, dtype_name, None)
+            elif self.native is not None:
+                nothing = point_to_point(collective is Collective.SEND, options.peer, 0, dtype)
+                header_ahead = (self.native.prepare(nothing, collective.value, dtype_name, None),
+                                nothing.slots(None))
             return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
-                                options.tag, "in place", False, native)
+                                options.tag, "in place", False, native, header_ahead)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology)
@@ -357,6 +372,9 @@ class TransportMembership(Membership):
             self.native.run(prepared.native, plan.slots(buf, recvbuf), prepared.template,
                             stamp.seq, options.timeout, options.collective.value, prepared.tag)
         else:
+            if prepared.header_ahead is not None:
+                self.native.run(*prepared.header_ahead, prepared.template, stamp.seq,
+                                options.timeout, options.collective.value, prepared.tag)
             run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
                      prepared.combine, options.timeout, options.collective.value)
         if layout == "gather":

@@ -10,7 +10,8 @@ gives up at the call's deadline. A mismatch the core finds becomes the same
 
 Point-to-point calls of up to :attr:`NativeRunner.p2p_max_bytes` run on the core too, on their
 own tag (a collective that meets one of their frames sets it aside for the receive that wants
-it); larger ones stay on the transport, whose sends never wait for their receiver.
+it); larger ones stay on the transport, whose sends never wait for their receiver, behind
+their header sent through the core (``backends.transport_membership``).
 """
 
 from __future__ import annotations
