@@ -154,8 +154,12 @@ static int open_rings(rc_node *node)
         }
         const char *failed = NULL;
         int src = node->rank, dst = peer;
-        if ((use & RC_USE_SEND) && link->out.control == NULL)
+        if ((use & RC_USE_SEND) && link->out.control == NULL) {
             failed = rc_ring_open(&link->out, node->dirfd, src, dst, node->ring_bytes, 1);
+            if (failed == NULL) /* after the file exists: its reader's next scan finds it */
+                atomic_fetch_add_explicit(&node->doorbell->bells[dst].rings_made, 1,
+                                          memory_order_release);
+        }
         if (failed == NULL && (use & RC_USE_RECEIVE) && link->in.control == NULL) {
             src = peer;
             dst = node->rank;
@@ -173,6 +177,12 @@ static int open_rings(rc_node *node)
 
 int rc_scan_incoming(rc_node *node)
 {
+    uint32_t made = atomic_load_explicit(&node->doorbell->bells[node->rank].rings_made,
+                                         memory_order_acquire);
+    if (made == node->rings_seen)
+        return RC_OK;
+    /* Taken before the scan: a ring made during it bumps the count again for the next one. */
+    node->rings_seen = made;
     for (int peer = 0; peer < node->world; peer++) {
         rc_link *link = node->links[peer];
         if (peer == node->rank || (link != NULL && link->in.control != NULL))
@@ -234,6 +244,7 @@ int rc_call_start(rc_node *node)
     call->left = call->attached = 0;
     call->detach_armed = 0;
     call->stalled_since = 0;
+    call->spun = 0;
     call->active = 1;
     return RC_OK;
 }

@@ -108,6 +108,7 @@ typedef struct {
     int64_t attached;     /* sends of the round still reading the caller's memory */
     int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
     int64_t stalled_since; /* when the current stall of a call with attached sends began */
+    int spun;             /* polled for spin_ns since it last moved: later waits sleep at once */
 } rc_call;
 
 typedef struct rc_node {
@@ -117,6 +118,7 @@ typedef struct rc_node {
     rc_doorbell *doorbell;
     size_t doorbell_bytes;
     uint32_t seen_alarm;
+    uint32_t rings_seen;        /* this rank's rings_made at its last rc_scan_incoming */
     rc_link **links;
     int *senders, n_senders;    /* peers with messages queued */
     int *receiving, n_receiving; /* peers whose inbound ring is open */
@@ -163,7 +165,8 @@ int rc_detach(rc_node *node, int offers_too);
 /* Opens, to read, every ring a peer has made towards this rank that this rank has not opened
  * (RC_OK, or RC_OS_ERROR with node->error): the early mismatch check then sees the messages
  * of peers this rank never expects (ranks that disagree about a root disagree about who
- * sends). A file system look per peer: called between slices of a waiting call, not per pass. */
+ * sends). A file system look per peer, only when a peer made a ring towards this rank since
+ * the last scan (its doorbell's rings_made): called between slices of a waiting call. */
 int rc_scan_incoming(rc_node *node);
 
 /* RC_MISMATCH if a ring holds a frame of this call number with another header, else

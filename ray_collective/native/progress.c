@@ -3,7 +3,9 @@
  *
  * After a pass without progress the rank polls for spin_ns, yielding its core between polls
  * (sched_yield), then sleeps on its doorbell (shm.c) until a peer publishes a frame or frees
- * room, the slice ends, or an alarm (rc_wake_all) rings. A rank whose round still has sends in
+ * room, the slice ends, or an alarm (rc_wake_all) rings. It polls again only once the call
+ * has moved: not at every slice of a long wait, nor after a wake-up that brought nothing (48
+ * ranks waiting in a barrier each burnt 10 ms of CPU a second re-polling at every slice). A rank whose round still has sends in
  * the caller's memory sleeps at most DETACH_GRACE_NS first; if that brought nothing either, the
  * sends are detached into overflow memory (executor.c), which keeps bounded rings free of
  * deadlocks whatever the plan. A large message offered to be read in place (remote.c) is
@@ -59,6 +61,7 @@ int rc_progress(rc_node *node, int64_t slice_ns)
     for (;;) {
         if (result == RC_PASS_PROGRESS) {
             spin_until = 0;
+            call->spun = 0;
             call->detach_armed = 0;
             call->stalled_since = 0;
         }
@@ -72,13 +75,14 @@ int rc_progress(rc_node *node, int64_t slice_ns)
         int64_t now = now_ns();
         if (now >= deadline)
             return RC_PENDING;
-        if (node->spin_ns > 0) {
+        if (node->spin_ns > 0 && !call->spun) {
             if (spin_until == 0)
                 spin_until = now + node->spin_ns;
             if (now < spin_until) {
                 sched_yield();
                 continue;
             }
+            call->spun = 1;
         }
         int64_t timeout = deadline - now;
         if (call->attached > 0) {

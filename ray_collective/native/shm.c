@@ -5,7 +5,8 @@
  * created by whichever rank needs them first: both sides open with O_CREAT and truncate to the
  * same size, so creation is idempotent and a fresh file, all zeros, is an empty ring):
  * - `doorbell`: one cache line holding the alarm counter, then one line per rank: the 32-bit
- *   futex word the rank sleeps on and its "sleeping" flag.
+ *   futex word the rank sleeps on, its "sleeping" flag, and how many rings peers have opened
+ *   towards it as their producer (so that it looks for new ones only when that changed).
  * - `ring-<src>-<dst>`: the single-producer single-consumer byte ring from src to dst: the
  *   head counter (bytes ever published, written by src) and the tail counter (bytes ever
  *   released, written by dst) on cache lines of their own, then `capacity` bytes of data.

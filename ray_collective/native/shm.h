@@ -48,7 +48,8 @@ typedef struct {
 typedef struct {
     _Atomic uint32_t word;     /* the futex a rank sleeps on */
     _Atomic uint32_t sleeping; /* set while it may sleep: posters then wake it */
-    char pad[RC_LINE - 8];
+    _Atomic uint32_t rings_made; /* bumped by a peer that made a ring towards this rank */
+    char pad[RC_LINE - 12];
 } rc_bell;
 
 typedef struct {

@@ -31,7 +31,7 @@ from . import uds, wire
 from .base import Request
 from .node_state import NodeState
 from .post_office_carrier import PostOffices
-from .processes import process_alive
+from .processes import ProcessWatch
 
 LOCAL_LIVENESS_INTERVAL_S = 0.1
 """How often a waiting rank looks at the process table (and its node's post office)."""
@@ -71,8 +71,13 @@ class FailureWatch:
         self._protocol_error: Optional[CollectiveError] = None
         self._lost_post_offices: set = set()
         self._next_post_office_check = 0.0
+        self._processes = ProcessWatch()
 
     # ------------------------------------------------------------------ what is known
+
+    def close(self) -> None:
+        """Let go of what watching the node's processes holds (their pidfds)."""
+        self._processes.close()
 
     def mark_dead(self, peer: int, reason: str) -> None:
         """Record that ``peer`` is dead (the first reason stays)."""
@@ -150,6 +155,7 @@ class FailureWatch:
         theirs; returns whether remote ones were asked about."""
         remote: Dict[str, List[int]] = defaultdict(list)
         waits_on_other_nodes = False
+        local = []
         for peer in peers:
             where = self.peers[peer]
             if where.node != self.node:
@@ -159,8 +165,13 @@ class FailureWatch:
                 # hold this rank away from reading that end.
                 if peer not in self.streamed:
                     remote[where.node].append(peer)
-            elif not process_alive(where.pid):
-                self.mark_dead(peer, "its process exited")
+            else:
+                local.append(peer)
+        if local:
+            exited = set(self._processes.exited(self.peers[peer].pid for peer in local))
+            for peer in local:
+                if self.peers[peer].pid in exited:
+                    self.mark_dead(peer, "its process exited")
         if self.post_offices is None:
             return False
         self.local_post_office_lost()

@@ -173,6 +173,7 @@ class LinkTransport(Transport):
     def close(self) -> None:
         for carrier in self._carriers:
             carrier.close()
+        self.failures.close()
         self.state.close()
 
 
