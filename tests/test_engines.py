@@ -546,3 +546,9 @@ def _join_error():
         return type(err).__name__, str(err)
     col.destroy_collective_group("malformed-engine")
     return "ok", ""
+
+
+def test_a_crowded_machine_gets_longer_slices_from_25_ranks_a_core():
+    from ray_collective.native.runner import SLICE_S, slice_s_for
+    assert slice_s_for(0.5) == slice_s_for(25) == SLICE_S
+    assert slice_s_for(200) == pytest.approx(0.4)  # 400 ranks on 2 cores

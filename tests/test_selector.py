@@ -124,3 +124,6 @@ def test_ray_nodes_at_one_address_share_its_cores():
     # Node c, alone at its address, keeps its own verdict.
     mixed = shared[:2] + [Member(2, "c", 102, 2, "streams", "10.0.0.3")]
     assert _ranks_over_cores(mixed) == {"a": False, "c": False}
+    from ray_collective.backends.ray.machines import ranks_per_core
+    assert ranks_per_core(shared) == {"a": 2.0, "b": 2.0}
+    assert ranks_per_core(mixed) == {"a": 1.0, "c": 0.5}

@@ -3,7 +3,7 @@
 A :class:`NativeRunner` belongs to one rank of a group whose ranks all share a node. It turns a
 call shape's recorded plan into the core's plan code once (:meth:`NativeRunner.prepare`), and
 runs each call of it in the core with the GIL released (:meth:`NativeRunner.run`), a slice of
-``SLICE_S`` at a time: between slices the rank records that it is alive and asks its
+``SLICE_S`` at a time (longer on a crowded machine: :func:`slice_s_for`): between slices the rank records that it is alive and asks its
 transport whether a peer died or the group was aborted (``Transport.check_failures``), and
 gives up at the call's deadline. A mismatch the core finds becomes the same
 ``CollectiveMismatchError`` the Python engine raises (``wire.mismatch``).
@@ -37,7 +37,29 @@ SLICE_S = 0.05
 """The longest the core runs a call before the rank looks for failures. A killed peer leaves
 no socket hang-up to notice in the rings, so this alone bounds how soon it is named: with
 0.1 s, ``python -m benchmarks.fault_detection`` (4 ranks, 10 kills) gave p95 107 ms at 8 B,
-past the 0.1 s target; a check costs a few microseconds per slice of waiting."""
+past the 0.1 s target. A check costs 70-120 us per slice of waiting (48 ranks on 2 cores):
+see ``SLICES_PER_CORE_S`` for crowded machines."""
+
+SLICES_PER_CORE_S = 500
+"""How many slices a second the waiting ranks of a machine may end, per core. Each end wakes
+a rank and runs its failure check in Python (70-120 us each at 48 ranks on 2 cores, more on a
+busier machine): 400 ranks waiting on 2 cores at 20 slices a second each took a core and a
+half of the two, and so slowed every step of the call they waited for."""
+
+
+def slice_s_for(ranks_per_core: float) -> float:
+    """The slice of a rank whose machine runs ``ranks_per_core`` ranks of the group per core:
+    ``SLICE_S``, or longer where that many ranks would end more than ``SLICES_PER_CORE_S``
+    slices a second per core (from 25 ranks a core: 0.4 s at 400 ranks on 2 cores, which is
+    then how long a killed rank may go unnoticed by the first survivor to look).
+
+    Args:
+        ranks_per_core: ranks of the group on the machine, over its cores.
+
+    Returns:
+        Seconds.
+    """
+    return max(SLICE_S, ranks_per_core / SLICES_PER_CORE_S)
 
 RING_BYTES_MAX = 4 << 20
 """A ring's room when the group is small: large messages stream through it in parts of

@@ -36,10 +36,10 @@ from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
-from ...native.runner import NativeRunner, native_node
+from ...native.runner import NativeRunner, native_node, slice_s_for
 from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
                           ray_module, runtime)
-from .machines import ranks_over_cores
+from .machines import ranks_over_cores, ranks_per_core
 from .membership import RayMembership
 from .post_offices import RayPostOffices, shut_post_office, start_post_office
 
@@ -174,7 +174,8 @@ class RayBackendFactory(BackendFactory):
                                   streams=streams)
         runner = None
         if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
-            runner = NativeRunner(native_node(directory, rank, world_size), transport)
+            runner = NativeRunner(native_node(directory, rank, world_size), transport,
+                                  slice_s_for(ranks_per_core(members)[node]))
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 

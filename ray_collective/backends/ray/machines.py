@@ -12,6 +12,21 @@ from typing import Dict, Sequence
 from .rendezvous import Member
 
 
+def ranks_per_core(members: Sequence[Member]) -> Dict[str, float]:
+    """For every node, the ranks of the group its machine runs per core it has (a machine is
+    the Ray nodes at one address, as in :func:`ranks_over_cores`; the same answer on every
+    rank)."""
+    machine_of = {member.node: member.host or member.node for member in members}
+    ranks: Dict[str, int] = {}
+    cores: Dict[str, int] = {}
+    for member in members:
+        machine = machine_of[member.node]
+        ranks[machine] = ranks.get(machine, 0) + 1
+        cores[machine] = max(cores.get(machine, 0), member.cores)
+    return {node: ranks[machine] / max(cores[machine], 1)
+            for node, machine in machine_of.items()}
+
+
 def ranks_over_cores(members: Sequence[Member]) -> Dict[str, bool]:
     """For every node, whether its machine runs more ranks of the group than it has cores (the
     same answer on every rank, since it comes from the shared membership).
@@ -21,14 +36,7 @@ def ranks_over_cores(members: Sequence[Member]) -> Dict[str, bool]:
     let ranks spin on cores their peers on the other nodes need (4 nodes x 2 ranks on 2
     cores: allreduce 8 B 1.5 ms counted by address, 1.9-2.0 ms by node).
     """
-    machine_of = {member.node: member.host or member.node for member in members}
-    ranks: Dict[str, int] = {}
-    cores: Dict[str, int] = {}
-    for member in members:
-        machine = machine_of[member.node]
-        ranks[machine] = ranks.get(machine, 0) + 1
-        cores[machine] = max(cores.get(machine, 0), member.cores)
-    return {node: ranks[machine] > cores[machine] for node, machine in machine_of.items()}
+    return {node: per_core > 1 for node, per_core in ranks_per_core(members).items()}
 
 
 def oversubscribed(members: Sequence[Member]) -> bool:
