@@ -349,16 +349,21 @@ def test_a_native_call_that_disagrees_is_a_mismatch_on_every_rank(shm_directory)
 
 
 @needs_native
-def test_a_native_call_whose_peer_never_comes_times_out_naming_it(shm_directory):
+@pytest.mark.parametrize("collective, call", [
+    ("allreduce", lambda: col.allreduce(np.ones(4), timeout=0.5)),
+    ("recv", lambda: col.recv(np.ones(4), 1, tag=1, timeout=0.5))])
+def test_a_native_call_whose_peer_never_comes_times_out_naming_it(shm_directory, collective,
+                                                                   call):
+    """A collective, and a recv on the core whose sender never sends."""
     def body(rank):
         if rank == 1:
             return None
         with pytest.raises(col.CollectiveTimeoutError) as caught:
-            col.allreduce(np.ones(4), timeout=0.5)
-        return caught.value.missing_ranks
+            call()
+        return caught.value
 
-    missing, _ = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
-    assert list(missing) == [1]
+    error, _ = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
+    assert list(error.missing_ranks) == [1] and error.collective == collective
 
 
 # ------------------------------------------------------------------ send and recv
@@ -444,19 +449,6 @@ def test_a_recv_unlike_its_send_on_the_core_is_a_mismatch(shm_directory):
 
     _, error = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
     assert error.differences.get("dtype") and error.ranks == (1, 0)
-
-
-@needs_native
-def test_a_recv_on_the_core_whose_sender_never_sends_times_out_naming_it(shm_directory):
-    def body(rank):
-        if rank == 1:
-            return None
-        with pytest.raises(col.CollectiveTimeoutError) as caught:
-            col.recv(np.ones(4), 1, tag=1, timeout=0.5)
-        return caught.value
-
-    error, _ = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
-    assert list(error.missing_ranks) == [1] and error.collective == "recv"
 
 
 @needs_native

@@ -196,13 +196,13 @@ class TransportMembership(Membership):
             return self._list_runner(prepared, view.dtype_name)
         if prepared.layout != "in place":
             return None
-        plan, template, combine = prepared.plan, prepared.template, prepared.combine
+        plan, template = prepared.plan, prepared.template
         if not plan.steps and self.world_size == 1:
             # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
             return _nothing_to_run
-        transport, timeout, what = self.transport, options.timeout, options.collective.value
+        timeout, what = options.timeout, options.collective.value
         average, dtype_name, world_size, tag = prepared.average, "", self.world_size, prepared.tag
-        header_ahead = prepared.header_ahead
+        run_on_transport = self._run_on_transport
         if view is not None:
             dtype_name = view.dtype_name
         native, native_run = prepared.native, self.native and self.native.run
@@ -223,10 +223,7 @@ class TransportMembership(Membership):
             if native is not None:
                 native_run(native, plan.slots(flat), template, seq, timeout, what, tag)
             else:
-                if header_ahead is not None:
-                    self.native.run(*header_ahead, template, seq, timeout, what, tag)
-                run_plan(plan, plan.slots(flat), transport, tag, template.stamp(seq), combine,
-                         timeout, what)
+                run_on_transport(prepared, plan.slots(flat), template.stamp(seq))
             if average:
                 finalize_average(flat, dtype_name, world_size)
 
@@ -372,17 +369,25 @@ class TransportMembership(Membership):
             self.native.run(prepared.native, plan.slots(buf, recvbuf), prepared.template,
                             stamp.seq, options.timeout, options.collective.value, prepared.tag)
         else:
-            if prepared.header_ahead is not None:
-                self.native.run(*prepared.header_ahead, prepared.template, stamp.seq,
-                                options.timeout, options.collective.value, prepared.tag)
-            run_plan(plan, plan.slots(buf, recvbuf), self.transport, prepared.tag, stamp,
-                     prepared.combine, options.timeout, options.collective.value)
+            self._run_on_transport(prepared, plan.slots(buf, recvbuf), stamp)
         if layout == "gather":
             _scatter_blocks(buf, blocks, outputs)
         elif layout == "exchange":
             _scatter_blocks(recvbuf, blocks, outputs)
         elif layout != "in place":
             np.copyto(tensor, blocks.view(buf, self.rank))
+
+    def _run_on_transport(self, prepared: PreparedCall, slots: Sequence[np.ndarray],
+                          stamp) -> None:
+        """Run a call's plan over the transport (the Python engine), a send's or recv's
+        header through the core first where it has one to send ahead."""
+        options = prepared.options
+        timeout, what = options.timeout, options.collective.value
+        if prepared.header_ahead is not None:
+            self.native.run(*prepared.header_ahead, prepared.template, stamp.seq, timeout, what,
+                            prepared.tag)
+        run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
+                 timeout, what)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)
