@@ -97,10 +97,12 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 # (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
 # Only blocking calls with the group's own deadline on writable numpy arrays take it; for
 # allgather, reducescatter, and gather and scatter at their root, every array of the list must
-# be like the tensor (dtype, shape, strides), which is checked per call.
+# be like the tensor (dtype, shape, strides), and for alltoall every entry of both lists like
+# the first input, which is checked per call.
 
 _ALLREDUCE, _REDUCE, _BROADCAST = "allreduce", "reduce", "broadcast"
 _ALLGATHER, _REDUCESCATTER, _GATHER, _SCATTER = "allgather", "reducescatter", "gather", "scatter"
+_ALLTOALL = "alltoall"
 
 
 def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
@@ -131,6 +133,24 @@ def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
                 or entry.strides != strides or (list_written and not entry.flags.writeable)):
             return None
     return key + (len(tensors),)
+
+
+def _exchange_key(inputs: Any, outputs: Any) -> Optional[Tuple]:
+    """The key of an alltoall for the known-shape path (see :func:`_shape_key`), or None when
+    it cannot take it: a list that is not a list or tuple, an entry unlike the first input,
+    an output not writable. An input may be read-only (it is only sent)."""
+    if type(inputs) not in (list, tuple) or type(outputs) not in (list, tuple) or not inputs:
+        return None
+    first = inputs[0]
+    if type(first) is not np.ndarray:
+        return None
+    dtype, shape, strides = first.dtype, first.shape, first.strides
+    for entries, written in ((inputs, False), (outputs, True)):
+        for entry in entries:
+            if (type(entry) is not np.ndarray or entry.dtype != dtype or entry.shape != shape
+                    or entry.strides != strides or (written and not entry.flags.writeable)):
+                return None
+    return (_ALLTOALL, dtype, shape, strides, len(inputs), len(outputs))
 
 
 def _point_to_point_key(collective: str, tensor: Any, peer: Any, tag: Any) -> Optional[Tuple]:
@@ -787,12 +807,18 @@ def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
         ArgumentTypeError, ArgumentValueError: bad arguments.
         GroupNotInitializedError, CollectiveError: as every collective.
     """
+    known = None if async_op or timeout is not None else _exchange_key(
+        input_tensor_list, output_tensor_list)
+    if _run_known_shape(group_name, known, (input_tensor_list, output_tensor_list)):
+        return None
     group = _group(group_name)
     inputs = _views(group, input_tensor_list, False, "input_tensor_list")
     outputs = _views(group, output_tensor_list, True, "output_tensor_list", like=inputs[0],
                      like_name="input_tensor_list[0]")
-    return _submit(group, _options(group, Collective.ALLTOALL, timeout), async_op,
-                   inputs=inputs, outputs=outputs)
+    options = _options(group, Collective.ALLTOALL, timeout)
+    if known is None:
+        return _submit(group, options, async_op, inputs=inputs, outputs=outputs)
+    return _submit_and_learn(group, options, known, inputs[0], inputs=inputs, outputs=outputs)
 
 
 def barrier(group_name: str = "default", *, async_op: bool = False,

@@ -260,6 +260,57 @@ def test_a_large_reducescatter_agrees_on_both_engines_whatever_its_tensor_aliase
 
 
 @needs_native
+@pytest.mark.parametrize("world_size, algorithm", [(2, "pairwise"), (3, "pairwise"),
+                                                   (4, "pairwise"), (3, "bruck"), (4, "bruck")])
+@pytest.mark.parametrize("blocks", ["small", "large"])
+def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory, monkeypatch,
+                                                                   world_size, algorithm,
+                                                                   blocks):
+    """Alltoall of 2-D blocks, small and past DIRECT_BLOCK_BYTES (where pairwise sends from
+    the inputs and receives into the outputs themselves), three calls each (the first by the
+    full path, the others by the known-shape path): separate lists, read-only inputs, the
+    outputs being the inputs (in place: the buffered plan runs), and one array for every
+    output (the last block written last, as on the Python engine)."""
+    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", f"alltoall={algorithm}")
+    rows = 2 if blocks == "small" else DIRECT_BLOCK_BYTES // 16 + 3
+
+    def block(source, target, call):
+        return np.full((rows, 2), source * 100.0 + target + call / 8) + np.arange(rows * 2
+                                                                                ).reshape(rows, 2)
+
+    def body(rank):
+        out = []
+        for call in range(3):
+            inputs = [block(rank, j, call) for j in range(world_size)]
+            outputs = [np.zeros((rows, 2)) for _ in range(world_size)]
+            col.alltoall(outputs, inputs)
+            out.append(np.stack(outputs))
+            read_only = [entry.copy() for entry in inputs]
+            for entry in read_only:
+                entry.setflags(write=False)
+            outputs = [np.zeros((rows, 2)) for _ in range(world_size)]
+            col.alltoall(outputs, read_only)
+            out.append(np.stack(outputs))
+            in_place = [entry.copy() for entry in inputs]
+            col.alltoall(in_place, in_place)
+            out.append(np.stack(in_place))
+            one = np.zeros((rows, 2))
+            col.alltoall([one] * world_size, inputs)
+            out.append(one)
+        return out
+
+    natively = _on_both_engines(world_size, body, shm_directory)
+    for rank in range(world_size):
+        results = iter(natively[rank])
+        for call in range(3):
+            expected = np.stack([block(source, rank, call) for source in range(world_size)])
+            for _ in range(3):
+                np.testing.assert_array_equal(next(results), expected)
+            np.testing.assert_array_equal(next(results), expected[-1])
+
+
+@needs_native
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_list_collectives_of_two_dimensional_tensors_agree_on_both_engines(shm_directory,
                                                                           world_size):

@@ -64,15 +64,19 @@ def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, mo
                                for j in range(world_size)] if rank == root else None,
                         src_rank=root)
             results.append(mine)
+            received = [np.full(2, 255, np.uint8) for _ in range(world_size)]
+            col.alltoall(received, [np.full(2, 10 * rank + j + step, np.uint8)
+                                    for j in range(world_size)])
+            results.append(np.stack(received))
         return results, len(_runners())
 
     outcome = run_ranks(world_size, body)
     for rank, (results, learnt) in enumerate(outcome):
-        # allreduce, broadcast, reduce, allgather, reducescatter, barrier, and gather and
-        # scatter once per root
-        assert learnt == 6 + 2 * min(world_size, 4)
+        # allreduce, broadcast, reduce, allgather, reducescatter, barrier, alltoall, and
+        # gather and scatter once per root
+        assert learnt == 7 + 2 * min(world_size, 4)
         for step in range(4):
-            got = results[7 * step:7 * step + 7]
+            got = results[8 * step:8 * step + 8]
             expected = sum(np.arange(5, dtype=np.float64) * (r + 1) + step
                            for r in range(world_size))
             np.testing.assert_array_equal(got[0], expected)
@@ -89,11 +93,14 @@ def test_repeated_calls_give_numpy_results_and_skip_the_full_path(world_size, mo
             else:
                 assert (got[5] == -1).all()
             np.testing.assert_array_equal(got[6], np.full((2, 1), 100.0 * rank + step))
+            np.testing.assert_array_equal(
+                got[7], np.stack([np.full(2, 10 * r + rank + step, np.uint8)
+                                  for r in range(world_size)]))
     # Only each shape's first call took the full path, on every rank (gather and scatter: the
     # first call at each root).
     roots = min(world_size, 4)
     assert sorted(taken) == sorted((["allreduce", "broadcast", "reduce", "allgather",
-                                     "reducescatter", "barrier"]
+                                     "reducescatter", "barrier", "alltoall"]
                                     + ["gather", "scatter"] * roots) * world_size)
 
 
@@ -112,6 +119,30 @@ def test_gather_and_scatter_of_a_known_shape_refuse_a_missing_list_at_their_root
         return len(_runners())
 
     assert run_ranks(2, body) == [2, 2]
+
+
+def test_an_alltoall_of_a_known_shape_refuses_lists_unlike_it():
+    """The key is checked per call: another length, or an entry of another shape or dtype,
+    takes the full path, which refuses it on every rank before anything is sent; a read-only
+    input is only read."""
+    def body(rank):
+        outputs, inputs = [np.zeros(3) for _ in range(2)], [np.full(3, rank + 1.0)] * 2
+        for _ in range(2):
+            col.alltoall(outputs, inputs)
+        for bad_outputs, bad_inputs, match in (
+                ([np.zeros(3)] * 3, inputs, "3 tensors"),
+                (outputs, [np.ones(3), np.ones(4)], "shape"),
+                ([np.zeros(3), np.zeros(3, np.float32)], inputs, "dtype")):
+            with pytest.raises(col.ArgumentError, match=match):
+                col.alltoall(bad_outputs, bad_inputs)
+        read_only = np.full(3, 10.0 * (rank + 1))
+        read_only.setflags(write=False)
+        col.alltoall(outputs, [read_only, read_only])
+        return np.stack(outputs), len(_runners())
+
+    for stacked, learnt in run_ranks(2, body):
+        np.testing.assert_array_equal(stacked, [np.full(3, 10.0), np.full(3, 20.0)])
+        assert learnt == 1
 
 
 def test_average_divides_on_the_known_shape_path_too():

@@ -31,11 +31,12 @@ from .base import GroupCall, Membership, node_map_or_none
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 _GATHERING = (Collective.ALLGATHER, Collective.GATHER)
 _POINT_TO_POINT = (Collective.SEND, Collective.RECV)
-_LISTS = (Collective.ALLGATHER, Collective.REDUCESCATTER)
-"""Collectives whose list is on every rank."""
+_LISTS = (Collective.ALLGATHER, Collective.REDUCESCATTER, Collective.ALLTOALL)
+"""Collectives whose list (alltoall: lists) is on every rank."""
 _LISTS_IN_CORE = _LISTS + (Collective.GATHER, Collective.SCATTER)
-"""Collectives whose tensors are copied to and from the plan's buffer in C on the native core
+"""Collectives whose tensors are copied to and from the plan's buffers in C on the native core
 (``NativeRunner.prepare``); gather and scatter have their list on the root only."""
+_LIST_LAYOUTS = ("gather", "split", "receive block", "exchange")
 
 PLAN_CACHE_SIZE = 64
 """Call shapes a group keeps prepared; the oldest is dropped beyond this."""
@@ -56,8 +57,9 @@ class PreparedCall:
         average: divide the result by the world size at the end (AVG, on ranks that get one).
         native: the plan in the native core's form, where the membership runs its collectives
             there (None: the executor runs it over the transport).
-        kept_buffer: a list collective's buffer on the native core, kept from call to call
-            when it is small (calls of one group run one at a time), else None.
+        kept_buffer: a list collective's buffer on the native core (alltoall's send buffer
+            followed by its receive buffer), kept from call to call when it is small (calls
+            of one group run one at a time), else None.
         header_ahead: for a send or recv too large for the native core, in a group on it:
             the core's plan of a message of no elements with the call's header, and its
             slots. Such a send sends it through the ring before its data goes through the
@@ -86,7 +88,20 @@ class PreparedCall:
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
                 and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
-            self.kept_buffer = np.empty(blocks.total, plan.dtype)
+            self.kept_buffer = np.empty(blocks.total * (2 if layout == "exchange" else 1),
+                                        plan.dtype)
+
+    def buffers(self, buffer: Optional[np.ndarray]) -> List[np.ndarray]:
+        """The plan's slots on the list collective's ``buffer`` (one holding the send and the
+        receive buffer for alltoall); None: on the core's kept buffer, or a fresh one."""
+        if buffer is None:
+            buffer = self.kept_buffer
+        total = self.blocks.total
+        if buffer is None:
+            buffer = np.empty(total * (2 if self.layout == "exchange" else 1), self.plan.dtype)
+        if self.layout == "exchange":
+            return self.plan.slots(buffer[:total], buffer[total:])
+        return self.plan.slots(buffer)
 
 
 def _layout(collective: Collective, rank: int, root: int) -> str:
@@ -192,7 +207,7 @@ class TransportMembership(Membership):
 
     def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
         prepared = self.prepared(options, view)
-        if prepared.layout in ("gather", "split", "receive block"):
+        if prepared.layout in _LIST_LAYOUTS:
             return self._list_runner(prepared, view.dtype_name)
         if prepared.layout != "in place":
             return None
@@ -231,9 +246,9 @@ class TransportMembership(Membership):
 
     def _list_runner(self, prepared: PreparedCall, dtype_name: str):
         """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
-        (``(tensor, inputs)``) calls of one shape; gather and scatter ignore the list except
-        at their root, as the full path does."""
-        template, gathering = prepared.template, prepared.layout == "gather"
+        (``(tensor, inputs)``), or alltoall (``(inputs, outputs)``) calls of one shape; gather
+        and scatter ignore the list except at their root, as the full path does."""
+        template, layout = prepared.template, prepared.layout
         average, world_size, execute = prepared.average, self.world_size, self._execute
         options = prepared.options
         uses_list = options.collective in _LISTS or options.root == self.rank
@@ -241,8 +256,14 @@ class TransportMembership(Membership):
         if native is not None and native.buffered is None and kept is not None:
             # A small call on the native core: the core takes the arrays as they are (any
             # C-contiguous shape) and copies them to and from the kept buffer.
-            head, native_run = prepared.plan.slots(kept), self.native.run
+            head, native_run = prepared.buffers(kept), self.native.run
             timeout, what = options.timeout, options.collective.value
+            if layout == "exchange":
+                def exchange_in_core(seq: int, arrays) -> None:
+                    inputs, outputs = arrays
+                    native_run(native, [*head, *inputs, *outputs], template, seq, timeout, what)
+
+                return exchange_in_core
 
             def run_in_core(seq: int, arrays) -> None:
                 tensor, others = arrays
@@ -253,11 +274,20 @@ class TransportMembership(Membership):
 
             return run_in_core
 
+        if layout == "exchange":
+            def exchange(seq: int, arrays) -> None:
+                inputs, outputs = arrays
+                execute(prepared, template.stamp(seq), None,
+                        [array.reshape(-1) for array in inputs],
+                        [array.reshape(-1) for array in outputs])
+
+            return exchange
+
         def run(seq: int, arrays) -> None:
             tensor, others = arrays
             flat = tensor.reshape(-1)
             others = [array.reshape(-1) for array in others] if uses_list else ()
-            if gathering:
+            if layout == "gather":
                 execute(prepared, template.stamp(seq), flat, (), others)
             else:
                 execute(prepared, template.stamp(seq), flat, others, ())
@@ -339,19 +369,21 @@ class TransportMembership(Membership):
         options = prepared.options
         plan, blocks, layout = prepared.plan, prepared.blocks, prepared.layout
         if prepared.native is not None and options.collective in _LISTS_IN_CORE:
-            # The core copies the tensor and the list to and from the buffer itself, or needs
-            # no buffer (large blocks, and a list whose entries do not overlap).
-            lists = outputs if layout == "gather" else inputs
-            native, buffer = prepared.native, None
-            # Where the list is an input, the tensor is written while entries are sent.
-            if native.buffered is None or entries_overlap(
-                    lists if layout == "gather" else [*lists, tensor]):
+            # The core copies the tensors and the lists to and from the buffers itself, or
+            # needs no buffer (large blocks, and written arrays that overlap nothing).
+            if layout == "exchange":
+                arrays = written = [*inputs, *outputs]
+            else:
+                lists = outputs if layout == "gather" else inputs
+                arrays = [tensor, *lists]
+                # Where the list is an input, the tensor is written while entries are sent.
+                written = lists if layout == "gather" else arrays
+            native, slots = prepared.native, plan.slots(None)
+            if native.buffered is None or entries_overlap(written):
                 native = native.buffered or native
-                buffer = prepared.kept_buffer
-                if buffer is None:
-                    buffer = np.empty(blocks.total, plan.dtype)
-            self.native.run(native, plan.slots(buffer) + [tensor, *lists], prepared.template,
-                            stamp.seq, options.timeout, options.collective.value)
+                slots = prepared.buffers(None)
+            self.native.run(native, slots + arrays, prepared.template, stamp.seq,
+                            options.timeout, options.collective.value)
             return
         recvbuf = None
         if layout == "in place":

@@ -103,19 +103,26 @@ def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
     """``plan`` with the copies of a list collective's layout around it: for ``gather``, this
     rank's tensor into its block of the buffer before, every block into its list entry after;
     for ``split``, every list entry into its block before, this rank's block into the tensor
-    after; for ``receive block``, this rank's block into the tensor after. The tensor is the
-    slot after the plan's own, the list entries the ones after it; a rank without the list
-    (gather's and scatter's others) copies only its tensor."""
+    after; for ``receive block``, this rank's block into the tensor after; for ``exchange``
+    (alltoall), every input entry into its block of the send buffer before, every block of
+    the receive buffer into its output entry after. The tensor is the slot after the plan's
+    own, the list entries the ones after it (alltoall has no tensor: its inputs, then its
+    outputs); a rank without the list (gather's and scatter's others) copies only its
+    tensor."""
     tensor = 2 + len(plan.scratch)
 
-    def block(i: int) -> Place:
-        return Place(0, blocks.offsets[i], blocks.offsets[i + 1])
+    def block(i: int, slot: int = 0) -> Place:
+        return Place(slot, blocks.offsets[i], blocks.offsets[i + 1])
 
     def whole(slot: int, i: int) -> Place:
         return Place(slot, 0, blocks.size(i))
 
     entries = range(blocks.parts if has_list else 0)
-    if layout == "receive block":
+    if layout == "exchange":
+        inputs, outputs = tensor, tensor + blocks.parts
+        before = [Local("copy", block(i), whole(inputs + i, i)) for i in entries]
+        after = [Local("copy", whole(outputs + i, i), block(i, 1)) for i in entries]
+    elif layout == "receive block":
         before, after = [], [Local("copy", whole(tensor, rank), block(rank))]
     elif layout == "gather":
         before = [Local("copy", block(rank), whole(tensor, rank))]
@@ -175,6 +182,41 @@ def _direct(plan: Plan, layout: str, blocks: Blocks, rank: int,
         messages = []
         for message in step:
             place = moved(message)
+            if place is None:
+                return None
+            messages.append(message._replace(place=place))
+        steps.append(tuple(messages))
+    return Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
+
+
+def _direct_exchange(plan: Plan, blocks: Blocks) -> Optional[Plan]:
+    """An alltoall's ``plan`` with its buffers replaced by the caller's arrays: block i of the
+    send buffer is input entry i, block i of the receive buffer output entry i (the slots
+    after the plan's own, inputs first). None when the plan cannot run so: it uses scratch
+    memory or a strided copy, or a message spans blocks (Bruck's packed rounds). The outputs
+    must overlap neither each other nor an input (the caller checks each call)."""
+    first, parts = 2 + len(plan.scratch), blocks.parts
+
+    def moved(place) -> Optional[Place]:
+        if type(place) is not Place or place.slot > 1:
+            return None
+        i = bisect.bisect_right(blocks.offsets, place.start) - 1
+        if i >= parts or place.stop > blocks.offsets[i + 1]:
+            return None
+        low = blocks.offsets[i]
+        return Place(first + place.slot * parts + i, place.start - low, place.stop - low)
+
+    steps: list = []
+    for step in plan.steps:
+        if type(step) is Local:
+            target, source = moved(step.target), moved(step.source)
+            if step.kind != "copy" or target is None or source is None:
+                return None
+            steps.append(Local("copy", target, source))
+            continue
+        messages = []
+        for message in step:
+            place = moved(message.place)
             if place is None:
                 return None
             messages.append(message._replace(place=place))
@@ -279,10 +321,11 @@ class NativeRunner:
             op: the reduction (None when the call reduces nothing).
             lists: for a call whose tensors are a list (``(layout, blocks, rank, has_list)``:
                 ``"gather"`` for allgather and gather, ``"split"`` for reducescatter and
-                scatter's root, ``"receive block"`` for scatter elsewhere; ``has_list`` False
-                where gather or scatter has no list), the copies between the caller's arrays
-                and the plan's buffer run in the core too: the call passes its tensor, then
-                its list, as slots after the plan's. A call of large blocks may not need the
+                scatter's root, ``"receive block"`` for scatter elsewhere, ``"exchange"`` for
+                alltoall; ``has_list`` False where gather or scatter has no list), the copies
+                between the caller's arrays and the plan's buffers run in the core too: the
+                call passes its tensor, then its list, as slots after the plan's (alltoall
+                its inputs, then its outputs). A call of large blocks may not need the
                 buffer at all (``NativePlan.buffered``).
 
         Returns:
@@ -301,7 +344,8 @@ class NativeRunner:
                               op_code, peers, call_code)
         direct = None
         if blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES:
-            direct = _direct(plan, layout, blocks, rank, has_list)
+            direct = (_direct_exchange(plan, blocks) if layout == "exchange"
+                      else _direct(plan, layout, blocks, rank, has_list))
         if direct is None:
             return buffered
         return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, call_code,
