@@ -189,8 +189,9 @@ def test_a_large_allgather_receives_into_its_list_unless_the_entries_overlap(shm
 def test_large_gather_and_scatter_agree_on_both_engines_at_every_root(shm_directory,
                                                                      world_size):
     """Blocks past DIRECT_BLOCK_BYTES: where the plan allows, the core sends from and
-    receives into the caller's arrays (at 2 ranks both ranks, at 4 the leaves of the tree);
-    scatter's root may pass its tensor as its own entry."""
+    receives into the caller's arrays (gather: at 2 ranks both ranks, at 4 the leaves of the
+    tree; scatter, linear there: every rank); scatter's root may pass its tensor as its own
+    entry."""
     from ray_collective.native.runner import DIRECT_BLOCK_BYTES
     length = DIRECT_BLOCK_BYTES // 8 + 5
 

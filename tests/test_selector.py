@@ -43,6 +43,12 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("barrier", 0, 64, None, "dissemination"),
     ("gather", 2, 64, None, "binomial"),
     ("scatter", 2, 64, None, "binomial"),
+    # large blocks on one node: from the root in one round, up to 16 ranks
+    ("scatter", 1 << 12, 4, None, "linear"),
+    ("scatter", (1 << 12) - 1, 4, None, "binomial"),
+    ("scatter", 1 << 20, 16, (0,) * 16, "linear"),
+    ("scatter", 1 << 20, 17, None, "binomial"),
+    ("scatter", 1 << 20, 4, (0, 0, 1, 1), "binomial"),
 ])
 def test_rules(collective, count, p, node_of, expected, monkeypatch):
     monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)

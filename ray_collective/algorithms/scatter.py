@@ -8,11 +8,17 @@ the broadcast built from scatter + allgather passes):
   its parent into its own buffer, then hands each child its subtree, farthest (largest) child
   first: the child at level j gets its data in round K - j (K = ceil(log2 p)) and its own
   children follow on from there, so every rank has its block after K rounds. The root sends
-  the p - 1 blocks that are not its own; every other rank sends less. The only scatter
-  algorithm, so the selector always picks it.
+  the p - 1 blocks that are not its own; every other rank sends less. Chosen for small blocks,
+  and across nodes.
 
 A subtree whose blocks wrap past the last block travels as two messages in one round, as in
 ``gather`` (see there for why): the blocks land in place with no scratch and no copy.
+
+- **linear** — one round: the root sends every other rank its block, and each receives it
+  straight from the root. Each block crosses once, where the tree forwards a subtree's blocks
+  down a level at every round; on one node the receivers then copy their blocks out of the
+  root's memory side by side (the native core's reads in place) instead of one after another
+  down the tree. Chosen for large blocks on one node.
 """
 
 from __future__ import annotations
@@ -44,4 +50,24 @@ def binomial_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cos
     return Cost(log_rounds(p), count * (p - 1))
 
 
-ALGORITHMS = (Algorithm("scatter", "binomial", binomial, binomial_cost),)
+def linear(team: Team, buf: np.ndarray, blocks: Blocks, root: int, ctx: Context,
+           step0: int = 0) -> AlgorithmGen:
+    """The root sends block v to every other rank v in one round."""
+    v, p = team.index, team.size
+    if p == 1:
+        return
+    if v != root:
+        yield (Recv(team.peer(root), blocks.view(buf, v), step0),)
+        return
+    # From the root's next rank on: rank v + 1 is first in every rank's order of peers.
+    yield tuple(Send(team.peer(w), blocks.view(buf, w), step0)
+                for w in ((root + s) % p for s in range(1, p)))
+
+
+def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """One round; the root sends the p - 1 blocks that are not its own."""
+    return Cost(min(1, p - 1), count * (p - 1))
+
+
+ALGORITHMS = (Algorithm("scatter", "binomial", binomial, binomial_cost),
+              Algorithm("scatter", "linear", linear, linear_cost))
