@@ -37,7 +37,8 @@ def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
 
 
 def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag: int,
-             stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str) -> None:
+             stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str,
+             watch: Optional[Callable[[], None]] = None, watch_every_s: float = 0.05) -> None:
     """Run one rank's part of a call by replaying ``plan`` on ``slots``, blocking.
 
     Args:
@@ -49,6 +50,9 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
         combine: the call's reduction (for receives that reduce, and local combines).
         timeout: seconds the whole call may take.
         what: the call's name in a timeout error (``"recv"`` rather than the tag).
+        watch: called every ``watch_every_s`` while a round waits: a check that raises what
+            the transport cannot see (a peer's part of another call on the native core).
+        watch_every_s: seconds between two calls of ``watch``.
 
     Raises:
         CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start;
@@ -80,7 +84,14 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
                 break
         else:
             continue
-        pending = transport.wait(requests, deadline)
+        if watch is None:
+            pending = transport.wait(requests, deadline)
+        else:
+            pending = transport.wait(requests, min(deadline, time.monotonic() + watch_every_s))
+            while pending and time.monotonic() < deadline:
+                watch()
+                pending = transport.wait(pending,
+                                         min(deadline, time.monotonic() + watch_every_s))
         if pending:
             absent = transport.absent_ranks(stamp.seq) if collective else None
             raise CollectiveTimeoutError(stamp.template.group, transport.rank, what, stamp.seq,

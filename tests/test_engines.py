@@ -10,6 +10,7 @@ in a private directory; the Ray tests run the real ``ray`` backend in actors.
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import ray_collective as col
 from support.helpers import numpy_reduce, run_in
 from ray_collective import native
 from ray_collective.backends.local import LocalBackendFactory
+from ray_collective.native.runner import P2P_MAX_BYTES
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 
@@ -309,6 +311,111 @@ def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory,
             for _ in range(3):
                 np.testing.assert_array_equal(next(results), expected)
             np.testing.assert_array_equal(next(results), expected[-1])
+
+
+def _spanning_factory(node_of, directory):
+    """Ranks on pretend nodes (``node_of``), with the native core when ``directory`` is
+    given: one directory per node, the transport between nodes."""
+    factory = LocalBackendFactory(LocalFabric(len(node_of), "default"), node_of=node_of,
+                                  native_directory=directory)
+    return lambda rank: factory
+
+
+@needs_native
+@pytest.mark.parametrize("node_of", [(0, 0, 1, 1), (0, 1, 1, 1, 2, 2), (1, 0, 0, 1, 1)])
+def test_a_group_across_nodes_runs_its_node_rounds_on_the_core_with_the_same_bits(
+        shm_directory, node_of):
+    """Every collective, and sends and recvs within and between nodes, twice (the second time
+    by the known-shape path): the node-aware algorithms' rounds within a node run on the
+    core, the rest over the transport, with the Python engine's bits. Rings join only ranks
+    of one node, and every node with several ranks has some."""
+    world_size = len(node_of)
+    dtype, length, op = "float64", 1003, col.ReduceOp.SUM
+
+    def body(rank):
+        out = []
+        for _ in range(2):
+            out += list(_every_collective(rank, world_size, dtype, length, op).values())
+            for big in (False, True):
+                size = P2P_MAX_BYTES // 8 + 1 if big else 5
+                message = np.arange(size, dtype=np.float64) + rank
+                for peer in range(world_size):
+                    if peer == rank:
+                        continue
+                    first = rank < peer
+                    got = np.zeros(size)
+                    if first:
+                        col.send(message, peer)
+                        col.recv(got, peer)
+                    else:
+                        col.recv(got, peer)
+                        col.send(message, peer)
+                    out.append(got)
+        return out
+
+    natively = run_ranks(world_size, body, factory_of=_spanning_factory(node_of, shm_directory),
+                         timeout=60)
+    in_python = run_ranks(world_size, body, factory_of=_spanning_factory(node_of, None),
+                          timeout=60)
+    inputs = [_float_inputs(r, length, dtype, op) for r in range(world_size)]
+    for rank in range(world_size):
+        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+            assert got.tobytes() == expected.tobytes()
+        np.testing.assert_allclose(natively[rank][0], np.sum(inputs, axis=0), rtol=1e-12)
+        np.testing.assert_array_equal(natively[rank][2], inputs[0])
+    for node in set(node_of):
+        rings = {name for name in os.listdir(os.path.join(shm_directory, f"node-{node}"))
+                 if name.startswith("ring-")}
+        here = {r for r in range(world_size) if node_of[r] == node}
+        for name in rings:
+            _, sender, receiver = name.split("-")
+            assert {int(sender), int(receiver)} <= here, name
+        assert bool(rings) == (len(here) > 1), (node, rings)
+
+
+@needs_native
+@pytest.mark.parametrize("calls", [("allreduce", "allgather"), ("broadcast", "scatter"),
+                                   ("reduce", "barrier"), ("allgather", "allreduce")])
+def test_ranks_across_nodes_that_disagree_on_the_way_meet_a_mismatch_at_once(shm_directory,
+                                                                           calls):
+    """Rank 1 calls another collective than the others; one of the two runs its rounds
+    within a node on the core (the node-aware allreduce, broadcast and reduce), the other
+    over the transport. Each way looks at the other while it waits (the last case: rank 0
+    waits on the transport while rank 1's part waits in the core's ring): a rank finds the
+    mismatch, and none waits long for the deadline (a broadcast's root, whose part needs
+    no one, finishes). (Where no
+    rank ever sends to one that waits, as when rank 1 waits in a scatter for a root that
+    waits for it in an allreduce, both engines meet the deadline alike.)"""
+    node_of = (0, 0, 1, 1)
+    others, odd = calls
+
+    def call(name):
+        x = np.ones(4)
+        if name == "allreduce":
+            col.allreduce(x, timeout=20)
+        elif name == "broadcast":
+            col.broadcast(x, 0, timeout=20)
+        elif name == "allgather":
+            col.allgather([np.zeros(4) for _ in node_of], x, timeout=20)
+        elif name == "reduce":
+            col.reduce(x, 0, timeout=20)
+        elif name == "scatter":
+            col.scatter(x, None, 0, timeout=20)
+        else:
+            col.barrier(timeout=20)
+
+    def body(rank):
+        started = time.monotonic()
+        try:
+            call(odd if rank == 1 else others)
+        except (col.CollectiveMismatchError, col.GroupBrokenError) as error:
+            return time.monotonic() - started, type(error)
+        return time.monotonic() - started, None  # its part of the call needed no one else
+
+    outcome = run_ranks(4, body, factory_of=_spanning_factory(node_of, shm_directory),
+                        timeout=60)
+    assert max(seconds for seconds, _ in outcome) < 5, outcome
+    assert col.CollectiveMismatchError in {kind for _, kind in outcome}, outcome
 
 
 @needs_native

@@ -248,3 +248,38 @@ def test_a_shape_mismatch_is_still_caught_with_cached_plans():
     assert all(isinstance(e, (col.CollectiveMismatchError, col.GroupBrokenError))
                for e in errors)
     assert any(isinstance(e, col.CollectiveMismatchError) for e in errors)
+
+
+NODE_LAYOUTS = [(0, 0, 1, 1), (0, 1, 0, 1), (0, 0, 0, 1), (0, 1, 1, 1, 2, 2),
+                (0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 2, 0, 1, 2), (1, 0, 0, 1, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("algorithm", [a for by_name in ALGORITHMS.values()
+                                       for a in by_name.values() if a.node_aware],
+                         ids=lambda a: f"{a.collective}-{a.name}")
+@pytest.mark.parametrize("node_of", NODE_LAYOUTS)
+def test_node_aware_algorithms_never_mix_node_and_remote_peers_in_a_round(algorithm, node_of):
+    """A group on the native core across nodes runs a node-aware plan's rounds within a node
+    on the core and the others over the transport, one after the other
+    (``TransportMembership._segments``): no round of any rank may have peers both ways."""
+    from ray_collective.algorithms.core import Topology
+    p, topology = len(node_of), Topology.from_node_of(node_of)
+    dtype = np.dtype(np.float32)
+    reduces = algorithm.collective != "broadcast"
+    recorded = 0
+    for count in (1, 7, 70_000):
+        for root in (range(p) if algorithm.collective != "allreduce" else [0]):
+            for rank in range(p):
+                ctx = Context(dtype, combiner(ReduceOp.SUM, "float32") if reduces else None,
+                              node_of=node_of, choose=flat_choice(4, True), topology=topology)
+                try:
+                    plan = record(algorithm, Team.world(p, rank), dtype, count,
+                                  Blocks.uniform(count, p), root, ctx)
+                except ValueError:
+                    continue  # a layout the algorithm refuses (the sharded one's uneven nodes)
+                recorded += 1
+                for step in plan.steps:
+                    if type(step) is not Local:
+                        ways = {node_of[message.peer] == node_of[rank] for message in step}
+                        assert len(ways) == 1, (count, root, rank, step)
+    assert recorded

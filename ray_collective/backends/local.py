@@ -3,11 +3,13 @@
 It runs the same algorithms and the same group layer as the Ray backend, over
 ``transport.local``; ``ray_collective.testing.run_ranks`` builds on it. Given a directory, its
 ranks run their collectives on the native core instead (one core node per rank, all in that
-directory, as the ranks of one machine would), which tests the native engine without Ray.
+directory, as the ranks of one machine would; with a pretend node map, one directory per
+pretend node, and the transport between them), which tests the native engine without Ray.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 from ..native.runner import NativeRunner, native_node
@@ -50,6 +52,11 @@ class LocalBackendFactory(BackendFactory):
         transport = self.fabric.transport(rank)
         runner = None
         if self.native_directory is not None:
-            runner = NativeRunner(native_node(self.native_directory, rank, world_size,
-                                              self.spin_s), transport)
+            directory = self.native_directory
+            if self.node_of is not None:
+                # One directory per pretend node, as each node of a cluster has its own.
+                directory = os.path.join(directory, f"node-{self.node_of[rank]}")
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            runner = NativeRunner(native_node(directory, rank, world_size, self.spin_s),
+                                  transport, spans_nodes=len(set(self.node_of or ())) > 1)
         return TransportMembership(group_name, transport, node_of=self.node_of, native=runner)

@@ -12,6 +12,7 @@ transport they give it.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -66,15 +67,22 @@ class PreparedCall:
             transport, and such a recv receives it first, so that a send and a recv of
             sizes on either side of the core's limit meet each other's header in the ring
             (a mismatch) rather than wait on different ways. None otherwise.
+        segments: for a node-aware algorithm in a group on the native core that spans nodes,
+            the plan cut where its rounds change way: ``(core plan, None)`` for a run of
+            rounds with this node's ranks, ``(None, plan)`` for one with other nodes' ranks
+            (over the transport); the local steps go with the rounds before them. None
+            otherwise.
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native", "kept_buffer", "header_ahead")
+                 "average", "native", "kept_buffer", "header_ahead", "segments")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
                  native: Optional[NativePlan] = None,
-                 header_ahead: Optional[Tuple[NativePlan, List[np.ndarray]]] = None):
+                 header_ahead: Optional[Tuple[NativePlan, List[np.ndarray]]] = None,
+                 segments: Optional[Tuple[Tuple[Optional[NativePlan], Optional[Plan]],
+                                          ...]] = None):
         self.options = options
         self.plan = plan
         self.template = template
@@ -85,6 +93,7 @@ class PreparedCall:
         self.average = average
         self.native = native
         self.header_ahead = header_ahead
+        self.segments = segments
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
                 and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
@@ -150,10 +159,12 @@ class TransportMembership(Membership):
         oversubscribed: some machine runs more ranks than it has cores (the selector then
             prefers algorithms with fewer messages).
         forced: the algorithm forced per collective; None reads ``RAY_COLLECTIVE_ALGORITHM``.
-        native: runs the collectives on the node's native core (every rank of the group on one
-            node, every one of them with the core); None: the executor runs every plan over
-            ``transport``, the pure-Python engine. Point-to-point calls larger than
-            ``native.p2p_max_bytes`` take the transport either way.
+        native: runs the collectives on the node's native core (every rank of the group with
+            the core); None: the executor runs every plan over ``transport``, the pure-Python
+            engine. In a group on one node every collective runs on the core; in one that
+            spans nodes, only the node-aware algorithms' rounds between this node's ranks do
+            (``PreparedCall.segments``), the rest over the transport. Point-to-point calls
+            between nodes, or larger than ``native.p2p_max_bytes``, take the transport.
 
     Raises:
         ValueError: ``RAY_COLLECTIVE_ALGORITHM`` is malformed.
@@ -325,9 +336,12 @@ class TransportMembership(Membership):
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
             native = header_ahead = None
-            if self.native is not None and count * dtype.itemsize <= self.native.p2p_max_bytes:
+            # Between nodes a send or recv takes the transport alone: the core has no ring.
+            on_core = self.native is not None and (
+                self.node_of is None or self.node_of[options.peer] == self.node_of[rank])
+            if on_core and count * dtype.itemsize <= self.native.p2p_max_bytes:
                 native = self.native.prepare(plan, collective.value, dtype_name, None)
-            elif self.native is not None:
+            elif on_core:
                 nothing = point_to_point(collective is Collective.SEND, options.peer, 0, dtype)
                 header_ahead = (self.native.prepare(nothing, collective.value, dtype_name, None),
                                 nothing.slots(None))
@@ -350,10 +364,47 @@ class TransportMembership(Membership):
         lists = None
         if collective in _LISTS_IN_CORE:
             lists = (layout, blocks, rank, collective in _LISTS or rank == options.root)
-        native = None if self.native is None else self.native.prepare(
-            plan, collective.value, dtype_name, options.op if reducing else None, lists)
+        native = segments = None
+        op_or_none = options.op if reducing else None
+        if self.native is not None and self.node_of is None:
+            native = self.native.prepare(plan, collective.value, dtype_name, op_or_none, lists)
+        elif self.native is not None and algorithm.node_aware:
+            segments = self._segments(plan, collective.value, dtype_name, op_or_none)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
-                            COLLECTIVE_TAG, layout, average, native)
+                            COLLECTIVE_TAG, layout, average, native, segments=segments)
+
+    def _segments(self, plan: Plan, collective: str, dtype_name: str, op: Optional[ReduceOp]
+                  ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan]], ...]:
+        """``plan`` of a node-aware algorithm cut where its rounds change way
+        (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
+        between two ranks of a node goes through the core, one between nodes through the
+        transport, on both ends. The node-aware algorithms never mix the two in a round (a
+        test checks it over many layouts); a round that did would raise here."""
+        here = self.node_of[self.rank]
+        runs: List[Tuple[bool, list]] = []
+        leading: list = []  # local steps before the first round
+        for step in plan.steps:
+            if type(step) is Local:
+                (runs[-1][1] if runs else leading).append(step)
+                continue
+            ways = {self.node_of[message.peer] == here for message in step}
+            if len(ways) != 1:
+                raise RuntimeError(f"{plan.algorithm.name}: a round of rank {self.rank} has peers "
+                                   f"on its node and on others")
+            on_core = ways.pop()
+            if runs and runs[-1][0] == on_core:
+                runs[-1][1].append(step)
+            else:
+                runs.append((on_core, leading + [step]))
+                leading = []
+        if leading:
+            runs.append((False, leading))
+        segments = []
+        for on_core, steps in runs:
+            part = Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
+            segments.append((self.native.prepare(part, collective, dtype_name, op), None)
+                            if on_core else (None, part))
+        return tuple(segments)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         tensor = call.tensor.array if call.tensor is not None else None
@@ -412,14 +463,33 @@ class TransportMembership(Membership):
     def _run_on_transport(self, prepared: PreparedCall, slots: Sequence[np.ndarray],
                           stamp) -> None:
         """Run a call's plan over the transport (the Python engine), a send's or recv's
-        header through the core first where it has one to send ahead."""
+        header through the core first where it has one to send ahead; or run its segments,
+        each on its way, one after the other within the call's deadline."""
         options = prepared.options
         timeout, what = options.timeout, options.collective.value
+        watch, native = None, self.native
+        if native is not None and self.node_of is not None and prepared.tag == COLLECTIVE_TAG:
+            # A peer on this node that runs another call may have sent its part through the
+            # core, where the transport never looks.
+            def look() -> None:
+                native.look_for_mismatch(stamp)
+            watch = look
+        if prepared.segments is not None:
+            deadline = time.monotonic() + timeout
+            for core_plan, part in prepared.segments:
+                left = max(0.0, deadline - time.monotonic())
+                if core_plan is not None:
+                    native.run(core_plan, slots, prepared.template, stamp.seq, left, what,
+                               prepared.tag)
+                else:
+                    run_plan(part, slots, self.transport, prepared.tag, stamp,
+                             prepared.combine, left, what, watch, native.slice_s)
+            return
         if prepared.header_ahead is not None:
-            self.native.run(*prepared.header_ahead, prepared.template, stamp.seq, timeout, what,
-                            prepared.tag)
+            native.run(*prepared.header_ahead, prepared.template, stamp.seq, timeout, what,
+                       prepared.tag)
         run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
-                 timeout, what)
+                 timeout, what, watch, native.slice_s if watch is not None else 0.05)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -1,6 +1,7 @@
 """Running a group's collectives on the native core, with the Python side watching for failures.
 
-A :class:`NativeRunner` belongs to one rank of a group whose ranks all share a node. It turns a
+A :class:`NativeRunner` belongs to one rank of a group whose ranks all have the core; in a group
+that spans nodes it carries only the messages between this node's ranks. It turns a
 call shape's recorded plan into the core's plan code once (:meth:`NativeRunner.prepare`), and
 runs each call of it in the core with the GIL released (:meth:`NativeRunner.run`), a slice of
 ``SLICE_S`` at a time (longer on a crowded machine: :func:`slice_s_for`): between slices the
@@ -263,6 +264,10 @@ never does, so a message too large to leave room behind it takes the transport: 
 that each send a message before they receive the other's keep working at any size."""
 
 
+_NO_STEPS = codes.encode_plan(Plan(None, [], [], np.dtype(np.uint8)))
+"""The plan code of a call with nothing to do (``NativeRunner.look_for_mismatch``)."""
+
+
 class NativePlan(NamedTuple):
     """What the core needs of one call shape, prepared once.
 
@@ -292,18 +297,25 @@ class NativeRunner:
         node: the rank's ``_core.Node``.
         transport: the rank's transport (failures, who came to a call, point-to-point).
         slice_s: the longest the core runs before the rank looks for failures.
+        spans_nodes: the group has ranks on other nodes, whose messages go through the
+            transport, a call's parts on either way: the runner then records calls through
+            the transport (not on the state page from the core), and between slices lets
+            the transport take in what arrived, so that a peer's part of another call is a
+            mismatch there.
 
     Attributes:
         p2p_max_bytes: the largest send or recv the core runs (``P2P_MAX_BYTES``, at most a
             quarter of a ring: the same on every rank of the group).
     """
 
-    def __init__(self, node, transport: Transport, slice_s: float = SLICE_S):
+    def __init__(self, node, transport: Transport, slice_s: float = SLICE_S,
+                 spans_nodes: bool = False):
         self.node = node
         self.transport = transport
         self.slice_s = slice_s
+        self.spans_nodes = spans_nodes
         self.p2p_max_bytes = min(P2P_MAX_BYTES, node.ring_bytes // 4)
-        words = transport.rank_words()
+        words = None if spans_nodes else transport.rank_words()
         # Where the core records a call's start and end itself, a call it finishes in its
         # first slice costs no Python of the transport's.
         self.core_records_calls = words is not None
@@ -397,6 +409,8 @@ class NativeRunner:
                 if node.scan_incoming() == MISMATCH:
                     raise self._mismatch(stamp)
                 try:
+                    if self.spans_nodes:
+                        transport.take_in()
                     transport.check_failures(native.peers)
                     if time.monotonic() >= deadline:
                         absent = transport.absent_ranks(seq) if collective else None
@@ -409,6 +423,21 @@ class NativeRunner:
                 status = node.progress(self.slice_s)
         if stamp is not None and collective:
             transport.complete(stamp)
+
+    def look_for_mismatch(self, stamp: CallStamp) -> None:
+        """Raise if a peer on this node sent the call ``stamp`` numbers through the core with
+        another header: what a rank that runs the call over the transport (a group that spans
+        nodes) looks for while it waits, so that ranks that disagree about the call meet a
+        mismatch rather than each other's deadline.
+
+        Raises:
+            CollectiveMismatchError: such a frame waits at the head of a ring to this rank.
+        """
+        node = self.node
+        node.start(_NO_STEPS, [], stamp.packed, 0, codes.NO_OP, COLLECTIVE_TAG)
+        if node.scan_incoming() == MISMATCH:
+            raise self._mismatch(stamp)  # the core ended the call
+        node.abandon()
 
     def _mismatch(self, stamp: CallStamp):
         details = self.node.mismatch_details()

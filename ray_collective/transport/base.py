@@ -122,6 +122,12 @@ class Transport(ABC):
         point-to-point call that runs outside the transport (the native core) and waits.
         (:meth:`arrive` names a collective.) Default: nothing to name."""
 
+    def take_in(self) -> None:
+        """Handle what has arrived, without waiting, while the rank waits elsewhere (a call's
+        part on the native core): a collective's part whose header differs from the current
+        call's is then a mismatch that :meth:`check_failures` raises. Default: nothing to
+        take in (a transport whose parts arrive by themselves)."""
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         """The ranks known to hold up collective ``seq``: those that have not started it, and
         (where the transport can tell) those stalled in it; None when it cannot tell."""

@@ -162,6 +162,9 @@ class LinkTransport(Transport):
     def name_call(self, stamp: wire.CallStamp) -> None:
         self.failures.current = stamp
 
+    def take_in(self) -> None:
+        self.engine.progress(0)
+
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         return self.failures.absent_ranks(seq)
 

@@ -171,6 +171,10 @@ class LocalTransport(Transport):
     def check_failures(self, requests: Sequence[Request]) -> None:
         if self.fabric._broken is not None:
             raise GroupBrokenError(self.fabric.group_name, self.rank, self.fabric._broken)
+        # A part of the current call with another header, come while this rank waited on the
+        # native core (a group that spans nodes), as the ray transport's check raises it.
+        with self.fabric._cond:
+            self._raise_mismatch(())
 
     def arrive(self, stamp: CallStamp) -> None:
         started = self.fabric._started_seq

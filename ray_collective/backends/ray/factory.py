@@ -173,9 +173,10 @@ class RayBackendFactory(BackendFactory):
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)
         runner = None
-        if len(nodes) == 1 and all(m.engine == NATIVE for m in members):
+        if all(m.engine == NATIVE for m in members):
             runner = NativeRunner(native_node(directory, rank, world_size), transport,
-                                  slice_s_for(ranks_per_core(members)[node]))
+                                  slice_s_for(ranks_per_core(members)[node]),
+                                  spans_nodes=len(nodes) > 1)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 
