@@ -374,6 +374,34 @@ def test_a_group_across_nodes_runs_its_node_rounds_on_the_core_with_the_same_bit
 
 
 @needs_native
+def test_large_calls_across_nodes_agree_on_both_engines(shm_directory):
+    """On 4 nodes of 2: a broadcast of 4 MiB goes down the node chain
+    (``hierarchical_pipeline``, over the transport as a whole: its leaders' rounds mix the
+    two ways), an allreduce of 16 MiB by shards (``hierarchical_sharded``, cut by way); both
+    give the Python engine's bits, and numpy's."""
+    from ray_collective.algorithms.selector import (PIPELINE_BROADCAST_MIN_BYTES,
+                                                    SHARDED_ALLREDUCE_MIN_BYTES)
+    node_of = (0, 0, 1, 1, 2, 2, 3, 3)
+
+    def body(rank):
+        x = np.arange(PIPELINE_BROADCAST_MIN_BYTES // 2, dtype=np.float64) * (rank + 1)
+        col.broadcast(x, 3)
+        y = np.full(SHARDED_ALLREDUCE_MIN_BYTES // 4, rank + 0.5, np.float32)
+        col.allreduce(y)
+        return x, y
+
+    natively = run_ranks(8, body, factory_of=_spanning_factory(node_of, shm_directory),
+                         timeout=120)
+    in_python = run_ranks(8, body, factory_of=_spanning_factory(node_of, None), timeout=120)
+    for rank in range(8):
+        x, y = natively[rank]
+        np.testing.assert_array_equal(x, np.arange(x.size, dtype=np.float64) * 4)
+        np.testing.assert_array_equal(y, np.full(y.size, 32.0, np.float32))
+        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+            assert got.tobytes() == expected.tobytes()
+
+
+@needs_native
 @pytest.mark.parametrize("calls", [("allreduce", "allgather"), ("broadcast", "scatter"),
                                    ("reduce", "barrier"), ("allgather", "allreduce")])
 def test_ranks_across_nodes_that_disagree_on_the_way_meet_a_mismatch_at_once(shm_directory,

@@ -254,32 +254,53 @@ NODE_LAYOUTS = [(0, 0, 1, 1), (0, 1, 0, 1), (0, 0, 0, 1), (0, 1, 1, 1, 2, 2),
                 (0, 0, 1, 1, 2, 2, 3, 3), (0, 1, 2, 0, 1, 2), (1, 0, 0, 1, 2, 2, 2)]
 
 
-@pytest.mark.parametrize("algorithm", [a for by_name in ALGORITHMS.values()
-                                       for a in by_name.values() if a.node_aware],
-                         ids=lambda a: f"{a.collective}-{a.name}")
-@pytest.mark.parametrize("node_of", NODE_LAYOUTS)
-def test_node_aware_algorithms_never_mix_node_and_remote_peers_in_a_round(algorithm, node_of):
-    """A group on the native core across nodes runs a node-aware plan's rounds within a node
-    on the core and the others over the transport, one after the other
-    (``TransportMembership._segments``): no round of any rank may have peers both ways."""
+def _rounds_mixing_ways(algorithm, node_of, counts, oversubscribed):
+    """How many rounds of the plans of ``algorithm`` (every rank and root) have peers both on
+    the rank's node and on others; and how many plans were recorded."""
     from ray_collective.algorithms.core import Topology
     p, topology = len(node_of), Topology.from_node_of(node_of)
     dtype = np.dtype(np.float32)
     reduces = algorithm.collective != "broadcast"
-    recorded = 0
-    for count in (1, 7, 70_000):
+    mixed = recorded = 0
+    for count in counts:
         for root in (range(p) if algorithm.collective != "allreduce" else [0]):
             for rank in range(p):
                 ctx = Context(dtype, combiner(ReduceOp.SUM, "float32") if reduces else None,
-                              node_of=node_of, choose=flat_choice(4, True), topology=topology)
+                              node_of=node_of, choose=flat_choice(4, oversubscribed),
+                              topology=topology, oversubscribed=oversubscribed)
                 try:
                     plan = record(algorithm, Team.world(p, rank), dtype, count,
                                   Blocks.uniform(count, p), root, ctx)
                 except ValueError:
                     continue  # a layout the algorithm refuses (the sharded one's uneven nodes)
                 recorded += 1
-                for step in plan.steps:
-                    if type(step) is not Local:
-                        ways = {node_of[message.peer] == node_of[rank] for message in step}
-                        assert len(ways) == 1, (count, root, rank, step)
-    assert recorded
+                mixed += sum(len({node_of[m.peer] == node_of[rank] for m in step}) > 1
+                             for step in plan.steps if type(step) is not Local)
+    return mixed, recorded
+
+
+@pytest.mark.parametrize("name", ["hierarchical", "hierarchical_sharded"])
+@pytest.mark.parametrize("node_of", NODE_LAYOUTS)
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_the_plans_cut_by_way_never_mix_node_and_remote_peers_in_a_round(name, node_of,
+                                                                        oversubscribed):
+    """A group on the native core across nodes runs these algorithms' rounds within a node on
+    the core and the others over the transport, one after the other
+    (``TransportMembership._segments``): no round of any rank may have peers both ways."""
+    from ray_collective.backends.transport_membership import CUT_BY_WAY
+    assert name in CUT_BY_WAY
+    for collective, by_name in ALGORITHMS.items():
+        if name in by_name:
+            mixed, recorded = _rounds_mixing_ways(by_name[name], node_of,
+                                                  (1, 7, 70_000, 1 << 20), oversubscribed)
+            assert recorded and not mixed, (collective, mixed, recorded)
+
+
+def test_the_pipelined_broadcast_mixes_ways_so_it_is_not_cut():
+    """Its leaders forward a chunk to the next node and to their node-mates in one round: it
+    must run over the transport as a whole (a cut would raise, or hang the ranks that do not
+    cut)."""
+    from ray_collective.backends.transport_membership import CUT_BY_WAY
+    mixed, _ = _rounds_mixing_ways(ALGORITHMS["broadcast"]["hierarchical_pipeline"],
+                                   (0, 0, 1, 1, 2, 2, 3, 3), (1 << 20,), True)
+    assert mixed and "hierarchical_pipeline" not in CUT_BY_WAY

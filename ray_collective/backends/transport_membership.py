@@ -39,6 +39,13 @@ _LISTS_IN_CORE = _LISTS + (Collective.GATHER, Collective.SCATTER)
 (``NativeRunner.prepare``); gather and scatter have their list on the root only."""
 _LIST_LAYOUTS = ("gather", "split", "receive block", "exchange")
 
+CUT_BY_WAY = ("hierarchical", "hierarchical_sharded")
+"""The node-aware algorithms whose plans a group on the native core across nodes cuts into runs
+of rounds within a node (on the core) and between nodes (over the transport): none of their
+rounds has peers both ways (``tests/test_plan.py``). The decision goes by the algorithm alone,
+so every rank takes it alike. ``hierarchical_pipeline`` is not among them: a leader forwards a
+chunk to the next node and to its node-mates in one round, so it runs over the transport."""
+
 PLAN_CACHE_SIZE = 64
 """Call shapes a group keeps prepared; the oldest is dropped beyond this."""
 
@@ -67,9 +74,9 @@ class PreparedCall:
             transport, and such a recv receives it first, so that a send and a recv of
             sizes on either side of the core's limit meet each other's header in the ring
             (a mismatch) rather than wait on different ways. None otherwise.
-        segments: for a node-aware algorithm in a group on the native core that spans nodes,
-            the plan cut where its rounds change way: ``(core plan, None)`` for a run of
-            rounds with this node's ranks, ``(None, plan)`` for one with other nodes' ranks
+        segments: for an algorithm of ``CUT_BY_WAY`` in a group on the native core that spans
+            nodes, the plan cut where its rounds change way: ``(core plan, None)`` for a run
+            of rounds with this node's ranks, ``(None, plan)`` for one with other nodes' ranks
             (over the transport); the local steps go with the rounds before them. None
             otherwise.
     """
@@ -368,18 +375,18 @@ class TransportMembership(Membership):
         op_or_none = options.op if reducing else None
         if self.native is not None and self.node_of is None:
             native = self.native.prepare(plan, collective.value, dtype_name, op_or_none, lists)
-        elif self.native is not None and algorithm.node_aware:
+        elif self.native is not None and algorithm.name in CUT_BY_WAY:
             segments = self._segments(plan, collective.value, dtype_name, op_or_none)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
                             COLLECTIVE_TAG, layout, average, native, segments=segments)
 
     def _segments(self, plan: Plan, collective: str, dtype_name: str, op: Optional[ReduceOp]
                   ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan]], ...]:
-        """``plan`` of a node-aware algorithm cut where its rounds change way
+        """``plan`` of an algorithm of ``CUT_BY_WAY`` cut where its rounds change way
         (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
         between two ranks of a node goes through the core, one between nodes through the
-        transport, on both ends. The node-aware algorithms never mix the two in a round (a
-        test checks it over many layouts); a round that did would raise here."""
+        transport, on both ends. These algorithms never mix the two in a round (a test
+        checks it over many layouts); a round that did would raise here."""
         here = self.node_of[self.rank]
         runs: List[Tuple[bool, list]] = []
         leading: list = []  # local steps before the first round
