@@ -403,15 +403,20 @@ def test_large_calls_across_nodes_agree_on_both_engines(shm_directory):
 
 @needs_native
 @pytest.mark.parametrize("calls", [("allreduce", "allgather"), ("broadcast", "scatter"),
-                                   ("reduce", "barrier"), ("allgather", "allreduce")])
+                                   ("reduce", "gather"), ("allgather", "allreduce")])
 def test_ranks_across_nodes_that_disagree_on_the_way_meet_a_mismatch_at_once(shm_directory,
                                                                            calls):
     """Rank 1 calls another collective than the others; one of the two runs its rounds
-    within a node on the core (the node-aware allreduce, broadcast and reduce), the other
-    over the transport. Each way looks at the other while it waits (the last case: rank 0
-    waits on the transport while rank 1's part waits in the core's ring): a rank finds the
-    mismatch, and none waits long for the deadline (a broadcast's root, whose part needs
-    no one, finishes). (Where no
+    within a node on the core (the hierarchical allreduce, broadcast and reduce), the other
+    over the transport. Each way looks at the other while it waits: rank 0 waits in the core
+    for rank 1, whose part came over the transport (the first and third cases), or waits on
+    the transport while rank 1's part waits in the core's ring (the last); rank 1 waits on
+    the transport while rank 0's part waits in the core's ring (the second). A rank finds
+    the mismatch, and none waits long for the deadline (a rank whose part needs no one, as
+    a broadcast's root or a gather's leaf, finishes). Each pair is one where the rank that
+    must find it cannot finish first: where it could (reduce against barrier: rank 2 may
+    finish its reduce before rank 1's barrier part reaches it), finding it is down to timing
+    on both engines. (Where no
     rank ever sends to one that waits, as when rank 1 waits in a scatter for a root that
     waits for it in an allreduce, both engines meet the deadline alike.)"""
     node_of = (0, 0, 1, 1)
@@ -430,7 +435,7 @@ def test_ranks_across_nodes_that_disagree_on_the_way_meet_a_mismatch_at_once(shm
         elif name == "scatter":
             col.scatter(x, None, 0, timeout=20)
         else:
-            col.barrier(timeout=20)
+            col.gather(None, x, 0, timeout=20)
 
     def body(rank):
         started = time.monotonic()

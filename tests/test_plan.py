@@ -286,7 +286,7 @@ def test_the_plans_cut_by_way_never_mix_node_and_remote_peers_in_a_round(name, n
                                                                         oversubscribed):
     """A group on the native core across nodes runs these algorithms' rounds within a node on
     the core and the others over the transport, one after the other
-    (``TransportMembership._segments``): no round of any rank may have peers both ways."""
+    (``transport_membership._segments``): no round of any rank may have peers both ways."""
     from ray_collective.backends.transport_membership import CUT_BY_WAY
     assert name in CUT_BY_WAY
     for collective, by_name in ALGORITHMS.items():

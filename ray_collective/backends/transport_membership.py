@@ -13,7 +13,7 @@ transport they give it.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -154,6 +154,95 @@ def _scatter_blocks(buf: np.ndarray, blocks: Blocks, outputs: Sequence[np.ndarra
         np.copyto(output, blocks.view(buf, i))
 
 
+def _list_runner(membership: "TransportMembership", prepared: PreparedCall, dtype_name: str):
+    """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
+    (``(tensor, inputs)``), or alltoall (``(inputs, outputs)``) calls of one shape on
+    ``membership``; gather and scatter ignore the list except at their root, as the full path
+    does."""
+    template, layout = prepared.template, prepared.layout
+    average, world_size = prepared.average, membership.world_size
+    execute = membership._execute
+    options = prepared.options
+    uses_list = options.collective in _LISTS or options.root == membership.rank
+    native, kept = prepared.native, prepared.kept_buffer
+    if native is not None and native.buffered is None and kept is not None:
+        # A small call on the native core: the core takes the arrays as they are (any
+        # C-contiguous shape) and copies them to and from the kept buffer.
+        head, native_run = prepared.buffers(kept), membership.native.run
+        timeout, what = options.timeout, options.collective.value
+        if layout == "exchange":
+            def exchange_in_core(seq: int, arrays) -> None:
+                inputs, outputs = arrays
+                native_run(native, [*head, *inputs, *outputs], template, seq, timeout, what)
+
+            return exchange_in_core
+
+        def run_in_core(seq: int, arrays) -> None:
+            tensor, others = arrays
+            native_run(native, [*head, tensor, *others] if uses_list else [*head, tensor],
+                       template, seq, timeout, what)
+            if average:
+                finalize_average(tensor.reshape(-1), dtype_name, world_size)
+
+        return run_in_core
+
+    if layout == "exchange":
+        def exchange(seq: int, arrays) -> None:
+            inputs, outputs = arrays
+            execute(prepared, template.stamp(seq), None,
+                    [array.reshape(-1) for array in inputs],
+                    [array.reshape(-1) for array in outputs])
+
+        return exchange
+
+    def run(seq: int, arrays) -> None:
+        tensor, others = arrays
+        flat = tensor.reshape(-1)
+        others = [array.reshape(-1) for array in others] if uses_list else ()
+        if layout == "gather":
+            execute(prepared, template.stamp(seq), flat, (), others)
+        else:
+            execute(prepared, template.stamp(seq), flat, others, ())
+        if average:
+            finalize_average(flat, dtype_name, world_size)
+
+    return run
+
+
+def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan], NativePlan]
+              ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan]], ...]:
+    """``plan`` of an algorithm of ``CUT_BY_WAY`` cut where its rounds change way
+    (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
+    between two ranks of a node goes through the core, one between nodes through the
+    transport, on both ends. These algorithms never mix the two in a round (a test
+    checks it over many layouts); a round that did would raise here. ``on_core`` prepares a
+    run of rounds for the core."""
+    here = node_of[rank]
+    runs: List[Tuple[bool, list]] = []
+    leading: list = []  # local steps before the first round
+    for step in plan.steps:
+        if type(step) is Local:
+            (runs[-1][1] if runs else leading).append(step)
+            continue
+        ways = {node_of[message.peer] == here for message in step}
+        if len(ways) != 1:
+            raise RuntimeError(f"{plan.algorithm.name}: a round of rank {rank} has peers "
+                               f"on its node and on others")
+        within = ways.pop()
+        if runs and runs[-1][0] == within:
+            runs[-1][1].append(step)
+        else:
+            runs.append((within, leading + [step]))
+            leading = []
+    if leading:
+        runs.append((False, leading))
+    segments = []
+    for within, steps in runs:
+        part = Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
+        segments.append((on_core(part), None) if within else (None, part))
+    return tuple(segments)
+
+
 class TransportMembership(Membership):
     """Runs every collective as a recorded algorithm over ``transport``.
 
@@ -226,7 +315,7 @@ class TransportMembership(Membership):
     def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
         prepared = self.prepared(options, view)
         if prepared.layout in _LIST_LAYOUTS:
-            return self._list_runner(prepared, view.dtype_name)
+            return _list_runner(self, prepared, view.dtype_name)
         if prepared.layout != "in place":
             return None
         plan, template = prepared.plan, prepared.template
@@ -257,58 +346,6 @@ class TransportMembership(Membership):
                 native_run(native, plan.slots(flat), template, seq, timeout, what, tag)
             else:
                 run_on_transport(prepared, plan.slots(flat), template.stamp(seq))
-            if average:
-                finalize_average(flat, dtype_name, world_size)
-
-        return run
-
-    def _list_runner(self, prepared: PreparedCall, dtype_name: str):
-        """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
-        (``(tensor, inputs)``), or alltoall (``(inputs, outputs)``) calls of one shape; gather
-        and scatter ignore the list except at their root, as the full path does."""
-        template, layout = prepared.template, prepared.layout
-        average, world_size, execute = prepared.average, self.world_size, self._execute
-        options = prepared.options
-        uses_list = options.collective in _LISTS or options.root == self.rank
-        native, kept = prepared.native, prepared.kept_buffer
-        if native is not None and native.buffered is None and kept is not None:
-            # A small call on the native core: the core takes the arrays as they are (any
-            # C-contiguous shape) and copies them to and from the kept buffer.
-            head, native_run = prepared.buffers(kept), self.native.run
-            timeout, what = options.timeout, options.collective.value
-            if layout == "exchange":
-                def exchange_in_core(seq: int, arrays) -> None:
-                    inputs, outputs = arrays
-                    native_run(native, [*head, *inputs, *outputs], template, seq, timeout, what)
-
-                return exchange_in_core
-
-            def run_in_core(seq: int, arrays) -> None:
-                tensor, others = arrays
-                native_run(native, [*head, tensor, *others] if uses_list else [*head, tensor],
-                           template, seq, timeout, what)
-                if average:
-                    finalize_average(tensor.reshape(-1), dtype_name, world_size)
-
-            return run_in_core
-
-        if layout == "exchange":
-            def exchange(seq: int, arrays) -> None:
-                inputs, outputs = arrays
-                execute(prepared, template.stamp(seq), None,
-                        [array.reshape(-1) for array in inputs],
-                        [array.reshape(-1) for array in outputs])
-
-            return exchange
-
-        def run(seq: int, arrays) -> None:
-            tensor, others = arrays
-            flat = tensor.reshape(-1)
-            others = [array.reshape(-1) for array in others] if uses_list else ()
-            if layout == "gather":
-                execute(prepared, template.stamp(seq), flat, (), others)
-            else:
-                execute(prepared, template.stamp(seq), flat, others, ())
             if average:
                 finalize_average(flat, dtype_name, world_size)
 
@@ -376,42 +413,10 @@ class TransportMembership(Membership):
         if self.native is not None and self.node_of is None:
             native = self.native.prepare(plan, collective.value, dtype_name, op_or_none, lists)
         elif self.native is not None and algorithm.name in CUT_BY_WAY:
-            segments = self._segments(plan, collective.value, dtype_name, op_or_none)
+            segments = _segments(plan, self.node_of, rank, lambda part: self.native.prepare(
+                part, collective.value, dtype_name, op_or_none))
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
                             COLLECTIVE_TAG, layout, average, native, segments=segments)
-
-    def _segments(self, plan: Plan, collective: str, dtype_name: str, op: Optional[ReduceOp]
-                  ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan]], ...]:
-        """``plan`` of an algorithm of ``CUT_BY_WAY`` cut where its rounds change way
-        (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
-        between two ranks of a node goes through the core, one between nodes through the
-        transport, on both ends. These algorithms never mix the two in a round (a test
-        checks it over many layouts); a round that did would raise here."""
-        here = self.node_of[self.rank]
-        runs: List[Tuple[bool, list]] = []
-        leading: list = []  # local steps before the first round
-        for step in plan.steps:
-            if type(step) is Local:
-                (runs[-1][1] if runs else leading).append(step)
-                continue
-            ways = {self.node_of[message.peer] == here for message in step}
-            if len(ways) != 1:
-                raise RuntimeError(f"{plan.algorithm.name}: a round of rank {self.rank} has peers "
-                                   f"on its node and on others")
-            on_core = ways.pop()
-            if runs and runs[-1][0] == on_core:
-                runs[-1][1].append(step)
-            else:
-                runs.append((on_core, leading + [step]))
-                leading = []
-        if leading:
-            runs.append((False, leading))
-        segments = []
-        for on_core, steps in runs:
-            part = Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
-            segments.append((self.native.prepare(part, collective, dtype_name, op), None)
-                            if on_core else (None, part))
-        return tuple(segments)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         tensor = call.tensor.array if call.tensor is not None else None
