@@ -127,12 +127,20 @@ def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
         return key + (None,)
     if key is None or type(tensors) not in (list, tuple):
         return None
-    dtype, shape, strides = key[3], key[4], key[5]
-    for entry in tensors:
-        if (type(entry) is not np.ndarray or entry.dtype != dtype or entry.shape != shape
-                or entry.strides != strides or (list_written and not entry.flags.writeable)):
-            return None
+    if not _entries_like(tensors, key[3], key[4], key[5], list_written):
+        return None
     return key + (len(tensors),)
+
+
+def _entries_like(entries: Any, dtype: np.dtype, shape: Tuple, strides: Tuple,
+                  written: bool) -> bool:
+    """Whether every entry of a list is a numpy array of ``dtype``, ``shape`` and ``strides``
+    (and writable where the call writes it)."""
+    for entry in entries:
+        if (type(entry) is not np.ndarray or entry.dtype != dtype or entry.shape != shape
+                or entry.strides != strides or (written and not entry.flags.writeable)):
+            return False
+    return True
 
 
 def _exchange_key(inputs: Any, outputs: Any) -> Optional[Tuple]:
@@ -145,11 +153,9 @@ def _exchange_key(inputs: Any, outputs: Any) -> Optional[Tuple]:
     if type(first) is not np.ndarray:
         return None
     dtype, shape, strides = first.dtype, first.shape, first.strides
-    for entries, written in ((inputs, False), (outputs, True)):
-        for entry in entries:
-            if (type(entry) is not np.ndarray or entry.dtype != dtype or entry.shape != shape
-                    or entry.strides != strides or (written and not entry.flags.writeable)):
-                return None
+    if not (_entries_like(inputs, dtype, shape, strides, False)
+            and _entries_like(outputs, dtype, shape, strides, True)):
+        return None
     return (_ALLTOALL, dtype, shape, strides, len(inputs), len(outputs))
 
 

@@ -12,6 +12,7 @@ transport they give it.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,7 +25,7 @@ from ..executor import run_plan
 from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
-from ..native.runner import NativePlan, NativeRunner, entries_overlap
+from ..native.runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
@@ -104,8 +105,12 @@ class PreparedCall:
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
                 and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
-            self.kept_buffer = np.empty(blocks.total * (2 if layout == "exchange" else 1),
-                                        plan.dtype)
+            self.kept_buffer = self._new_buffer()
+
+    def _new_buffer(self) -> np.ndarray:
+        """A list collective's buffer: alltoall's holds its send and its receive buffer."""
+        return np.empty(self.blocks.total * (2 if self.layout == "exchange" else 1),
+                        self.plan.dtype)
 
     def buffers(self, buffer: Optional[np.ndarray]) -> List[np.ndarray]:
         """The plan's slots on the list collective's ``buffer`` (one holding the send and the
@@ -114,7 +119,7 @@ class PreparedCall:
             buffer = self.kept_buffer
         total = self.blocks.total
         if buffer is None:
-            buffer = np.empty(total * (2 if self.layout == "exchange" else 1), self.plan.dtype)
+            buffer = self._new_buffer()
         if self.layout == "exchange":
             return self.plan.slots(buffer[:total], buffer[total:])
         return self.plan.slots(buffer)
@@ -479,13 +484,12 @@ class TransportMembership(Membership):
         each on its way, one after the other within the call's deadline."""
         options = prepared.options
         timeout, what = options.timeout, options.collective.value
-        watch, native = None, self.native
+        native, watch, watch_every_s = self.native, None, SLICE_S
         if native is not None and self.node_of is not None and prepared.tag == COLLECTIVE_TAG:
             # A peer on this node that runs another call may have sent its part through the
             # core, where the transport never looks.
-            def look() -> None:
-                native.look_for_mismatch(stamp)
-            watch = look
+            watch = functools.partial(native.look_for_mismatch, stamp)
+            watch_every_s = native.slice_s
         if prepared.segments is not None:
             deadline = time.monotonic() + timeout
             for core_plan, part in prepared.segments:
@@ -495,13 +499,13 @@ class TransportMembership(Membership):
                                prepared.tag)
                 else:
                     run_plan(part, slots, self.transport, prepared.tag, stamp,
-                             prepared.combine, left, what, watch, native.slice_s)
+                             prepared.combine, left, what, watch, watch_every_s)
             return
         if prepared.header_ahead is not None:
             native.run(*prepared.header_ahead, prepared.template, stamp.seq, timeout, what,
                        prepared.tag)
         run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
-                 timeout, what, watch, native.slice_s if watch is not None else 0.05)
+                 timeout, what, watch, watch_every_s)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)
