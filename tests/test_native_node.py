@@ -345,20 +345,56 @@ def test_a_large_message_is_reduced_in_place_a_piece_at_a_time():
     np.testing.assert_array_equal(out, data + 0.5)
 
 
-def test_an_offer_nobody_reads_is_taken_back_and_sent_through_the_ring():
-    """The receiver comes only after the sender's stall outlasted the offer's grace: the
-    sender takes its offer back (its call can then end once its ring is drained) and the
-    receiver gets the message from the ring, reading nothing in place."""
+def test_an_offer_in_the_last_round_waits_for_its_reader_however_late():
+    """The call's last round with messages: taking the offer back would free nothing the call
+    waits for, so after stalls far past the offer's grace (20 ms) the receiver still reads it
+    in place, from the caller's memory rather than a copy (what the caller writes there
+    meanwhile, which no user should, is what the receiver gets)."""
     data = np.arange(REMOTE_COUNT, dtype=np.float64)
     out = np.zeros(REMOTE_COUNT)
     with offering(data) as (sender, receiver):
         for _ in range(3):
             assert sender.progress(0.05) == _core.PENDING
-        data[:] = -1.0  # the caller's memory is no longer needed once taken back
+        data += 1.0
         got = in_thread(finish, receiver, moved(False, 0, out))
         assert finish(sender) == _core.DONE
         assert got() == _core.DONE
-        assert receiver.remote_reads == 0
+        assert receiver.remote_reads == 1
+    np.testing.assert_array_equal(out, np.arange(REMOTE_COUNT, dtype=np.float64) + 1.0)
+
+
+def large_then_small(is_send, peer, data):
+    """A collective's two rounds with ``peer``: all of ``data`` (offered when sent), then its
+    first element again (slot 2, scratch): the large message is not in the last round."""
+    steps = [(Message(is_send, peer, 0, Place(0, 0, len(data)), False),),
+             (Message(is_send, peer, 1, Place(2, 0, 1), False),)]
+    plan = Plan(None, steps, [1], np.dtype(np.float64))
+    slots = plan.slots(data)
+    if is_send:
+        slots[2][0] = data[0]
+    return Call(encode_plan(plan), slots, stamp("broadcast", "custom", len(data), root=0,
+                                                op="").packed, dtype_code("float64"), NO_OP, -1)
+
+
+def test_an_offer_nobody_reads_is_taken_back_and_its_copy_read_in_place():
+    """The receiver comes only after the sender's stall outlasted the offer's grace, in a
+    round before the call's last: the sender takes its offer back, so its round ends and its
+    caller's memory is free, and offers its copy instead, which the receiver reads in place."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            sender.start(*large_then_small(True, 1, data))
+            for _ in range(3):
+                assert sender.progress(0.05) == _core.PENDING
+            data[:] = -1.0  # the caller's memory is no longer read once taken back
+            receive = large_then_small(False, 0, out)
+            got = in_thread(finish, receiver, receive)
+            assert finish(sender) == _core.DONE
+            assert got() == _core.DONE
+            assert receiver.remote_reads == 1
+            assert receive.slots[2][0] == 0.0
     np.testing.assert_array_equal(out, np.arange(REMOTE_COUNT, dtype=np.float64))
 
 

@@ -109,6 +109,8 @@ typedef struct {
     int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
     int64_t stalled_since; /* when the current stall of a call with attached sends began */
     int spun;             /* polled for spin_ns since it last moved: later waits sleep at once */
+    int64_t last_round_at; /* where the last round with messages starts in `code` (0: none) */
+    int in_last_round;    /* the current round is that one: its sends are never detached */
 } rc_call;
 
 typedef struct rc_node {

@@ -8,7 +8,8 @@
  * ranks waiting in a barrier each burnt 10 ms of CPU a second re-polling at every slice). A rank whose round still has sends in
  * the caller's memory sleeps at most DETACH_GRACE_NS first; if that brought nothing either, the
  * sends are detached into overflow memory (executor.c), which keeps bounded rings free of
- * deadlocks whatever the plan. A large message offered to be read in place (remote.c) is
+ * deadlocks whatever the plan; not in the call's last round with messages, where nothing
+ * waits on the round to end (executor.c). A large message offered to be read in place (remote.c) is
  * taken back and detached so only once the stall has lasted OFFER_GRACE_NS.
  *
  * Why yield rather than pause between polls: where ranks outnumber cores, a rank that spins on
@@ -85,7 +86,7 @@ int rc_progress(rc_node *node, int64_t slice_ns)
             call->spun = 1;
         }
         int64_t timeout = deadline - now;
-        if (call->attached > 0) {
+        if (call->attached > 0 && !call->in_last_round) {
             if (call->stalled_since == 0)
                 call->stalled_since = now;
             if (call->detach_armed) {
