@@ -374,13 +374,17 @@ def test_a_group_across_nodes_runs_its_node_rounds_on_the_core_with_the_same_bit
 
 
 @needs_native
-def test_large_calls_across_nodes_agree_on_both_engines(shm_directory):
-    """On 4 nodes of 2: a broadcast of 4 MiB goes down the node chain
-    (``hierarchical_pipeline``, over the transport as a whole: its leaders' rounds mix the
-    two ways), an allreduce of 16 MiB by shards (``hierarchical_sharded``, cut by way); both
-    give the Python engine's bits, and numpy's."""
+@pytest.mark.parametrize("forced", [None, "hierarchical_pipeline"])
+def test_large_calls_across_nodes_agree_on_both_engines(shm_directory, monkeypatch, forced):
+    """On 4 nodes of 2: a broadcast of 4 MiB goes by the leaders' tree where the core runs the
+    rounds within nodes, down the node chain in Python (``hierarchical_pipeline``), or down the
+    chain over the transport as a whole where forced on the core (its leaders' rounds mix the
+    two ways); an allreduce of 16 MiB goes by shards (``hierarchical_sharded``, cut by way).
+    Every way gives the Python engine's bits, and numpy's."""
     from ray_collective.algorithms.selector import (PIPELINE_BROADCAST_MIN_BYTES,
                                                     SHARDED_ALLREDUCE_MIN_BYTES)
+    if forced is not None:
+        monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", f"broadcast={forced}")
     node_of = (0, 0, 1, 1, 2, 2, 3, 3)
 
     def body(rank):
@@ -388,17 +392,19 @@ def test_large_calls_across_nodes_agree_on_both_engines(shm_directory):
         col.broadcast(x, 3)
         y = np.full(SHARDED_ALLREDUCE_MIN_BYTES // 4, rank + 0.5, np.float32)
         col.allreduce(y)
-        return x, y
+        return x, y, [call["algorithm"] for call in col.get_collective_trace()]
 
     natively = run_ranks(8, body, factory_of=_spanning_factory(node_of, shm_directory),
                          timeout=120)
     in_python = run_ranks(8, body, factory_of=_spanning_factory(node_of, None), timeout=120)
     for rank in range(8):
-        x, y = natively[rank]
+        x, y, algorithms = natively[rank]
         np.testing.assert_array_equal(x, np.arange(x.size, dtype=np.float64) * 4)
         np.testing.assert_array_equal(y, np.full(y.size, 32.0, np.float32))
-        for got, expected in zip(natively[rank], in_python[rank], strict=True):
+        for got, expected in zip(natively[rank][:2], in_python[rank][:2], strict=True):
             assert got.tobytes() == expected.tobytes()
+        assert algorithms == [forced or "hierarchical", "hierarchical_sharded"]
+        assert in_python[rank][2] == [forced or "hierarchical_pipeline", "hierarchical_sharded"]
 
 
 @needs_native

@@ -90,6 +90,15 @@ def test_forced_algorithm_must_exist_and_fit(monkeypatch):
         select("allreduce", 2, 4, 6, forced="hierarchical")
 
 
+def test_a_group_on_the_core_broadcasts_down_the_leaders_tree_not_the_node_chain():
+    node_of = (0, 0, 1, 1, 2, 2)
+    assert select("broadcast", 1 << 18, 4, 6, node_of).name == "hierarchical_pipeline"
+    assert select("broadcast", 1 << 18, 4, 6, node_of,
+                  nodes_in_core=True).name == "hierarchical"
+    assert select("allreduce", 4 << 20, 4, 6, node_of,
+                  nodes_in_core=True).name == "hierarchical_sharded"
+
+
 def test_oversubscribed_nodes_take_the_allreduce_with_fewest_messages():
     assert select("allreduce", 2, 4, 8, None, oversubscribed=True).name == "reduce_broadcast"
     assert select("allreduce", 2, 4, 8, None).name == "recursive_doubling"

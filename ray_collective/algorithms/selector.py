@@ -6,8 +6,9 @@ hierarchical allreduce, broadcast and reduce, so that only one rank per node cro
 except that an allreduce of at least ``SHARDED_ALLREDUCE_MIN_BYTES`` on nodes of equal size
 takes the sharded variant, in which every rank crosses nodes with its own shard, and a
 broadcast of at least ``PIPELINE_BROADCAST_MIN_BYTES`` over 3 nodes or more and at most
-``PIPELINE_BROADCAST_MAX_RANKS`` ranks goes chunk by chunk down a chain of the nodes. Every
-other call takes the flat algorithm of ``rules``.
+``PIPELINE_BROADCAST_MAX_RANKS`` ranks goes chunk by chunk down a chain of the nodes, unless
+the group runs its rounds within a node on the native core. Every other call takes the flat
+algorithm of ``rules``.
 
 Forcing, for tests and benchmarks: the environment variable ``RAY_COLLECTIVE_ALGORITHM`` as ``collective=name[,collective=name...]`` (for example
 ``allreduce=ring,broadcast=binomial``), read by :func:`forced_algorithms` once per group. Every
@@ -40,7 +41,12 @@ PIPELINE_BROADCAST_MAX_RANKS = RING_MAX_RANKS
 p50 2.6, 43 and 154 ms at 1, 16 and 64 MiB against the leaders' 6.7, 57 and 178 ms (Gloo in the
 same runs 4.3-6.0, 30-35 and 109-110 ms), p95 no worse; on 2 nodes it was level or slower (25
 against 19 ms at 16 MiB). A chain costs a round per rank: past a ring's size the leaders' tree
-is kept."""
+is kept. Where the rounds within a node run on the native core (``select``'s
+``nodes_in_core``), the leaders' tree, whose rounds within a node the core runs, won instead:
+4 nodes x 2 ranks, two alternated runs each (2026-11-27), p50 over torch's in the same run,
+0.61-0.74 against the chain's 0.78-0.81 at 1 MiB, 0.92-0.95 against 1.06-1.10 at 16 MiB,
+0.94-0.95 against 1.02-1.06 at 64 MiB. The chain mixes the two ways in its rounds, so it runs
+over the streams and the node's sockets as a whole."""
 
 def forced_algorithms() -> Mapping[str, str]:
     """The algorithm ``RAY_COLLECTIVE_ALGORITHM`` forces, by collective (empty when unset).
@@ -63,7 +69,8 @@ def forced_algorithms() -> Mapping[str, str]:
 
 def select(collective: str, count: int, itemsize: int, world_size: int,
            node_of: Optional[Sequence] = None, forced: Optional[str] = None,
-           oversubscribed: bool = False, topology: Optional[Topology] = None) -> Algorithm:
+           oversubscribed: bool = False, topology: Optional[Topology] = None,
+           nodes_in_core: bool = False) -> Algorithm:
     """The algorithm to run.
 
     Args:
@@ -75,6 +82,8 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
         forced: an algorithm name that overrides the rules (see :func:`forced_algorithms`).
         oversubscribed: some machine runs more ranks than it has cores.
         topology: ``node_of`` grouped by node, when the caller has it already.
+        nodes_in_core: the group runs the rounds within a node of the hierarchical algorithms
+            on the native core (the same answer on every rank).
 
     Returns:
         The chosen :class:`Algorithm`.
@@ -94,7 +103,8 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
                     and topology.uniform):
                 name = "hierarchical_sharded"
             elif (collective == "broadcast" and nbytes >= PIPELINE_BROADCAST_MIN_BYTES
-                  and len(topology.nodes) >= 3 and world_size <= PIPELINE_BROADCAST_MAX_RANKS):
+                  and len(topology.nodes) >= 3 and world_size <= PIPELINE_BROADCAST_MAX_RANKS
+                  and not nodes_in_core):
                 name = "hierarchical_pipeline"
         else:
             name = flat_algorithm_name(collective, count * itemsize, world_size, oversubscribed,

@@ -398,7 +398,8 @@ class TransportMembership(Membership):
                                 options.tag, "in place", False, native, header_ahead)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
-                           oversubscribed=self.oversubscribed, topology=self.topology)
+                           oversubscribed=self.oversubscribed, topology=self.topology,
+                           nodes_in_core=self.native is not None)
         ctx = Context(dtype, combine, node_of=self.node_of,
                       choose=flat_choice(dtype.itemsize, self.oversubscribed),
                       topology=self.topology, oversubscribed=self.oversubscribed)
