@@ -419,8 +419,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_results(results))
     if arguments.json:
         with open(arguments.json, "w") as handle:
-            json.dump({"options": asdict(options), "command": " ".join(sys.argv),
-                       "results": results}, handle, indent=1)
+            command = " ".join(["python -m benchmarks.minimal_loop",
+                                *(sys.argv[1:] if argv is None else argv)])
+            json.dump({"options": asdict(options), "command": command, "results": results},
+                      handle, indent=1)
     return 0
 
 

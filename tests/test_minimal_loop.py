@@ -52,10 +52,12 @@ def test_group_names_differ_per_library_unless_gloo_takes_rays_default():
 def test_a_tiny_loop_across_two_nodes_times_both_libraries_in_alternating_blocks(tmp_path):
     pytest.importorskip("torch", reason="Ray's gloo group needs torch (pip install '.[bench]')")
     out = tmp_path / "loop.json"
-    completed = run_benchmark("benchmarks.minimal_loop", "--layouts", "2x1", "--iters", "4",
-                              "--warmup", "1", "--blocks", "2", "--timeout", "60",
-                              "--json", str(out))
-    [result] = json.loads(out.read_text())["results"]
+    arguments = ["--layouts", "2x1", "--iters", "4", "--warmup", "1", "--blocks", "2",
+                 "--timeout", "60", "--json", str(out)]
+    completed = run_benchmark("benchmarks.minimal_loop", *arguments)
+    written = json.loads(out.read_text())
+    assert written["command"] == " ".join(["python -m benchmarks.minimal_loop", *arguments])
+    [result] = written["results"]
     assert result["layout"] == "2x1" and result["nodes"] == [0, 1]
     assert result["block_order"] == [["ray", "gloo"], ["gloo", "ray"]]
     for library in ("ray", "gloo"):
