@@ -335,7 +335,6 @@ static int post_round(rc_node *node)
 {
     rc_call *call = &node->call;
     const int64_t *record = call->code + call->pc;
-    call->in_last_round = call->pc == call->last_round_at;
     call->round = record + 2;
     call->round_size = call->left = record[1];
     call->pc += rc_step_words(record);

@@ -238,11 +238,6 @@ int rc_call_start(rc_node *node)
         call->progress = progress;
         call->progress_capacity = biggest;
     }
-    call->last_round_at = 0;
-    for (int64_t s = 0, at = 1; s < call->code[0]; s++, at += rc_step_words(call->code + at))
-        if (call->code[at] == RC_STEP_ROUND && call->code[at + 1] > 0)
-            call->last_round_at = at;
-    call->in_last_round = 0;
     call->pc = 1;
     call->steps_left = call->code[0];
     call->round = NULL;

@@ -109,8 +109,8 @@ typedef struct {
     int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
     int64_t stalled_since; /* when the current stall of a call with attached sends began */
     int spun;             /* polled for spin_ns since it last moved: later waits sleep at once */
-    int64_t last_round_at; /* where the last round with messages starts in `code` (0: none) */
-    int in_last_round;    /* the current round is that one: its sends are never detached */
+    int64_t last_round_at; /* where the last round with messages starts in `code` (0: none):
+                              its sends are never detached (rc_in_last_round) */
 } rc_call;
 
 typedef struct rc_node {
@@ -195,10 +195,16 @@ int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
 void rc_remote_decline(rc_node *node, int peer, rc_remote *offer);
 
 /* program.c: checks the call's code against its slots, the node's rank and world and the
- * call's kernel; marks the peers it names in node->peer_use and returns the largest round.
+ * call's kernel; marks the peers it names in node->peer_use, notes where its last round with
+ * messages starts (call.last_round_at) and returns the largest round.
  * Returns -1 (reason in node->error) if the code is malformed or names memory or ranks
  * outside the call's. */
 int64_t rc_program_check(rc_node *node);
+/* Whether the call's current round is its last with messages. */
+static inline int rc_in_last_round(const rc_call *call)
+{
+    return call->round != NULL && call->round == call->code + call->last_round_at + 2;
+}
 /* Words of the step record at `record`, which rc_program_check has accepted. */
 int64_t rc_step_words(const int64_t *record);
 /* Runs a LOCAL record; returns 0, or -1 if out of memory. */

@@ -96,10 +96,11 @@ static int check_round(rc_node *node, int64_t at, int64_t n)
 
 int64_t rc_program_check(rc_node *node)
 {
-    const rc_call *call = &node->call;
+    rc_call *call = &node->call;
     const int64_t *code = call->code;
     int64_t len = call->code_len, at = 1, biggest = 0;
     memset(node->peer_use, 0, (size_t)node->world);
+    call->last_round_at = 0;
     if (len < 1 || code[0] < 0)
         FAIL("plan code without a step count");
     for (int64_t s = 0; s < code[0]; s++) {
@@ -111,6 +112,8 @@ int64_t rc_program_check(rc_node *node)
                 FAIL("step %lld is a round of %lld messages", (long long)s, (long long)n);
             if (check_round(node, at, n) != 0)
                 return -1;
+            if (n > 0)
+                call->last_round_at = at;
             at += 2 + n * RC_MESSAGE_WORDS;
             biggest = n > biggest ? n : biggest;
         } else if (code[at] == RC_STEP_LOCAL) {

@@ -86,7 +86,7 @@ int rc_progress(rc_node *node, int64_t slice_ns)
             call->spun = 1;
         }
         int64_t timeout = deadline - now;
-        if (call->attached > 0 && !call->in_last_round) {
+        if (call->attached > 0 && !rc_in_last_round(call)) {
             if (call->stalled_since == 0)
                 call->stalled_since = now;
             if (call->detach_armed) {
