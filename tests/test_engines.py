@@ -19,7 +19,7 @@ import ray_collective as col
 from support.helpers import numpy_reduce, run_in
 from ray_collective import native
 from ray_collective.backends.local import LocalBackendFactory
-from ray_collective.native.runner import P2P_MAX_BYTES
+from ray_collective.native.codes import P2P_MAX_BYTES
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 
@@ -40,8 +40,9 @@ def test_the_native_core_is_built_where_it_is_required():
 @needs_native
 def test_the_status_codes_are_the_cores_own():
     from ray_collective.native import _core, codes
-    assert (codes.DONE, codes.PENDING, codes.MISMATCH) == (_core.DONE, _core.PENDING,
-                                                           _core.MISMATCH)
+    assert (codes.DONE, codes.PENDING, codes.MISMATCH, codes.REROUTED) == (
+        _core.DONE, _core.PENDING, _core.MISMATCH, _core.REROUTED)
+    assert codes.P2P_MAX_BYTES == _core.P2P_MAX_BYTES
 
 
 @pytest.fixture
@@ -585,11 +586,10 @@ def _core_tags(monkeypatch):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_send_and_recv_agree_on_both_engines_between_collectives(shm_directory, world_size,
                                                                   monkeypatch):
-    """Messages up to ``p2p_max_bytes`` run on the core on their tag, larger ones on the
-    transport behind their header sent through the core, interleaved with collectives whose
-    rings carry them: every message arrives in order per tag with the Python engine's bits,
-    the second time round through the known-shape path."""
-    from ray_collective.native.runner import P2P_MAX_BYTES
+    """Messages up to ``P2P_MAX_BYTES`` go through the core's rings on their tag, larger ones
+    are read in place or, when both ranks send first, over the transport behind their offer,
+    interleaved with collectives whose rings carry them: every message arrives in order per
+    tag with the Python engine's bits, the second time round through the known-shape path."""
     sizes = [1, 7, P2P_MAX_BYTES // 8, P2P_MAX_BYTES // 8 + 1, 300_000]
 
     def body(rank):
@@ -636,6 +636,41 @@ def test_send_and_recv_agree_on_both_engines_between_collectives(shm_directory, 
 
 
 @needs_native
+def test_a_large_send_is_read_in_place_when_its_receiver_waits_else_rerouted(shm_directory):
+    """1 MiB between two ranks of a node: rank 1 waits in its recv first, so it reads rank 0's
+    message from rank 0's memory (one copy, no transport); then both send before they
+    receive, so neither send is read within its grace and both messages go over the
+    transport, but for the one that a rank whose grace ended first may still find offered
+    (a send ends only once its message was read or taken back, so never both). The bits are
+    the sent ones either way."""
+    count = (1 << 20) // 8
+
+    def body(rank):
+        from ray_collective.group import current_registry
+        node = current_registry().get("default").membership.native.node
+        mine, got = _float_inputs(rank + 1, count, "float64"), np.zeros(count)
+        if rank == 0:
+            time.sleep(0.2)  # rank 1 is in its recv by then
+            col.send(mine, 1)
+        else:
+            col.recv(got, 0)
+        reads_waited = node.remote_reads
+        col.barrier()
+        other = np.zeros(count)
+        col.send(mine, 1 - rank)
+        col.recv(other, 1 - rank)
+        return got, other, reads_waited, node.remote_reads
+
+    results = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=60)
+    (_, other0, waited0, after0), (got1, other1, waited1, after1) = results
+    np.testing.assert_array_equal(got1, _float_inputs(1, count, "float64"))
+    np.testing.assert_array_equal(other0, _float_inputs(2, count, "float64"))
+    np.testing.assert_array_equal(other1, _float_inputs(1, count, "float64"))
+    assert (waited0, waited1) == (0, 1)
+    assert after0 - waited0 + after1 - waited1 <= 1
+
+
+@needs_native
 def test_a_recv_unlike_its_send_on_the_core_is_a_mismatch(shm_directory):
     def body(rank):
         if rank == 0:
@@ -654,18 +689,25 @@ def test_a_recv_unlike_its_send_on_the_core_is_a_mismatch(shm_directory):
                                                           (20_000, 20_001)])
 def test_a_send_and_recv_of_other_sizes_are_a_mismatch_on_either_side_of_the_cores_limit(
         shm_directory, sender_count, receiver_count):
-    """160 KB take the transport, 64 B the core: the header of the larger goes ahead through
-    the core, so the recv meets the send's header in the ring either way."""
+    """160 KB are offered to be read in place, 64 B go through the ring: the recv meets the
+    send's header in the ring either way. The send of 160 KB waits a moment for its reader,
+    and so may learn of the mismatch too."""
     def body(rank):
         if rank == 0:
-            col.send(np.ones(sender_count), 1)
+            try:
+                col.send(np.ones(sender_count), 1, timeout=20)
+            except col.CollectiveMismatchError as error:
+                return error
             return None
         with pytest.raises(col.CollectiveMismatchError) as caught:
             col.recv(np.ones(receiver_count), 0, timeout=20)
         return caught.value
 
-    _, error = run_ranks(2, body, factory_of=_native_factory(2, shm_directory), timeout=30)
+    on_sender, error = run_ranks(2, body, factory_of=_native_factory(2, shm_directory),
+                                 timeout=30)
     assert error.differences["count"] == (receiver_count, sender_count)
+    assert on_sender is None or on_sender.differences["count"] == (sender_count,
+                                                                   receiver_count)
 
 
 # ------------------------------------------------------------------ the ray backend

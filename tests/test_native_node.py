@@ -254,25 +254,19 @@ def test_point_to_point_channels_do_not_block_a_collective_between_them():
 
 
 def test_a_call_that_sent_into_overflow_is_done_only_once_the_peer_took_it():
-    """Over a 1 KiB ring, rank 0's 80 kB send goes to overflow memory: the send completes, yet
-    the call stays PENDING until rank 1 has drained it, then both are DONE."""
+    """Over a 1 KiB ring, rank 0's 80 kB message of a collective cannot all be framed: the
+    call stays PENDING until rank 1 has drained it, then both are DONE."""
     count = 10_000
     data = np.arange(count, dtype=np.float64)
     with node_directory() as directory:
         sender, receiver = (node(directory, rank, ring_bytes=1024, part_bytes=16)
                             for rank in range(2))
         with sender, receiver:
-            send = point_to_point(True, 1, count, np.float64)
-            sender.start(encode_plan(send), send.slots(data.copy()),
-                         stamp("send/recv", "direct", count).packed, dtype_code("float64"),
-                         NO_OP, 0)
+            sender.start(*moved(True, 1, data.copy()))
             for _ in range(3):
                 assert sender.progress(0.02) == _core.PENDING
-            recv = point_to_point(False, 0, count, np.float64)
             out = np.zeros(count)
-            receiver.start(encode_plan(recv), recv.slots(out),
-                           stamp("send/recv", "direct", count).packed, dtype_code("float64"),
-                           NO_OP, 0)
+            receiver.start(*moved(False, 0, out))
             got = in_thread(finish, receiver)
             assert finish(sender) == _core.DONE
             assert got() == _core.DONE
@@ -396,6 +390,85 @@ def test_an_offer_nobody_reads_is_taken_back_and_its_copy_read_in_place():
             assert receiver.remote_reads == 1
             assert receive.slots[2][0] == 0.0
     np.testing.assert_array_equal(out, np.arange(REMOTE_COUNT, dtype=np.float64))
+
+
+def test_a_large_send_whose_receiver_waits_is_read_in_place():
+    """A point-to-point message past the node's p2p_max_bytes (a quarter of a 64 KiB ring)
+    is offered: a receiver that already waits reads it from the sender's memory."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            assert sender.p2p_max_bytes == 16 << 10
+            receiver.start(*moved(False, 0, out, tag=3))
+            assert receiver.progress(0.005) == _core.PENDING
+            got = in_thread(finish, receiver)
+            assert finish(sender, moved(True, 1, data, tag=3)) == _core.DONE
+            assert got() == _core.DONE
+            assert receiver.remote_reads == 1
+    np.testing.assert_array_equal(out, data)
+
+
+def test_a_large_send_nobody_reads_is_rerouted_on_both_sides():
+    """No receiver within the send's grace (1 ms): the sender takes its offer back and ends
+    REROUTED (its caller then sends over the transport, whose sends never wait); its memory
+    is no longer read. The receiver that comes later finds the offer taken back, reads
+    nothing, and ends REROUTED too (its caller receives over the transport)."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(REMOTE_COUNT)
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            assert finish(sender, moved(True, 1, data, tag=3), slice_s=0.5) == _core.REROUTED
+            data[:] = -1.0
+            assert finish(receiver, moved(False, 0, out, tag=3)) == _core.REROUTED
+            assert receiver.remote_reads == 0 and not out.any()
+            # The link goes on: the next message is read in place.
+            got = in_thread(finish, receiver, moved(False, 0, out, tag=3))
+            assert finish(sender, moved(True, 1, data, tag=3)) == _core.DONE
+            assert got() == _core.DONE
+    np.testing.assert_array_equal(out, -1.0)
+
+
+@pytest.mark.parametrize("receiver_count", [REMOTE_COUNT, REMOTE_COUNT + 1])
+def test_without_remote_reads_a_large_send_carries_only_its_header(receiver_count):
+    """remote_min_bytes 0 (reads in place off): a large point-to-point message is framed as
+    an offer already taken back, so the send ends REROUTED at once, and the receive either
+    ends REROUTED or, for another size, finds the mismatch in the header it carries."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out = np.zeros(receiver_count)
+    with node_directory() as directory:
+        sender, receiver = (node(directory, rank) for rank in range(2))
+        with sender, receiver:
+            sender.start(*moved(True, 1, data, tag=3))
+            assert sender.progress(0.0) == _core.REROUTED
+            status = finish(receiver, moved(False, 0, out, tag=3))
+            if receiver_count == REMOTE_COUNT:
+                assert status == _core.REROUTED
+            else:
+                assert status == _core.MISMATCH
+                details = receiver.mismatch_details()
+                assert (details["reason"], details["count"]) == ("header", REMOTE_COUNT)
+            assert receiver.remote_reads == 0 and not out.any()
+
+
+def test_a_large_send_met_by_a_collective_is_declined_and_rerouted():
+    """Rank 1 runs a collective receive from rank 0 when rank 0's large send on channel 3
+    arrives first: rank 1 sets the offer aside and declines it, so the send ends REROUTED;
+    rank 1's receive on channel 3 later ends REROUTED as well, having read nothing."""
+    data = np.arange(REMOTE_COUNT, dtype=np.float64)
+    out, small, small_out = np.zeros(REMOTE_COUNT), np.full(8, 7.0), np.zeros(8)
+    with node_directory() as directory:
+        sender, receiver = remote_nodes(directory)
+        with sender, receiver:
+            got = in_thread(finish, receiver, moved(False, 0, small_out))
+            assert finish(sender, moved(True, 1, data, tag=3)) == _core.REROUTED
+            assert finish(sender, moved(True, 1, small)) == _core.DONE
+            assert got() == _core.DONE
+            assert finish(receiver, moved(False, 0, out, tag=3)) == _core.REROUTED
+            assert receiver.remote_reads == 0 and not out.any()
+    np.testing.assert_array_equal(small_out, small)
 
 
 def test_an_abandoned_offer_is_never_read():

@@ -36,13 +36,15 @@ def _group_of(name):
 
 def _layout(rank, group):
     """Inside a member: after a large allreduce (through the native core's rings, or the
-    Python engine's shared memory) and a large send (always the latter), where its group lives
-    on this node."""
+    Python engine's shared memory) and a large send that its receiver comes to only after the
+    send's grace (so it takes the transport's shared memory on either engine), where its group
+    lives on this node."""
     tensor = np.ones(LARGE, np.float32)
     col.allreduce(tensor, group)
     if rank == 0:
         col.send(tensor, 1, group)
     elif rank == 1:
+        time.sleep(0.2)
         col.recv(tensor, 0, group)
     return _where(rank, group)
 

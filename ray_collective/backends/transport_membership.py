@@ -65,16 +65,11 @@ class PreparedCall:
         layout: how the call's tensors become the plan's buffer and back (see ``_layout``).
         average: divide the result by the world size at the end (AVG, on ranks that get one).
         native: the plan in the native core's form, where the membership runs its collectives
-            there (None: the executor runs it over the transport).
+            there (None: the executor runs it over the transport). A send or recv on the core
+            whose message was not read in place then runs ``plan`` over the transport.
         kept_buffer: a list collective's buffer on the native core (alltoall's send buffer
             followed by its receive buffer), kept from call to call when it is small (calls
             of one group run one at a time), else None.
-        header_ahead: for a send or recv too large for the native core, in a group on it:
-            the core's plan of a message of no elements with the call's header, and its
-            slots. Such a send sends it through the ring before its data goes through the
-            transport, and such a recv receives it first, so that a send and a recv of
-            sizes on either side of the core's limit meet each other's header in the ring
-            (a mismatch) rather than wait on different ways. None otherwise.
         segments: for an algorithm of ``CUT_BY_WAY`` in a group on the native core that spans
             nodes, the plan cut where its rounds change way: ``(core plan, None)`` for a run
             of rounds with this node's ranks, ``(None, plan)`` for one with other nodes' ranks
@@ -83,12 +78,11 @@ class PreparedCall:
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native", "kept_buffer", "header_ahead", "segments")
+                 "average", "native", "kept_buffer", "segments")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
                  native: Optional[NativePlan] = None,
-                 header_ahead: Optional[Tuple[NativePlan, List[np.ndarray]]] = None,
                  segments: Optional[Tuple[Tuple[Optional[NativePlan], Optional[Plan]],
                                           ...]] = None):
         self.options = options
@@ -100,7 +94,6 @@ class PreparedCall:
         self.layout = layout
         self.average = average
         self.native = native
-        self.header_ahead = header_ahead
         self.segments = segments
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
@@ -265,7 +258,9 @@ class TransportMembership(Membership):
             engine. In a group on one node every collective runs on the core; in one that
             spans nodes, only the node-aware algorithms' rounds between this node's ranks do
             (``PreparedCall.segments``), the rest over the transport. Point-to-point calls
-            between nodes, or larger than ``native.p2p_max_bytes``, take the transport.
+            between nodes take the transport; within a node a large one that its receiver
+            does not read in place goes over the transport after the core
+            (``NativeRunner.run`` returns True on both sides).
 
     Raises:
         ValueError: ``RAY_COLLECTIVE_ALGORITHM`` is malformed.
@@ -340,15 +335,19 @@ class TransportMembership(Membership):
             nothing = plan.slots(None)[0]
 
             def run_in_core(seq: int, array) -> None:
-                native_run(native, [nothing if array is None else array, *tail], template, seq,
-                           timeout, what, tag)
+                if native_run(native, [nothing if array is None else array, *tail], template,
+                              seq, timeout, what, tag):
+                    run_on_transport(prepared, plan.slots(array.reshape(-1)),
+                                     template.stamp(seq))
 
             return run_in_core
 
         def run(seq: int, array) -> None:
             flat = None if array is None else array.reshape(-1)
             if native is not None:
-                native_run(native, plan.slots(flat), template, seq, timeout, what, tag)
+                slots = plan.slots(flat)
+                if native_run(native, slots, template, seq, timeout, what, tag):
+                    run_on_transport(prepared, slots, template.stamp(seq))
             else:
                 run_on_transport(prepared, plan.slots(flat), template.stamp(seq))
             if average:
@@ -384,18 +383,13 @@ class TransportMembership(Membership):
             plan = point_to_point(collective is Collective.SEND, options.peer, count, dtype)
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
-            native = header_ahead = None
+            native = None
             # Between nodes a send or recv takes the transport alone: the core has no ring.
-            on_core = self.native is not None and (
-                self.node_of is None or self.node_of[options.peer] == self.node_of[rank])
-            if on_core and count * dtype.itemsize <= self.native.p2p_max_bytes:
+            if self.native is not None and (
+                    self.node_of is None or self.node_of[options.peer] == self.node_of[rank]):
                 native = self.native.prepare(plan, collective.value, dtype_name, None)
-            elif on_core:
-                nothing = point_to_point(collective is Collective.SEND, options.peer, 0, dtype)
-                header_ahead = (self.native.prepare(nothing, collective.value, dtype_name, None),
-                                nothing.slots(None))
             return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
-                                options.tag, "in place", False, native, header_ahead)
+                                options.tag, "in place", False, native)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology,
@@ -467,8 +461,10 @@ class TransportMembership(Membership):
             if layout == "exchange":
                 recvbuf = np.empty(blocks.total, plan.dtype)
         if prepared.native is not None:
-            self.native.run(prepared.native, plan.slots(buf, recvbuf), prepared.template,
-                            stamp.seq, options.timeout, options.collective.value, prepared.tag)
+            slots = plan.slots(buf, recvbuf)
+            if self.native.run(prepared.native, slots, prepared.template, stamp.seq,
+                               options.timeout, options.collective.value, prepared.tag):
+                self._run_on_transport(prepared, slots, stamp)  # a send or recv rerouted
         else:
             self._run_on_transport(prepared, plan.slots(buf, recvbuf), stamp)
         if layout == "gather":
@@ -480,8 +476,7 @@ class TransportMembership(Membership):
 
     def _run_on_transport(self, prepared: PreparedCall, slots: Sequence[np.ndarray],
                           stamp) -> None:
-        """Run a call's plan over the transport (the Python engine), a send's or recv's
-        header through the core first where it has one to send ahead; or run its segments,
+        """Run a call's plan over the transport (the Python engine); or run its segments,
         each on its way, one after the other within the call's deadline."""
         options = prepared.options
         timeout, what = options.timeout, options.collective.value
@@ -502,9 +497,6 @@ class TransportMembership(Membership):
                     run_plan(part, slots, self.transport, prepared.tag, stamp,
                              prepared.combine, left, what, watch, watch_every_s)
             return
-        if prepared.header_ahead is not None:
-            native.run(*prepared.header_ahead, prepared.template, stamp.seq, timeout, what,
-                       prepared.tag)
         run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
                  timeout, what, watch, watch_every_s)
 

@@ -7,7 +7,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     node = Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns,
                 remote_min_bytes=0)
     node.start(code, slots, header, dtype_code, op_code, tag=-1)
-    status = node.progress(slice_s)        # DONE, PENDING or MISMATCH
+    status = node.progress(slice_s)        # DONE, REROUTED, PENDING or MISMATCH
     status = node.run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s)
     node.bind_state(page, started_word, beat_word, call_word, code_span)
     node.mismatch_details()                # after MISMATCH: a dict, else None
@@ -30,9 +30,14 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   that reduces nothing (op code ``NO_OP``, a negative tag), a message this large is offered to
   its receiver, which reads it from the sender's memory itself (``process_vm_readv``, one copy
   instead of two; ``remote.c`` says how the two sides agree, and falls back to the ring where
-  the kernel refuses). Read-only attributes: ``rank``, ``world_size``, ``ring_bytes``,
-  ``part_bytes``, ``spin_ns``, ``remote_min_bytes``, ``remote_reads`` (messages this rank has
-  read in place), ``active`` (a call is running).
+  the kernel refuses). A point-to-point message (a tag >= 0) larger than ``p2p_max_bytes``
+  (64 KiB, or a quarter of a ring if less) is only ever offered so, whatever
+  ``remote_min_bytes``: a send takes its offer back if its receiver has not begun to read it
+  within 1 ms, and a message not read in place ends the call with ``REROUTED`` on both sides
+  (with ``remote_min_bytes`` 0 at once: the offer then only carries the call's header ahead).
+  Read-only attributes: ``rank``, ``world_size``, ``ring_bytes``, ``part_bytes``,
+  ``spin_ns``, ``remote_min_bytes``, ``p2p_max_bytes``, ``remote_reads`` (messages this rank
+  has read in place), ``active`` (a call is running).
 - ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
   ``plan.slots(buf, recvbuf)`` (C-contiguous, aligned, of the dtype code's item size;
   writable, except a slot the plan only sends from: a reduce's input on a rank that gets no
@@ -45,7 +50,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   peer outside the world, a dtype/op without a kernel, a ring too small for the header),
   OSError (a ring file), RuntimeError (a call is running already).
 - ``progress(slice_s)`` runs the call, GIL released, for at most about ``slice_s`` seconds:
-  ``DONE`` (the results are in the slots; every byte this rank sent is in a ring), ``PENDING``
+  ``DONE`` (the results are in the slots; every byte this rank sent is in a ring or was
+  read), ``REROUTED`` (done, but its large point-to-point message was not read in place: the
+  caller moves it over its transport), ``PENDING``
   (call again: it resumes where it stopped; also returned at once, once per ``wake_all`` by
   any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
   this rank expects; the call is over). MemoryError if overflow memory runs out.
@@ -64,7 +71,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   ``part_bytes``, ``tag``; and ``expected_step``, ``expected_count`` of the receive (-1 when
   the message was found at the head of a ring before any receive from that peer: same call
   number, other header).
-- Constants ``DONE``, ``PENDING``, ``MISMATCH``, and ``HEADER_SEQ_OFFSET`` (where the packed
+- Constants ``DONE``, ``REROUTED``, ``PENDING``, ``MISMATCH``, and ``HEADER_SEQ_OFFSET`` (where the packed
   header holds the call number; ``wire.CallHeader.SEQ_OFFSET``).
 
 Semantics kept from ``executor.run_plan``: messages between two ranks on one tag are matched in
@@ -73,10 +80,10 @@ against the receive. Sends are eager: a send completes once its bytes are in the
 aside (see ``executor.c``), so any plan runs whatever ``ring_bytes``; an offered message
 completes once its receiver has read it, or, after a stall of 20 ms, is taken back and sent
 through the ring like the others. One difference from the
-Python transport: a call ends only when every byte it sent is in a ring, so a send whose
-receiver never posts a receive from this rank and never drains its ring (a point-to-point
-message larger than the ring that the peer receives only after a collective in which it does
-not hear from this rank) waits for it, as MPI's large sends do.
+Python transport: a call ends only when every byte it sent is in a ring or read, so a send
+whose receiver never posts a receive from this rank and never drains its ring (small
+point-to-point messages that fill the ring before the peer receives them) waits for it, as
+MPI's sends do.
 
 Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
 ``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),

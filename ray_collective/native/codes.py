@@ -34,8 +34,13 @@ SUM, PRODUCT, MIN, MAX, PRODUCT_FUSED = range(5)
 NO_OP = -1
 """The op code of a call that reduces nothing (broadcast, allgather, ...)."""
 
-DONE, PENDING, MISMATCH = 0, 1, 2
+DONE, PENDING, MISMATCH, REROUTED = 0, 1, 2, 4
 """What ``Node.progress`` returns (the core's own constants of the same names; a test ties
+them)."""
+
+P2P_MAX_BYTES = 64 << 10
+"""Point-to-point messages larger than this (or than a quarter of the ring, if less: the node's
+``p2p_max_bytes``) are only offered to be read in place (the core's constant; a test ties
 them)."""
 
 STEP_ROUND, STEP_LOCAL = 1, 2

@@ -25,6 +25,9 @@
  * allreduce's last round made every 64 MiB call on 4 nodes x 2 ranks copy 32 MiB and stream it
  * through the ring: 12% slower than the Python engine).
  *
+ * Large point-to-point messages are only offered (remote.c): one that is not read in place
+ * ends its call on both sides as RC_REROUTED, and the caller moves it over the transport.
+ *
  * Early mismatches (rc_early_mismatch, before a collective call, tag < 0, sleeps): the first
  * frame of every ring this rank has opened to read, if it has this tag and call number but
  * another header, is a mismatch even when no receive from that peer is posted (ranks that
@@ -120,13 +123,24 @@ static int offer_outcome(rc_link *link, rc_outgoing *out)
 
 /* Whether `out` goes as an offer to read it in place (remote.c): a large message of a
  * collective, in the caller's memory or in the overflow copy of an offer taken back, to a
- * peer that can read this process. */
+ * peer that can read this process; and every point-to-point message larger than p2p_max. */
 static int to_offer(const rc_node *node, const rc_link *link, const rc_outgoing *out)
 {
     const rc_call *call = &node->call;
+    if (out->offered || out->framed != 0)
+        return 0;
+    if (call->tag >= 0)
+        return (uint64_t)out->nbytes > node->p2p_max;
     return node->remote_min > 0 && (uint64_t)out->nbytes >= node->remote_min
-           && call->tag < 0 && (out->message >= 0 || out->owned != NULL) && !out->offered
-           && out->framed == 0 && !link->remote_denied;
+           && (out->message >= 0 || out->owned != NULL) && !link->remote_denied;
+}
+
+/* The state a new offer of the current call starts in: a point-to-point one that cannot be
+ * read in place starts taken back (it only carries the header ahead of the transport's). */
+static uint32_t offer_state(const rc_node *node, const rc_link *link)
+{
+    return node->call.tag >= 0 && (node->remote_min == 0 || link->remote_denied)
+               ? RC_REMOTE_WITHDRAWN : RC_REMOTE_OFFERED;
 }
 
 /* Frames what the link's queue holds into its ring while there is room. */
@@ -142,13 +156,14 @@ static int pump(rc_node *node, int peer, rc_link *link)
             if (outcome == RC_REMOTE_OFFERED)
                 break; /* later messages of the link wait behind it */
             moved = 1;
-            if (outcome == RC_REMOTE_TAKEN) {
+            if (outcome == RC_REMOTE_TAKEN || call->tag >= 0) {
+                call->rerouted |= outcome != RC_REMOTE_TAKEN;
                 sent(call, link, out);
                 rc_outgoing_recycle(node, out);
                 continue;
             }
         } else if (to_offer(node, link, out)) {
-            if (!rc_remote_offer(node, peer, link, out))
+            if (!rc_remote_offer(node, peer, link, out, offer_state(node, link)))
                 break;
             moved = 1;
             continue;
@@ -302,7 +317,8 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
                 return moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
             drop_frame(node, peer, link, &frame, kept);
             moved = 1;
-            if (taken == 1) {
+            if (taken == 1 || call->tag >= 0) {
+                call->rerouted |= taken != 1;
                 call->progress[index] = -1;
                 call->left--;
             }
@@ -384,8 +400,10 @@ int rc_pass(rc_node *node)
             call->pc += rc_step_words(call->code + call->pc);
             call->steps_left--;
         }
+        if (call->steps_left == 0 && node->n_senders == 0)
+            return call->rerouted ? RC_REROUTED : RC_DONE;
         if (call->steps_left == 0)
-            return node->n_senders == 0 ? RC_DONE : moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
+            return moved ? RC_PASS_PROGRESS : RC_PASS_IDLE;
         if (post_round(node) == RC_FAILED)
             return RC_FAILED;
         moved = 1;
@@ -428,6 +446,18 @@ int rc_detach(rc_node *node, int offers_too)
         }
     }
     return detached ? RC_PASS_PROGRESS : RC_PASS_IDLE;
+}
+
+int rc_reroute_offers(rc_node *node)
+{
+    int withdrawn = 0;
+    for (int i = 0; i < node->n_senders; i++) {
+        rc_link *link = node->links[node->senders[i]];
+        for (rc_outgoing *out = link->queue; out; out = out->next)
+            if (out->offer != NULL && rc_remote_withdraw(out, 0))
+                withdrawn = 1; /* the pump sees it taken back and ends the send */
+    }
+    return withdrawn ? RC_PASS_PROGRESS : RC_PASS_IDLE;
 }
 
 /* A first frame of this call's tag and number whose header differs from ours. */

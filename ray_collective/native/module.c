@@ -401,7 +401,7 @@ static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t na
     int status = progress_call(self, slice_ns_of(slice_s));
     if (status < 0)
         return NULL;
-    if (status == RC_DONE && records)
+    if ((status == RC_DONE || status == RC_REROUTED) && records)
         *self->beat_word = 0; /* NodeState.complete: out of the call */
     return PyLong_FromLong(status);
 }
@@ -505,13 +505,13 @@ static PyMethodDef Node_methods[] = {
      "docstring)"},
     {"run", (PyCFunction)(void (*)(void))Node_run, METH_FASTCALL,
      "run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s) -> DONE, "
-     "PENDING or MISMATCH: start() with call number seq written into the header, then "
+     "REROUTED, PENDING or MISMATCH: start() with call number seq written into the header, then "
      "progress(slice_s); keeps the state words bind_state() named for a collective (tag < 0)"},
     {"bind_state", (PyCFunction)Node_bind_state, METH_VARARGS,
      "bind_state(page, started_word, beat_word, call_word, code_span): the int64 words of "
      "this rank on its group's state page that run() keeps"},
     {"progress", (PyCFunction)Node_progress, METH_VARARGS,
-     "progress(slice_s) -> DONE, PENDING or MISMATCH: run the call for at most slice_s seconds"},
+     "progress(slice_s) -> DONE, REROUTED, PENDING or MISMATCH: run the call for at most slice_s seconds"},
     {"scan_incoming", (PyCFunction)Node_scan_incoming, METH_NOARGS,
      "scan_incoming() -> PENDING or MISMATCH: open the rings peers made towards this rank "
      "and look for a message of this call number with another header (between slices)"},
@@ -537,6 +537,8 @@ static PyMemberDef Node_members[] = {
      "how long a waiting rank polls before it sleeps"},
     {"remote_min_bytes", T_ULONGLONG, offsetof(NodeObject, node.remote_min), READONLY,
      "messages of a reduction-free collective this large are read in place (0: never)"},
+    {"p2p_max_bytes", T_ULONGLONG, offsetof(NodeObject, node.p2p_max), READONLY,
+     "larger point-to-point messages are only offered to be read in place"},
     {"remote_reads", T_LONGLONG, offsetof(NodeObject, node.remote_reads), READONLY,
      "messages this rank has read in place from its peers' memory"},
     {NULL, 0, 0, 0, NULL},
@@ -634,6 +636,8 @@ PyMODINIT_FUNC PyInit__core(void)
             || PyModule_AddIntConstant(module, "DONE", RC_DONE) < 0
             || PyModule_AddIntConstant(module, "PENDING", RC_PENDING) < 0
             || PyModule_AddIntConstant(module, "MISMATCH", RC_MISMATCH) < 0
+            || PyModule_AddIntConstant(module, "REROUTED", RC_REROUTED) < 0
+            || PyModule_AddIntConstant(module, "P2P_MAX_BYTES", RC_P2P_MAX_BYTES) < 0
             || PyModule_AddIntConstant(module, "HEADER_SEQ_OFFSET", RC_HEADER_SEQ_OFFSET) < 0) {
         Py_DECREF(module);
         return NULL;

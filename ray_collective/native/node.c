@@ -34,6 +34,7 @@ int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_by
     node->part_bytes = part_bytes;
     node->spin_ns = spin_ns;
     node->remote_min = remote_min;
+    node->p2p_max = ring_bytes / 4 < RC_P2P_MAX_BYTES ? ring_bytes / 4 : RC_P2P_MAX_BYTES;
     node->pid = (int64_t)getpid();
     if (remote_min > 0 && getrandom(&node->cookie, sizeof node->cookie, 0)
             != (ssize_t)sizeof node->cookie) {
@@ -245,6 +246,7 @@ int rc_call_start(rc_node *node)
     call->detach_armed = 0;
     call->stalled_since = 0;
     call->spun = 0;
+    call->rerouted = 0;
     call->active = 1;
     return RC_OK;
 }

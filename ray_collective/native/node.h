@@ -9,8 +9,16 @@
 #include "kernels.h"
 #include "shm.h"
 
-/* What rc_progress returns; RC_FAILED (out of memory, text in node->error) ends the call. */
-enum rc_status { RC_DONE = 0, RC_PENDING = 1, RC_MISMATCH = 2, RC_FAILED = 3 };
+/* What rc_progress returns; RC_FAILED (out of memory, text in node->error) ends the call.
+ * RC_REROUTED: done, but the large point-to-point message the call sends or receives was not
+ * read in place (remote.c), and both ends now move it over their transport. */
+enum rc_status { RC_DONE = 0, RC_PENDING = 1, RC_MISMATCH = 2, RC_FAILED = 3, RC_REROUTED = 4 };
+
+/* Point-to-point messages (tag >= 0) of more than a node's p2p_max bytes (this, or a quarter
+ * of a ring if less) are only ever offered to be read in place, never framed as DATA: a ring
+ * must keep room for the small ones behind them, and a send must not wait for its receiver
+ * longer than RC_P2P_OFFER_GRACE_NS (progress.c). */
+#define RC_P2P_MAX_BYTES (64 << 10)
 
 /* Plan code records (encode_plan in codes.py writes them). */
 enum { RC_STEP_ROUND = 1, RC_STEP_LOCAL = 2 };
@@ -47,8 +55,9 @@ typedef struct rc_remote {
 
 /* OFFERED: the sender waits. TAKING: the receiver reads. TAKEN: the bytes are in place.
  * WITHDRAWN (sender) and DECLINED, DENIED (receiver; DENIED: it cannot read that process):
- * the message follows as DATA frames. POISONED: the sender abandoned its call while the
- * receiver read, which then throws away what it read. */
+ * the message follows as DATA frames, or for a point-to-point message over the transport
+ * (RC_REROUTED). POISONED: the sender abandoned its call while the receiver read, which then
+ * throws away what it read. */
 #define RC_REMOTE_PIECE_BYTES (64 << 10)
 enum { RC_REMOTE_OFFERED = 1, RC_REMOTE_TAKING, RC_REMOTE_TAKEN, RC_REMOTE_WITHDRAWN,
        RC_REMOTE_DECLINED, RC_REMOTE_DENIED, RC_REMOTE_POISONED };
@@ -111,6 +120,7 @@ typedef struct {
     int spun;             /* polled for spin_ns since it last moved: later waits sleep at once */
     int64_t last_round_at; /* where the last round with messages starts in `code` (0: none):
                               its sends are never detached (rc_in_last_round) */
+    int rerouted;         /* its point-to-point message goes over the transport (RC_REROUTED) */
 } rc_call;
 
 typedef struct rc_node {
@@ -128,6 +138,7 @@ typedef struct rc_node {
     uint8_t *peer_use;          /* per peer, while a call starts: RC_USE_* bits */
     rc_outgoing *spare;         /* finished outgoing records, for reuse */
     uint64_t remote_min;        /* offer messages of this many bytes or more (0: never) */
+    uint64_t p2p_max;           /* larger point-to-point messages are offered (RC_P2P_MAX_BYTES) */
     uint64_t cookie;            /* a random word a reader checks it reads the right process */
     int64_t pid;
     int64_t remote_reads;       /* messages this rank has read in place, ever */
@@ -164,6 +175,9 @@ int rc_pass(rc_node *node);
  * Offers (remote.c) are taken back first only when `offers_too`; one being read stays.
  * RC_PASS_IDLE when nothing could be detached. */
 int rc_detach(rc_node *node, int offers_too);
+/* Takes back the point-to-point call's offers that no receiver has begun to read, so that
+ * its message goes over the transport: RC_PASS_PROGRESS, or RC_PASS_IDLE if none was. */
+int rc_reroute_offers(rc_node *node);
 /* Opens, to read, every ring a peer has made towards this rank that this rank has not opened
  * (RC_OK, or RC_OS_ERROR with node->error): the early mismatch check then sees the messages
  * of peers this rank never expects (ranks that disagree about a root disagree about who
@@ -176,8 +190,10 @@ int rc_scan_incoming(rc_node *node);
 int rc_early_mismatch(rc_node *node);
 
 /* remote.c: single-copy reads of large messages. */
-/* Sender: frames the offer of `out` into the link's ring; 1, or 0 when the ring is full. */
-int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out);
+/* Sender: frames the offer of `out` into the link's ring, in `state` (RC_REMOTE_OFFERED, or
+ * RC_REMOTE_WITHDRAWN for a point-to-point message that cannot be read in place); 1, or 0 when
+ * the ring is full. */
+int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out, uint32_t state);
 /* Sender: what the receiver did with the offer (an RC_REMOTE_* state). */
 int rc_remote_state(const rc_outgoing *out);
 /* Sender: takes the offer back (1), or cannot while the receiver reads (0); when `abandon`,
@@ -185,7 +201,8 @@ int rc_remote_state(const rc_outgoing *out);
 int rc_remote_withdraw(rc_outgoing *out, int abandon);
 /* Receiver: reads the message offered by the REMOTE frame `offer` into `target` (nbytes), or
  * reduces it into `target` with `kernel` (elements of `itemsize` bytes) unless it is NULL:
- * 1 once done; 0 when it was not taken (its DATA frames follow); -1 when it cannot go on
+ * 1 once done; 0 when it was not taken (its DATA frames follow, or for a point-to-point
+ * message its transport message); -1 when it cannot go on
  * (the sender died or abandoned its call: the rank's failure check will tell). `stashed`:
  * the offer is a copy taken out of the ring (its state no longer shared). */
 int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,

@@ -10,7 +10,9 @@
  * sends are detached into overflow memory (executor.c), which keeps bounded rings free of
  * deadlocks whatever the plan; not in the call's last round with messages, where nothing
  * waits on the round to end (executor.c). A large message offered to be read in place (remote.c) is
- * taken back and detached so only once the stall has lasted OFFER_GRACE_NS.
+ * taken back and detached so only once the stall has lasted OFFER_GRACE_NS; one of a
+ * point-to-point send is taken back after P2P_OFFER_GRACE_NS (its message then goes over the
+ * transport: remote.c).
  *
  * Why yield rather than pause between polls: where ranks outnumber cores, a rank that spins on
  * the core its peer needs delays the peer by the whole spin. Measured on the shared 2-core
@@ -27,6 +29,11 @@
 /* An offer to read a large message in place (remote.c) is taken back only after a longer
  * stall: a receiver a scheduler's time slice late should still read it in one copy. */
 #define OFFER_GRACE_NS 20000000
+/* How long a point-to-point send waits for its receiver to read its offer (a large message,
+ * remote.c) before it takes it back and the message goes over the transport: time enough for a
+ * receiver that already waits to wake up and begin reading; a send that its receiver meets
+ * only later (two ranks that both send first) costs this much more than the transport alone. */
+#define P2P_OFFER_GRACE_NS 1000000
 
 static int64_t now_ns(void)
 {
@@ -47,7 +54,7 @@ static int alarmed(rc_node *node)
 /* What a pass's result means for rc_progress: a status to return, or -1 to go on. */
 static int settle(rc_node *node, int result)
 {
-    if (result == RC_DONE)
+    if (result == RC_DONE || result == RC_REROUTED)
         node->call.active = 0;
     if (result == RC_MISMATCH || result == RC_FAILED)
         rc_call_end(node);
@@ -100,6 +107,14 @@ int rc_progress(rc_node *node, int64_t slice_ns)
             }
             call->detach_armed = 1;
             timeout = timeout < DETACH_GRACE_NS ? timeout : DETACH_GRACE_NS;
+        } else if (call->attached > 0 && call->tag >= 0) {
+            if (call->stalled_since == 0)
+                call->stalled_since = now;
+            int64_t grace_left = call->stalled_since + P2P_OFFER_GRACE_NS - now;
+            if (grace_left <= 0 && rc_reroute_offers(node) == RC_PASS_PROGRESS)
+                continue;
+            if (grace_left > 0 && grace_left < timeout)
+                timeout = grace_left;
         }
         result = rc_early_mismatch(node);
         if (settle(node, result) >= 0)

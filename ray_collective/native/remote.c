@@ -13,6 +13,12 @@
  *   done once it sees TAKEN (its memory is no longer read);
  * - the sender may take an offer back while it is OFFERED (WITHDRAWN: a stalled round detaches
  *   its sends, executor.c), and then frames the message as DATA parts after it;
+ * - a point-to-point message (tag >= 0) larger than the node's p2p_max goes only this way: a
+ *   send waits a grace for its receiver (progress.c), then takes its offer back; whatever
+ *   ends an offer other than TAKEN, both ends then move the message over their transport
+ *   (RC_REROUTED), so a send never waits for its receiver for long, whatever its size. Where
+ *   this process cannot be read (remote reads off, or DENIED before), the offer is framed
+ *   WITHDRAWN at once: it only carries the header ahead, which the receiver checks;
  * - the receiver may refuse it (DECLINED: a frame met by another channel's call and stashed;
  *   DENIED: this process may not read the sender's, and the sender offers
  *   that peer nothing more), and the DATA parts follow likewise;
@@ -40,7 +46,7 @@ static int swap(rc_remote *offer, uint32_t from, uint32_t to)
                                                    memory_order_acq_rel, memory_order_acquire);
 }
 
-int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out)
+int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out, uint32_t state)
 {
     rc_call *call = &node->call;
     uint64_t bytes = rc_frame_bytes(call->header_len, sizeof(rc_remote));
@@ -57,7 +63,7 @@ int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out)
     offer->address = (uint64_t)(uintptr_t)out->data;
     offer->cookie = node->cookie;
     offer->cookie_address = (uint64_t)(uintptr_t)&node->cookie;
-    atomic_store_explicit(&offer->state, RC_REMOTE_OFFERED, memory_order_relaxed);
+    atomic_store_explicit(&offer->state, state, memory_order_relaxed);
     rc_ring_publish(&link->out, bytes);
     rc_bell_ring(node->doorbell, peer);
     out->offer = offer;

@@ -9,10 +9,12 @@ rank records that it is alive and asks its transport whether a peer died or the 
 aborted (``Transport.check_failures``), and gives up at the call's deadline. A mismatch the core finds becomes the same
 ``CollectiveMismatchError`` the Python engine raises (``wire.mismatch``).
 
-Point-to-point calls of up to :attr:`NativeRunner.p2p_max_bytes` run on the core too, on their
-own tag (a collective that meets one of their frames sets it aside for the receive that wants
-it); larger ones stay on the transport, whose sends never wait for their receiver, behind
-their header sent through the core (``backends.transport_membership``).
+Point-to-point calls between ranks of the node run on the core too, on their own tag (a
+collective that meets one of their frames sets it aside for the receive that wants it). One
+larger than the node's ``p2p_max_bytes`` is offered to be read in place; if its receiver has
+not begun to read it within a millisecond, or cannot, :meth:`NativeRunner.run` says so on both
+sides and the message goes over the transport, whose sends never wait for their receiver
+(``backends.transport_membership``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..transport.node_state import COLLECTIVE_CODES
 from ..transport.wire import CallStamp, HeaderTemplate, mismatch
 from ..types import ReduceOp
 from . import codes, node_type
-from .codes import DONE, MISMATCH
+from .codes import DONE, MISMATCH, REROUTED
 
 SLICE_S = 0.05
 """The longest the core runs a call before the rank looks for failures. A killed peer leaves
@@ -257,13 +259,6 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN
                        int(spin_s * 1e9), remote_min_bytes)
 
 
-P2P_MAX_BYTES = 64 << 10
-"""The largest point-to-point message the core carries (at most a quarter of a ring). A send on
-the core waits for its receiver once the ring between them is full; one through the transport
-never does, so a message too large to leave room behind it takes the transport: two ranks
-that each send a message before they receive the other's keep working at any size."""
-
-
 _NO_STEPS = codes.encode_plan(Plan(None, [], [], np.dtype(np.uint8)))
 """The plan code of a call with nothing to do (``NativeRunner.look_for_mismatch``)."""
 
@@ -302,10 +297,6 @@ class NativeRunner:
             the transport (not on the state page from the core), and between slices lets
             the transport take in what arrived, so that a peer's part of another call is a
             mismatch there.
-
-    Attributes:
-        p2p_max_bytes: the largest send or recv the core runs (``P2P_MAX_BYTES``, at most a
-            quarter of a ring: the same on every rank of the group).
     """
 
     def __init__(self, node, transport: Transport, slice_s: float = SLICE_S,
@@ -314,7 +305,6 @@ class NativeRunner:
         self.transport = transport
         self.slice_s = slice_s
         self.spans_nodes = spans_nodes
-        self.p2p_max_bytes = min(P2P_MAX_BYTES, node.ring_bytes // 4)
         words = None if spans_nodes else transport.rank_words()
         # Where the core records a call's start and end itself, a call it finishes in its
         # first slice costs no Python of the transport's.
@@ -364,7 +354,7 @@ class NativeRunner:
                           buffered)
 
     def run(self, native: NativePlan, slots: Sequence[np.ndarray], template: HeaderTemplate,
-            seq: int, timeout: float, what: str, tag: int = COLLECTIVE_TAG) -> None:
+            seq: int, timeout: float, what: str, tag: int = COLLECTIVE_TAG) -> bool:
         """Run one call to completion, blocking.
 
         Args:
@@ -375,6 +365,10 @@ class NativeRunner:
             timeout: seconds the whole call may take.
             what: the call's name in a timeout error.
             tag: ``COLLECTIVE_TAG``, or a send's or recv's own tag.
+
+        Returns:
+            False; True for a send or recv whose large message was not read in place
+            (``REROUTED``): the caller moves it over the transport, as its peer does.
 
         Raises:
             CollectiveMismatchError: a message differs from what this rank expects.
@@ -391,7 +385,7 @@ class NativeRunner:
             transport.arrive(stamp)
         status = node.run(native.code, slots, template.packed, seq, native.dtype_code,
                           native.op_code, tag, native.call_code, self.slice_s)
-        if status != DONE:
+        if status != DONE and status != REROUTED:
             # The first slice is over: the deadline counts it as if it took all of its time.
             deadline = time.monotonic() + timeout - self.slice_s
             if stamp is None:
@@ -401,7 +395,7 @@ class NativeRunner:
                     transport.arrive(stamp)
                 else:
                     transport.name_call(stamp)
-            while status != DONE:
+            while status != DONE and status != REROUTED:
                 if status == MISMATCH:
                     raise self._mismatch(stamp)
                 # A message of this call with another header may wait in a ring this rank
@@ -423,6 +417,7 @@ class NativeRunner:
                 status = node.progress(self.slice_s)
         if stamp is not None and collective:
             transport.complete(stamp)
+        return status == REROUTED
 
     def look_for_mismatch(self, stamp: CallStamp) -> None:
         """Raise if a peer on this node sent the call ``stamp`` numbers through the core with
