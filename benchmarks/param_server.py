@@ -24,6 +24,7 @@ and joined afterwards.
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import json
 import os
@@ -152,11 +153,12 @@ def _plan(args: argparse.Namespace) -> List[Tuple[str, Any]]:
     return runs
 
 
-def run_all(args: argparse.Namespace) -> dict:
+def run_all(args: argparse.Namespace, command: str) -> dict:
     """Run the plan on one pool of worker actors; returns the JSON document.
 
     Args:
         args: the parsed command line.
+        command: the command that reruns it, recorded in the document.
 
     Returns:
         ``{"meta": ..., "runs": [...]}``.
@@ -184,15 +186,15 @@ def run_all(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
-    return {"meta": _meta(args), "runs": records}
+    return {"meta": _meta(args, command), "runs": records}
 
 
-def _meta(args: argparse.Namespace) -> dict:
+def _meta(args: argparse.Namespace, command: str) -> dict:
     import ray
     import thinc
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
             "ray": ray.__version__, "numpy": np.__version__, "thinc": thinc.__version__,
-            "cpus": os.cpu_count(), "command": " ".join(sys.argv),
+            "cpus": os.cpu_count(), "command": command,
             "options": {key: (str(value) if isinstance(value, pathlib.Path) else value)
                         for key, value in vars(args).items()}}
     try:
@@ -515,8 +517,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status.
     """
-    args = build_parser().parse_args(argv)
-    document = document_of(args, run_all)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+    document = document_of(args, functools.partial(run_all, command=command))
     tables = report(document)
     print(tables)
     if args.markdown:

@@ -10,6 +10,7 @@ and its timeout) are also checked in-process with recording stand-ins for the pe
 """
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -306,3 +307,24 @@ def test_the_first_trial_option_numbers_the_trials_and_their_seeds():
          "--accuracy-steps", "0"])
     assert [(kind, options.task.seed) for kind, options in param_server._plan(args)] == [
         ("scaling", 2)]
+
+
+def test_a_run_records_the_command_that_reruns_it(tmp_path, monkeypatch):
+    """``main(argv)`` hands ``run_all`` the ``python -m`` line of its own arguments (not the
+    path of the script, nor the caller's ``sys.argv``), which the JSON keeps."""
+    from benchmarks import param_server
+    seen = {}
+
+    def fake_run_all(args, command):
+        seen["command"] = command
+        return {"meta": {"command": command}, "runs": []}
+
+    monkeypatch.setattr(param_server, "run_all", fake_run_all)
+    monkeypatch.setattr(param_server, "report", lambda document: "")
+    monkeypatch.setattr(sys, "argv", ["/somewhere/param_server.py", "--other"])
+    path = tmp_path / "run.json"
+    arguments = ["--workers", "1,2", "--json", str(path)]
+    assert param_server.main(arguments) == 0
+    expected = " ".join(["python -m benchmarks.param_server", *arguments])
+    assert seen["command"] == expected
+    assert json.loads(path.read_text())["meta"]["command"] == expected
