@@ -16,7 +16,11 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("allreduce", (4 << 20) - 1, 4, (0, 0, 1, 1), "hierarchical"),
     ("allreduce", 4 << 20, 5, (0, 0, 1, 1, 1), "hierarchical"),
     ("broadcast", 2, 8, None, "binomial"),
-    ("broadcast", 1 << 20, 8, None, "scatter_allgather"),
+    # on one node up to 8 ranks, from 16 KiB: from the root in one round
+    ("broadcast", 1 << 20, 8, None, "linear"),
+    ("broadcast", 1 << 12, 3, (0, 0, 0), "linear"),
+    ("broadcast", (1 << 12) - 1, 8, None, "binomial"),
+    ("broadcast", 1 << 20, 9, None, "scatter_allgather"),
     # past 16 ranks a 4 MiB broadcast goes binomially, unless larger than its ring's rounds
     ("broadcast", 1 << 20, 64, None, "binomial"),
     ("broadcast", 1 << 20, 400, None, "binomial"),
@@ -42,6 +46,12 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("alltoall", 1 << 20, 64, None, "pairwise"),
     ("barrier", 0, 64, None, "dissemination"),
     ("gather", 2, 64, None, "binomial"),
+    # large blocks on one node: to the root in one round, up to 16 ranks
+    ("gather", 1 << 12, 4, None, "linear"),
+    ("gather", (1 << 12) - 1, 4, None, "binomial"),
+    ("gather", 1 << 20, 16, (0,) * 16, "linear"),
+    ("gather", 1 << 20, 17, None, "binomial"),
+    ("gather", 1 << 20, 4, (0, 0, 1, 1), "binomial"),
     ("scatter", 2, 64, None, "binomial"),
     # large blocks on one node: from the root in one round, up to 16 ranks
     ("scatter", 1 << 12, 4, None, "linear"),

@@ -14,6 +14,10 @@
   k + p - 2 rounds, n elements per rank (the last sends none). Not picked on one node; the
   hierarchical broadcast across nodes (``hierarchical.py``) runs it on a chain that visits the
   nodes one after the other, so that only the links between them cross nodes.
+- **linear** — one round: the root sends the whole buffer to every other rank. The root sends
+  n·(p-1) elements, so it is no choice where the root's link bounds the call; on one node the
+  receivers copy the buffer out of the root's memory side by side (the native core's reads in
+  place), each exactly once, with no round waiting on another.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import allgather, scatter
-from .core import Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team
+from .core import (Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team,
+                   one_round_with_root)
 from .reduce import child_levels, log_rounds, parent_level
 
 _ALLGATHER_PHASE = 1 << 20
@@ -37,6 +42,11 @@ def binomial(team: Team, buf: np.ndarray, root: int, ctx: Context, step0: int = 
     # Farthest child first: it heads the largest subtree, which needs the most rounds after it.
     for j in reversed(child_levels(v, p)):
         yield (Send(tree.peer(v + (1 << j)), buf, step0 + j),)
+
+
+def linear(team: Team, buf: np.ndarray, root: int, ctx: Context, step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from team member ``root`` to every other rank in one round."""
+    yield from one_round_with_root(team, root, lambda w: buf, step0, to_root=False)
 
 
 def scatter_allgather(team: Team, buf: np.ndarray, root: int, ctx: Context,
@@ -102,6 +112,11 @@ def binomial_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cos
     return Cost(log_rounds(p), count * log_rounds(p))
 
 
+def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """One round; the root sends the buffer p - 1 times."""
+    return Cost(min(1, p - 1), count * (p - 1))
+
+
 def scatter_allgather_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """A bound: the scatter and the ring counted with ceil(n/p)-element blocks."""
     scattered = scatter.binomial_cost(p, -(-count // p), ranks_per_node, itemsize)
@@ -114,4 +129,5 @@ ALGORITHMS = (
     Algorithm("broadcast", "binomial", binomial, binomial_cost),
     Algorithm("broadcast", "scatter_allgather", scatter_allgather, scatter_allgather_cost),
     Algorithm("broadcast", "pipeline", pipeline, pipeline_cost),
+    Algorithm("broadcast", "linear", linear, linear_cost),
 )

@@ -280,3 +280,20 @@ class Algorithm:
     cost: Callable[[int, int, int, int], Cost]
     power_of_two_only: bool = False
     node_aware: bool = False
+
+
+def one_round_with_root(team: Team, root: int, view_of: Callable[[int], np.ndarray],
+                        step0: int, to_root: bool) -> AlgorithmGen:
+    """One round between member ``root`` and every other member v, whose message is
+    ``view_of(v)`` on both sides: to the root (``to_root``: gather) or from it (scatter,
+    broadcast). The root takes the others from its next member on, so that no member comes
+    first for every root."""
+    v, p = team.index, team.size
+    if p == 1:
+        return
+    if v != root:
+        yield ((Send if to_root else Recv)(team.peer(root), view_of(v), step0),)
+        return
+    message = Recv if to_root else Send
+    yield tuple(message(team.peer(w), view_of(w), step0)
+                for w in ((root + s) % p for s in range(1, p)))

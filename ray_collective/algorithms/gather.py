@@ -1,6 +1,6 @@
 """Gather: the root ends with every rank's block, block v from rank v.
 
-One algorithm, for any number of ranks p and any blocks (uneven and empty ones included):
+Two algorithms, for any number of ranks p and any blocks (uneven and empty ones included):
 
 - **binomial** — the binomial tree of ``reduce``, walked with blocks. With the team rotated so
   that the root is virtual rank 0, the subtree of virtual rank v covers the contiguous virtual
@@ -9,7 +9,12 @@ One algorithm, for any number of ranks p and any blocks (uneven and empty ones i
   parent as one message. ceil(log2 p) rounds, as for reduce. The root sends nothing; with
   K = ceil(log2 p), the most any rank sends is the largest subtree below the root: that of
   virtual rank 2^(K-1), p - 2^(K-1) blocks, or when that one is clipped small, that of 2^(K-2),
-  2^(K-2) blocks. The only gather algorithm, so the selector always picks it.
+  2^(K-2) blocks. Chosen for small blocks, and across nodes.
+- **linear** — one round: every other rank sends its block to the root, which receives each
+  straight into its place. Each block crosses once, where the tree forwards a subtree's blocks
+  up a level at every round; on one node the root then copies every block out of its sender's
+  memory (the native core's reads in place) with no round waiting on another. ``scatter``'s
+  linear run backwards; chosen for large blocks on one node.
 
 Virtual rank u holds block (u + root) mod p, so a virtual range is a contiguous run of blocks
 that may wrap past the last block. Rather than gathering into a rotated scratch buffer and
@@ -25,7 +30,8 @@ from typing import Tuple
 
 import numpy as np
 
-from .core import Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team
+from .core import (Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team,
+                   one_round_with_root)
 from .reduce import child_levels, log_rounds, parent_level, subtree_end
 
 
@@ -64,4 +70,17 @@ def binomial_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cos
     return Cost(rounds, count * max(p - half, half // 2))
 
 
-ALGORITHMS = (Algorithm("gather", "binomial", binomial, binomial_cost),)
+def linear(team: Team, buf: np.ndarray, blocks: Blocks, root: int, ctx: Context,
+           step0: int = 0) -> AlgorithmGen:
+    """Every rank v other than the root sends its block v to the root in one round."""
+    yield from one_round_with_root(team, root, lambda w: blocks.view(buf, w), step0,
+                                   to_root=True)
+
+
+def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """One round; each rank sends its own block, and the root takes in the p - 1 others."""
+    return Cost(min(1, p - 1), count if p > 1 else 0)
+
+
+ALGORITHMS = (Algorithm("gather", "binomial", binomial, binomial_cost),
+              Algorithm("gather", "linear", linear, linear_cost))

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team
+from .core import (Algorithm, AlgorithmGen, Blocks, Context, Cost, Recv, Send, Team,
+                   one_round_with_root)
 from .gather import subtree_views
 from .reduce import child_levels, log_rounds, parent_level, subtree_end
 
@@ -53,15 +54,8 @@ def binomial_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cos
 def linear(team: Team, buf: np.ndarray, blocks: Blocks, root: int, ctx: Context,
            step0: int = 0) -> AlgorithmGen:
     """The root sends block v to every other rank v in one round."""
-    v, p = team.index, team.size
-    if p == 1:
-        return
-    if v != root:
-        yield (Recv(team.peer(root), blocks.view(buf, v), step0),)
-        return
-    # From the root's next rank on: rank v + 1 is first in every rank's order of peers.
-    yield tuple(Send(team.peer(w), blocks.view(buf, w), step0)
-                for w in ((root + s) % p for s in range(1, p)))
+    yield from one_round_with_root(team, root, lambda w: blocks.view(buf, w), step0,
+                                   to_root=False)
 
 
 def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
