@@ -431,6 +431,28 @@ def test_a_large_send_nobody_reads_is_rerouted_on_both_sides():
     np.testing.assert_array_equal(out, -1.0)
 
 
+def test_two_large_sends_to_each_other_go_over_the_transport_without_waiting_the_grace():
+    """Both ranks send first: rank 0 sees rank 1's offer at the head of its ring while its own
+    waits, declines it and takes its own back at once (within a slice shorter than the 1 ms
+    grace), so both sends and then both receives end REROUTED, nothing read in place."""
+    data = [np.arange(REMOTE_COUNT, dtype=np.float64) * (rank + 1) for rank in range(2)]
+    out = [np.zeros(REMOTE_COUNT) for _ in range(2)]
+    with node_directory() as directory:
+        nodes = remote_nodes(directory)
+        with nodes[0], nodes[1]:
+            nodes[1].start(*moved(True, 0, data[1], tag=3))
+            assert nodes[1].progress(0.0) == _core.PENDING  # its offer is in the ring
+            nodes[0].start(*moved(True, 1, data[0], tag=3))
+            assert nodes[0].progress(0.0) == _core.PENDING
+            nodes[0].scan_incoming()  # opens the ring from rank 1, as between slices
+            assert nodes[0].progress(0.0002) == _core.REROUTED
+            assert finish(nodes[1]) == _core.REROUTED
+            for rank in range(2):
+                assert finish(nodes[rank], moved(False, 1 - rank, out[rank], tag=3)) \
+                    == _core.REROUTED
+                assert nodes[rank].remote_reads == 0 and not out[rank].any()
+
+
 @pytest.mark.parametrize("receiver_count", [REMOTE_COUNT, REMOTE_COUNT + 1])
 def test_without_remote_reads_a_large_send_carries_only_its_header(receiver_count):
     """remote_min_bytes 0 (reads in place off): a large point-to-point message is framed as

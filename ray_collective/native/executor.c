@@ -460,6 +460,28 @@ int rc_reroute_offers(rc_node *node)
     return withdrawn ? RC_PASS_PROGRESS : RC_PASS_IDLE;
 }
 
+int rc_offers_cross(rc_node *node)
+{
+    int crossed = 0;
+    for (int i = 0; i < node->n_senders; i++) {
+        int peer = node->senders[i];
+        rc_link *link = node->links[peer];
+        if (link->queue == NULL || link->queue->offer == NULL || link->in.control == NULL)
+            continue;
+        rc_frame frame;
+        const unsigned char *at;
+        if (rc_ring_peek(&link->in, &frame, &at) != 1 || frame.kind != RC_FRAME_REMOTE
+                || frame.tag < 0)
+            continue;
+        rc_remote *offer = (rc_remote *)(at + rc_payload_offset(frame.header_len));
+        if (atomic_load_explicit(&offer->state, memory_order_acquire) == RC_REMOTE_OFFERED) {
+            rc_remote_decline(node, peer, offer);
+            crossed = 1;
+        }
+    }
+    return crossed;
+}
+
 /* A first frame of this call's tag and number whose header differs from ours. */
 int rc_early_mismatch(rc_node *node)
 {

@@ -32,7 +32,8 @@
 /* How long a point-to-point send waits for its receiver to read its offer (a large message,
  * remote.c) before it takes it back and the message goes over the transport: time enough for a
  * receiver that already waits to wake up and begin reading; a send that its receiver meets
- * only later (two ranks that both send first) costs this much more than the transport alone. */
+ * only later costs this much more than the transport alone. Two ranks that both send to each
+ * other first do not wait it out: each sees the other's offer in its ring (rc_offers_cross). */
 #define P2P_OFFER_GRACE_NS 1000000
 
 static int64_t now_ns(void)
@@ -83,6 +84,10 @@ int rc_progress(rc_node *node, int64_t slice_ns)
         int64_t now = now_ns();
         if (now >= deadline)
             return RC_PENDING;
+        /* Before polling: two ranks that both send first gain nothing by waiting. */
+        if (call->tag >= 0 && call->attached > 0 && rc_offers_cross(node)
+                && rc_reroute_offers(node) == RC_PASS_PROGRESS)
+            continue;
         if (node->spin_ns > 0 && !call->spun) {
             if (spin_until == 0)
                 spin_until = now + node->spin_ns;

@@ -14,7 +14,8 @@
  * - the sender may take an offer back while it is OFFERED (WITHDRAWN: a stalled round detaches
  *   its sends, executor.c), and then frames the message as DATA parts after it;
  * - a point-to-point message (tag >= 0) larger than the node's p2p_max goes only this way: a
- *   send waits a grace for its receiver (progress.c), then takes its offer back; whatever
+ *   send waits a grace for its receiver (progress.c), then takes its offer back (at once
+ *   where the receiver's own offer to it waits in its ring: rc_offers_cross); whatever
  *   ends an offer other than TAKEN, both ends then move the message over their transport
  *   (RC_REROUTED), so a send never waits for its receiver for long, whatever its size. Where
  *   this process cannot be read (remote reads off, or DENIED before), the offer is framed
