@@ -453,6 +453,34 @@ def test_two_large_sends_to_each_other_go_over_the_transport_without_waiting_the
                 assert nodes[rank].remote_reads == 0 and not out[rank].any()
 
 
+def test_a_ring_of_large_sends_does_not_wait_out_the_grace():
+    """Three ranks each send to the next first. Ranks 0 and 1 find their receivers' bells
+    saying that they wait on offers of their own, so they take their offers back at once
+    (within a slice shorter than the 1 ms grace; their messages go over the transport). Rank
+    2's receiver, rank 0, is then no longer in a send: rank 2 waits, and rank 0's receive
+    reads its message in place."""
+    data = [np.arange(REMOTE_COUNT, dtype=np.float64) * (rank + 1) for rank in range(3)]
+    out = [np.zeros(REMOTE_COUNT) for _ in range(3)]
+    with node_directory() as directory:
+        nodes = [node(directory, rank, world=3, remote_min_bytes=1024) for rank in range(3)]
+        with nodes[0], nodes[1], nodes[2]:
+            for rank in range(3):
+                nodes[rank].start(*moved(True, (rank + 1) % 3, data[rank], tag=3))
+                assert nodes[rank].progress(0.0) == _core.PENDING
+            assert nodes[0].progress(0.0002) == _core.REROUTED
+            assert nodes[1].progress(0.0002) == _core.REROUTED
+            assert nodes[2].progress(0.0002) == _core.PENDING
+            got = in_thread(finish, nodes[2])
+            assert finish(nodes[0], moved(False, 2, out[0], tag=3)) == _core.DONE
+            assert got() == _core.DONE
+            for rank in (1, 2):
+                assert finish(nodes[rank], moved(False, rank - 1, out[rank], tag=3)) \
+                    == _core.REROUTED
+            assert [n.remote_reads for n in nodes] == [1, 0, 0]
+    np.testing.assert_array_equal(out[0], data[2])
+    assert not out[1].any() and not out[2].any()
+
+
 @pytest.mark.parametrize("receiver_count", [REMOTE_COUNT, REMOTE_COUNT + 1])
 def test_without_remote_reads_a_large_send_carries_only_its_header(receiver_count):
     """remote_min_bytes 0 (reads in place off): a large point-to-point message is framed as

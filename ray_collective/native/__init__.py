@@ -33,8 +33,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   the kernel refuses). A point-to-point message (a tag >= 0) larger than ``p2p_max_bytes``
   (64 KiB, or a quarter of a ring if less) is only ever offered so, whatever
   ``remote_min_bytes``: a send takes its offer back if its receiver has not begun to read it
-  within 1 ms, or at once if that receiver's own offer to this rank waits at the head of its
-  ring (which it then declines), and a message not read in place ends the call with ``REROUTED`` on both sides
+  within 1 ms, or at once if that receiver waits on an offer of its own (one to this rank,
+  which it then declines, or one to another rank, which the receiver's doorbell shows), and a
+  message not read in place ends the call with ``REROUTED`` on both sides
   (with ``remote_min_bytes`` 0 at once: the offer then only carries the call's header ahead).
   Read-only attributes: ``rank``, ``world_size``, ``ring_bytes``, ``part_bytes``,
   ``spin_ns``, ``remote_min_bytes``, ``p2p_max_bytes``, ``remote_reads`` (messages this rank

@@ -158,6 +158,9 @@ static int pump(rc_node *node, int peer, rc_link *link)
             moved = 1;
             if (outcome == RC_REMOTE_TAKEN || call->tag >= 0) {
                 call->rerouted |= outcome != RC_REMOTE_TAKEN;
+                if (call->tag >= 0)
+                    atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 0,
+                                          memory_order_release);
                 sent(call, link, out);
                 rc_outgoing_recycle(node, out);
                 continue;
@@ -319,6 +322,9 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             moved = 1;
             if (taken == 1 || call->tag >= 0) {
                 call->rerouted |= taken != 1;
+                if (taken == 1 && call->tag >= 0) /* its sender's send is over */
+                    atomic_store_explicit(&node->doorbell->bells[peer].offering, 0,
+                                          memory_order_release);
                 call->progress[index] = -1;
                 call->left--;
             }
@@ -468,6 +474,7 @@ int rc_offers_cross(rc_node *node)
         rc_link *link = node->links[peer];
         if (link->queue == NULL || link->queue->offer == NULL || link->in.control == NULL)
             continue;
+        /* The peer sends to this rank first: decline its offer, so both go side by side. */
         rc_frame frame;
         const unsigned char *at;
         if (rc_ring_peek(&link->in, &frame, &at) != 1 || frame.kind != RC_FRAME_REMOTE
@@ -479,7 +486,17 @@ int rc_offers_cross(rc_node *node)
             crossed = 1;
         }
     }
-    return crossed;
+    if (crossed)
+        return 1;
+    for (int i = 0; i < node->n_senders; i++) {
+        int peer = node->senders[i];
+        rc_link *link = node->links[peer];
+        if (link->queue != NULL && link->queue->offer != NULL
+                && atomic_load_explicit(&node->doorbell->bells[peer].offering,
+                                        memory_order_acquire))
+            return 1;
+    }
+    return 0;
 }
 
 /* A first frame of this call's tag and number whose header differs from ours. */

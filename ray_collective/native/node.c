@@ -87,6 +87,9 @@ void rc_call_end(rc_node *node)
         link->sending = 0;
     }
     node->n_senders = 0;
+    if (node->doorbell != NULL)
+        atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 0,
+                              memory_order_release);
     node->call.active = 0;
     node->call.round = NULL;
     node->call.left = node->call.attached = 0;

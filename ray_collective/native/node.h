@@ -178,10 +178,12 @@ int rc_detach(rc_node *node, int offers_too);
 /* Takes back the point-to-point call's offers that no receiver has begun to read, so that
  * its message goes over the transport: RC_PASS_PROGRESS, or RC_PASS_IDLE if none was. */
 int rc_reroute_offers(rc_node *node);
-/* Whether a peer the point-to-point call offers a message to has an offer of its own to this
- * rank waiting at the head of its ring: both ranks send first, so waiting out the grace would
- * gain nothing. Such offers of the peer's are declined, so that both messages go over the
- * transport side by side rather than one read in place after the other. */
+/* Whether a peer the point-to-point call offers a message to waits in a send of its own, so
+ * that it cannot read before that send ends and waiting out the grace would gain nothing:
+ * its offer to this rank waits at the head of its ring (both send first; that offer is then
+ * declined, so that both messages go over the transport side by side rather than one read in
+ * place after the other), or its bell says it is offering (to another rank: a ring of ranks
+ * that all send first). */
 int rc_offers_cross(rc_node *node);
 /* Opens, to read, every ring a peer has made towards this rank that this rank has not opened
  * (RC_OK, or RC_OS_ERROR with node->error): the early mismatch check then sees the messages

@@ -32,8 +32,8 @@
 /* How long a point-to-point send waits for its receiver to read its offer (a large message,
  * remote.c) before it takes it back and the message goes over the transport: time enough for a
  * receiver that already waits to wake up and begin reading; a send that its receiver meets
- * only later costs this much more than the transport alone. Two ranks that both send to each
- * other first do not wait it out: each sees the other's offer in its ring (rc_offers_cross). */
+ * only later costs this much more than the transport alone. A send whose receiver waits in a
+ * send of its own does not wait it out (rc_offers_cross). */
 #define P2P_OFFER_GRACE_NS 1000000
 
 static int64_t now_ns(void)

@@ -17,7 +17,10 @@
  *   send waits a grace for its receiver (progress.c), then takes its offer back (at once
  *   where the receiver's own offer to it waits in its ring: rc_offers_cross); whatever
  *   ends an offer other than TAKEN, both ends then move the message over their transport
- *   (RC_REROUTED), so a send never waits for its receiver for long, whatever its size. Where
+ *   (RC_REROUTED), so a send never waits for its receiver for long, whatever its size. While
+ *   such a send waits, its rank's bell says so (`offering`, cleared by the rank or by its
+ *   reader once TAKEN): a rank that sends to it takes its own offer back at once, since the
+ *   rank cannot read before its own send ends (a ring of ranks that all send first). Where
  *   this process cannot be read (remote reads off, or DENIED before), the offer is framed
  *   WITHDRAWN at once: it only carries the header ahead, which the receiver checks;
  * - the receiver may refuse it (DECLINED: a frame met by another channel's call and stashed;
@@ -65,6 +68,9 @@ int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out, ui
     offer->cookie = node->cookie;
     offer->cookie_address = (uint64_t)(uintptr_t)&node->cookie;
     atomic_store_explicit(&offer->state, state, memory_order_relaxed);
+    if (call->tag >= 0 && state == RC_REMOTE_OFFERED) /* before its reader can clear it */
+        atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 1,
+                              memory_order_release);
     rc_ring_publish(&link->out, bytes);
     rc_bell_ring(node->doorbell, peer);
     out->offer = offer;

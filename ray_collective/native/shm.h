@@ -49,7 +49,9 @@ typedef struct {
     _Atomic uint32_t word;     /* the futex a rank sleeps on */
     _Atomic uint32_t sleeping; /* set while it may sleep: posters then wake it */
     _Atomic uint32_t rings_made; /* bumped by a peer that made a ring towards this rank */
-    char pad[RC_LINE - 12];
+    _Atomic uint32_t offering; /* set while the rank's point-to-point send waits for its offer
+                                  to be read (remote.c); cleared by the rank or its reader */
+    char pad[RC_LINE - 16];
 } rc_bell;
 
 typedef struct {
