@@ -24,8 +24,8 @@ and joined afterwards.
 from __future__ import annotations
 
 import argparse
-import functools
 import dataclasses
+import functools
 import json
 import os
 import pathlib

@@ -19,7 +19,6 @@ import ray_collective as col
 from support.helpers import numpy_reduce, run_in
 from ray_collective import native
 from ray_collective.backends.local import LocalBackendFactory
-from ray_collective.native.codes import P2P_MAX_BYTES
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 
@@ -42,7 +41,6 @@ def test_the_status_codes_are_the_cores_own():
     from ray_collective.native import _core, codes
     assert (codes.DONE, codes.PENDING, codes.MISMATCH, codes.REROUTED) == (
         _core.DONE, _core.PENDING, _core.MISMATCH, _core.REROUTED)
-    assert codes.P2P_MAX_BYTES == _core.P2P_MAX_BYTES
 
 
 @pytest.fixture
@@ -330,6 +328,7 @@ def test_a_group_across_nodes_runs_its_node_rounds_on_the_core_with_the_same_bit
     by the known-shape path): the node-aware algorithms' rounds within a node run on the
     core, the rest over the transport, with the Python engine's bits. Rings join only ranks
     of one node, and every node with several ranks has some."""
+    from ray_collective.native._core import P2P_MAX_BYTES
     world_size = len(node_of)
     dtype, length, op = "float64", 1003, col.ReduceOp.SUM
 
@@ -590,6 +589,7 @@ def test_send_and_recv_agree_on_both_engines_between_collectives(shm_directory, 
     are read in place or, when both ranks send first, over the transport behind their offer,
     interleaved with collectives whose rings carry them: every message arrives in order per
     tag with the Python engine's bits, the second time round through the known-shape path."""
+    from ray_collective.native._core import P2P_MAX_BYTES
     sizes = [1, 7, P2P_MAX_BYTES // 8, P2P_MAX_BYTES // 8 + 1, 300_000]
 
     def body(rank):

@@ -38,11 +38,6 @@ DONE, PENDING, MISMATCH, REROUTED = 0, 1, 2, 4
 """What ``Node.progress`` returns (the core's own constants of the same names; a test ties
 them)."""
 
-P2P_MAX_BYTES = 64 << 10
-"""Point-to-point messages larger than this (or than a quarter of the ring, if less: the node's
-``p2p_max_bytes``) are only offered to be read in place (the core's constant; a test ties
-them)."""
-
 STEP_ROUND, STEP_LOCAL = 1, 2
 LOCAL_COPY, LOCAL_COMBINE = 0, 1
 MESSAGE_SEND, MESSAGE_REDUCE = 1, 2

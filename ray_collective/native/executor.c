@@ -159,8 +159,7 @@ static int pump(rc_node *node, int peer, rc_link *link)
             if (outcome == RC_REMOTE_TAKEN || call->tag >= 0) {
                 call->rerouted |= outcome != RC_REMOTE_TAKEN;
                 if (call->tag >= 0)
-                    atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 0,
-                                          memory_order_release);
+                    rc_mark_offering(node, node->rank, 0);
                 sent(call, link, out);
                 rc_outgoing_recycle(node, out);
                 continue;
@@ -323,8 +322,7 @@ static int receive(rc_node *node, int64_t index, const int64_t *message)
             if (taken == 1 || call->tag >= 0) {
                 call->rerouted |= taken != 1;
                 if (taken == 1 && call->tag >= 0) /* its sender's send is over */
-                    atomic_store_explicit(&node->doorbell->bells[peer].offering, 0,
-                                          memory_order_release);
+                    rc_mark_offering(node, peer, 0);
                 call->progress[index] = -1;
                 call->left--;
             }
@@ -472,31 +470,25 @@ int rc_offers_cross(rc_node *node)
     for (int i = 0; i < node->n_senders; i++) {
         int peer = node->senders[i];
         rc_link *link = node->links[peer];
-        if (link->queue == NULL || link->queue->offer == NULL || link->in.control == NULL)
+        if (link->queue == NULL || link->queue->offer == NULL)
             continue;
         /* The peer sends to this rank first: decline its offer, so both go side by side. */
         rc_frame frame;
         const unsigned char *at;
-        if (rc_ring_peek(&link->in, &frame, &at) != 1 || frame.kind != RC_FRAME_REMOTE
-                || frame.tag < 0)
-            continue;
-        rc_remote *offer = (rc_remote *)(at + rc_payload_offset(frame.header_len));
-        if (atomic_load_explicit(&offer->state, memory_order_acquire) == RC_REMOTE_OFFERED) {
-            rc_remote_decline(node, peer, offer);
-            crossed = 1;
+        if (link->in.control != NULL && rc_ring_peek(&link->in, &frame, &at) == 1
+                && frame.kind == RC_FRAME_REMOTE && frame.tag >= 0) {
+            rc_remote *offer = (rc_remote *)(at + rc_payload_offset(frame.header_len));
+            if (atomic_load_explicit(&offer->state, memory_order_acquire)
+                    == RC_REMOTE_OFFERED) {
+                rc_remote_decline(node, peer, offer);
+                crossed = 1;
+                continue;
+            }
         }
+        crossed |= atomic_load_explicit(&node->doorbell->bells[peer].offering,
+                                        memory_order_acquire) != 0;
     }
-    if (crossed)
-        return 1;
-    for (int i = 0; i < node->n_senders; i++) {
-        int peer = node->senders[i];
-        rc_link *link = node->links[peer];
-        if (link->queue != NULL && link->queue->offer != NULL
-                && atomic_load_explicit(&node->doorbell->bells[peer].offering,
-                                        memory_order_acquire))
-            return 1;
-    }
-    return 0;
+    return crossed;
 }
 
 /* A first frame of this call's tag and number whose header differs from ours. */

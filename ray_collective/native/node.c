@@ -88,8 +88,7 @@ void rc_call_end(rc_node *node)
     }
     node->n_senders = 0;
     if (node->doorbell != NULL)
-        atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 0,
-                              memory_order_release);
+        rc_mark_offering(node, node->rank, 0);
     node->call.active = 0;
     node->call.round = NULL;
     node->call.left = node->call.attached = 0;

@@ -224,6 +224,11 @@ void rc_remote_decline(rc_node *node, int peer, rc_remote *offer);
  * Returns -1 (reason in node->error) if the code is malformed or names memory or ranks
  * outside the call's. */
 int64_t rc_program_check(rc_node *node);
+/* Sets (1) or clears (0) the `offering` word of `rank`'s bell (remote.c says what it is for). */
+static inline void rc_mark_offering(rc_node *node, int rank, uint32_t on)
+{
+    atomic_store_explicit(&node->doorbell->bells[rank].offering, on, memory_order_release);
+}
 /* Whether the call's current round is its last with messages. */
 static inline int rc_in_last_round(const rc_call *call)
 {

@@ -69,8 +69,7 @@ int rc_remote_offer(rc_node *node, int peer, rc_link *link, rc_outgoing *out, ui
     offer->cookie_address = (uint64_t)(uintptr_t)&node->cookie;
     atomic_store_explicit(&offer->state, state, memory_order_relaxed);
     if (call->tag >= 0 && state == RC_REMOTE_OFFERED) /* before its reader can clear it */
-        atomic_store_explicit(&node->doorbell->bells[node->rank].offering, 1,
-                              memory_order_release);
+        rc_mark_offering(node, node->rank, 1);
     rc_ring_publish(&link->out, bytes);
     rc_bell_ring(node->doorbell, peer);
     out->offer = offer;
