@@ -121,11 +121,21 @@ def test_destroy_leaves_nothing_and_name_can_be_reused(ray_session, members):
     assert _group_dirs(ray_session) == before_dirs
 
 
-def test_join_times_out_naming_missing_ranks(ray_session, members):
-    # The deadline leaves room for the two joining ranks' tasks to start seconds apart on a
-    # loaded machine; a shorter one made the later rank look missing too.
+def _join_once_all_started(rank, started_dir, starting, group, world_size, timeout):
+    # On a loaded machine the joining ranks' tasks can start seconds apart; a rank that began
+    # its join alone would then see the late one named missing beside the absent one.
+    open(os.path.join(started_dir, str(rank)), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(started_dir)) < starting:
+        assert time.monotonic() < deadline, "the other joining rank's task never started"
+        time.sleep(0.01)
+    return join(rank, group, world_size, timeout)
+
+
+def test_join_times_out_naming_missing_ranks(ray_session, members, tmp_path):
     with pytest.raises(col.CollectiveTimeoutError) as caught:
-        run_in(ray_session, members[:2], join, "incomplete", 3, 5)
+        run_in(ray_session, members[:2], _join_once_all_started, str(tmp_path), 2,
+               "incomplete", 3, 5)
     assert caught.value.missing_ranks == (2,)
     assert "ranks [2]" in str(caught.value)
 
