@@ -184,6 +184,13 @@ class Run:
         self._all(holds)
         return cores
 
+    def task_round_s(self, members: List[Any]) -> float:
+        """Seconds for a task that does nothing to run on every one of ``members``, timed as
+        the join and the destroy are: what Ray alone takes to reach them all."""
+        start = time.perf_counter()
+        self._all([a.ready.remote() for a in members])
+        return time.perf_counter() - start
+
     def imperative(self, size: int, group_name: str) -> dict:
         members = self.actors[:size]
         shm_before, procs_before = machine_shmem_bytes(), process_count()
@@ -193,6 +200,7 @@ class Run:
         start = time.perf_counter()
         loads = self._all([a.load_library.remote() for a in members])
         import_s = time.perf_counter() - start
+        task_round_before_join_s = self.task_round_s(members)
         start = time.perf_counter()
         joins = self._all([a.join.remote(size, r, group_name, self.timeout_s)
                            for r, a in enumerate(members)])
@@ -205,6 +213,7 @@ class Run:
         added = [j["rss_after"] - j["rss_before"] for j in joins]
         imported = [load["rss_after"] - load["rss_before"] for load in loads]
         result = {"join_s": join_s, "import_s": import_s, "post_offices_up_s": post_offices_up_s,
+                  "task_round_before_join_s": task_round_before_join_s,
                   "rss_added_by_import_p50_bytes": _median(imported),
                   "join_in_rank_p50_s": _median([j["seconds"] for j in joins]),
                   "join_in_rank_max_s": max(j["seconds"] for j in joins),
@@ -226,9 +235,12 @@ class Run:
             result["rss_after_points_p50_bytes"] = _median([a["rss_bytes"] for a in after])
             result["open_fds_max"] = max(a["open_fds"] for a in after)
         result["shmem_in_use_bytes"] = machine_shmem_bytes() - shm_before
+        result["task_round_before_destroy_s"] = self.task_round_s(members)
         start = time.perf_counter()
-        self._all([a.leave.remote(group_name) for a in members])
+        leaves = self._all([a.leave.remote(group_name) for a in members])
         result["destroy_s"] = time.perf_counter() - start
+        result["destroy_in_rank_p50_s"] = _median(leaves)
+        result["destroy_in_rank_max_s"] = max(leaves)
         result["after_destroy"] = _leftovers(group_name, entries_before)
         result["processes_after_destroy"] = process_count() - procs_before
         return result
@@ -527,6 +539,17 @@ def markdown(report: dict) -> str:
                         if r["imperative"].get("post_offices_up_s") is not None else "–"))
     line("destroy, imperative / declared (s)",
          lambda r: f"{r['imperative']['destroy_s']:.2f} / {r['declarative']['destroy_s']:.2f}")
+    if any("task_round_before_join_s" in r["imperative"] for r in rows):
+        line("a task doing nothing on every rank, before the join / the destroy (s)",
+             lambda r: (f"{r['imperative']['task_round_before_join_s']:.2f} / "
+                        f"{r['imperative']['task_round_before_destroy_s']:.2f}"
+                        if "task_round_before_join_s" in r["imperative"] else "not measured"))
+        line("join / destroy inside a rank, p50 and most (s)",
+             lambda r: (f"{r['imperative']['join_in_rank_p50_s']:.2f}, "
+                        f"{r['imperative']['join_in_rank_max_s']:.2f} / "
+                        f"{r['imperative']['destroy_in_rank_p50_s']:.2f}, "
+                        f"{r['imperative']['destroy_in_rank_max_s']:.2f}"
+                        if "destroy_in_rank_p50_s" in r["imperative"] else "not measured"))
     def point_cell(row: dict, collective: str, nbytes: int) -> str:
         for point in row["imperative"]["points"]:
             if (point["collective"], point["bytes"]) == (collective, nbytes):

@@ -49,6 +49,10 @@ def test_every_point_is_correct_and_a_destroyed_group_leaves_nothing(scale_run):
         list(scale_real.POINTS)
     assert all(p["p50_s"] > 0 and p["iterations"] == 3 for p in imperative["points"])
     assert imperative["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
+    assert 0 < imperative["task_round_before_join_s"] < imperative["join_s"] + 5
+    assert 0 < imperative["task_round_before_destroy_s"]
+    assert 0 < imperative["destroy_in_rank_p50_s"] <= imperative["destroy_in_rank_max_s"] \
+        <= imperative["destroy_s"]
     declared = scale_run.declarative(3, "scale-real-declared")
     assert declared["wrong"] == []
     assert declared["after_destroy"] == {"kv_keys": 0, "group_dir_entries": 0}
@@ -107,6 +111,16 @@ def test_runs_are_merged_by_world_size_and_a_point_not_run_says_so(tmp_path):
     assert "| results differing from numpy | 1 | 1 |" in table
     assert "| Ray's actors inside a task, CPU (cores) | 0.25 | not measured |" in table
     assert not any(row.startswith("| post offices answering") for row in table)
+    assert "| join / destroy inside a rank, p50 and most (s) |" not in "\n".join(table)
+    merged["sizes"][1]["imperative"].update(
+        task_round_before_join_s=0.75, task_round_before_destroy_s=1.5,
+        join_in_rank_p50_s=0.5, join_in_rank_max_s=0.9,
+        destroy_in_rank_p50_s=0.25, destroy_in_rank_max_s=0.4)
+    table = scale_real.markdown(merged).splitlines()
+    assert ("| a task doing nothing on every rank, before the join / the destroy (s) "
+            "| not measured | 0.75 / 1.50 |") in table
+    assert ("| join / destroy inside a rank, p50 and most (s) | not measured "
+            "| 0.50, 0.90 / 0.25, 0.40 |") in table
     merged["sizes"][1]["imperative"]["post_offices_up_s"] = 2.5
     assert ("| post offices answering, after the join (s) | – | 2.50 |"
             in scale_real.markdown(merged).splitlines())
