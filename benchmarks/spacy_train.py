@@ -25,6 +25,7 @@ its own ``--json``, and join them with ``--from-json A.json,B.json`` (as
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import sys
 import tempfile
@@ -120,11 +121,12 @@ def _plan(args: argparse.Namespace) -> List[Tuple[str, int, int, str, int, int]]
     return plan
 
 
-def run_all(args: argparse.Namespace) -> dict:
+def run_all(args: argparse.Namespace, command: str) -> dict:
     """Every run of the plan, on one Ray instance; returns the JSON document.
 
     Args:
         args: the parsed command line.
+        command: the command that reruns it, recorded in the document.
 
     Returns:
         ``{"meta": ..., "runs": [...]}``.
@@ -156,7 +158,7 @@ def run_all(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
-    return {"meta": dict(_meta(args), spacy=spacy.__version__), "runs": records}
+    return {"meta": dict(_meta(args, command), spacy=spacy.__version__), "runs": records}
 
 
 def tables(document: dict) -> str:
@@ -279,8 +281,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status.
     """
-    args = build_parser().parse_args(argv)
-    text = tables(document_of(args, run_all))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+    text = tables(document_of(args, functools.partial(run_all, command=command)))
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")

@@ -11,7 +11,9 @@ was saved, and the exact text of each generated entity.
 
 import hashlib
 import importlib.metadata
+import json
 import re
+import sys
 import time
 
 import numpy as np
@@ -345,6 +347,27 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
     accuracy_only = {"meta": meta, "runs": part2["runs"][2:]}
     text = spacy_train.tables(accuracy_only)
     assert "Runtime" not in text and "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
+
+
+def test_the_benchmark_records_the_command_that_reruns_it(tmp_path, monkeypatch):
+    """``main(argv)`` goes through ``run_all`` (with nothing to train: no updates asked) and
+    the JSON keeps the ``python -m`` line of its own arguments."""
+    import ray
+
+    from benchmarks import spacy_train
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(spacy_train, "tables", lambda document: "")
+    monkeypatch.setattr(sys, "argv", ["/somewhere/spacy_train.py", "--other"])
+    path = tmp_path / "run.json"
+    arguments = ["--workers", "1", "--steps", "0", "--train-sentences", "4",
+                 "--dev-sentences", "2", "--json", str(path)]
+    assert spacy_train.main(arguments) == 0
+    document = json.loads(path.read_text())
+    assert document["runs"] == []
+    assert document["meta"]["command"] == " ".join(["python -m benchmarks.spacy_train",
+                                                     *arguments])
+    assert document["meta"]["spacy"] == spacy.__version__
 
 
 FAILING_READER = '''
