@@ -347,6 +347,14 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
     accuracy_only = {"meta": meta, "runs": part2["runs"][2:]}
     text = spacy_train.tables(accuracy_only)
     assert "Runtime" not in text and "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
+    # Each group is compared with the one worker that took its whole batch, not the first.
+    larger = {"meta": meta, "runs": [
+        fake_run("allreduce", 1, 50.0, kind="accuracy", ents_f=0.90, batch=128),
+        fake_run("parameter-server", 4, 60.0, kind="accuracy", ents_f=0.85)]}
+    text = spacy_train.tables(join_documents([accuracy_only, larger]))
+    assert "| allreduce | 2 | 32 | 79.50 | -0.50 |" in text
+    assert "| parameter-server | 4 | 32 | 85.00 | -5.00 |" in text
+    assert "| allreduce | 1 | 128 | 90.00 | +0.00 |" in text
 
 
 def test_the_benchmark_records_the_command_that_reruns_it(tmp_path, monkeypatch):
