@@ -104,6 +104,20 @@ def comma_list(item: Callable) -> Callable[[str], Tuple]:
     return parse
 
 
+def rerun_command(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> str:
+    """The ``python -m`` line that reruns a benchmark with these arguments, to record beside
+    its results (not the script's path, nor the caller's ``sys.argv`` when ``argv`` is given).
+
+    Args:
+        parser: the benchmark's parser (its ``prog`` is the ``python -m`` part).
+        argv: the arguments it parsed, or None for ``sys.argv[1:]``.
+
+    Returns:
+        The command.
+    """
+    return " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+
+
 def _dtype_name(text: str) -> str:
     try:
         return np.dtype(text).name

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .cli import at_least, choice, comma_list
+from .cli import at_least, choice, comma_list, rerun_command
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_WORKERS = (1, 2, 4, 8, 16)
@@ -519,7 +519,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+    command = rerun_command(parser, argv)
     document = document_of(args, functools.partial(run_all, command=command))
     tables = report(document)
     print(tables)

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .cli import at_least, choice, comma_list
+from .cli import at_least, choice, comma_list, rerun_command
 from .param_server import _mean_std, _meta, _table, document_of
 
 STRATEGIES = ("parameter-server", "allreduce", "reducescatter", "gloo-allreduce")
@@ -288,7 +288,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = " ".join([parser.prog, *(sys.argv[1:] if argv is None else argv)])
+    command = rerun_command(parser, argv)
     text = tables(document_of(args, functools.partial(run_all, command=command)))
     print(text)
     if args.markdown:
