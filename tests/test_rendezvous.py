@@ -123,7 +123,7 @@ def _join_in_threads(kv, world_size, looks_between):
     return results
 
 
-def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they_wait():
+def test_joining_ranks_list_the_whole_membership_once_however_long_they_wait():
     kv = MemoryKeyValue()
     full_listings = []
     original = kv.keys
@@ -134,12 +134,64 @@ def test_joining_ranks_list_the_whole_membership_at_most_twice_however_long_they
     expected = [_member(rank) for rank in range(world_size)]
     assert all(result == ("t", expected) for result in results.values())
     assert kv.get("p/t/complete") is not None
-    assert len(full_listings) <= 2 * world_size
+    # Once each, after its own key went in: the others read the membership from the key
+    # that says it is complete.
+    assert len(full_listings) == world_size
 
 
 def test_a_large_group_looks_at_the_store_less_often_than_a_small_one():
     assert rendezvous._longest_pause(8) == 0.05
     assert rendezvous._longest_pause(400) == pytest.approx(400 / rendezvous.LOOKS_PER_SECOND)
+    # Registered ranks are woken when the group completes: their looks are a fallback.
+    assert next(rendezvous.pauses(8, registered=True)) == 0.05
+    assert next(rendezvous.pauses(400, registered=True)) == pytest.approx(
+        400 / rendezvous.REGISTERED_LOOKS_PER_SECOND)
+    assert rendezvous.recheck_interval(8) == rendezvous.RECHECK_S
+    assert rendezvous.recheck_interval(400) == pytest.approx(
+        400 / rendezvous.RECHECKS_PER_SECOND)
+
+
+def test_the_first_rank_of_another_node_to_see_the_group_complete_wakes_its_node_mates():
+    kv = MemoryKeyValue()
+    woke, results = {}, {}
+    # Rank 1 (node b) and rank 2 (node a) look; rank 3 (node b) is woken by a knock.
+    naps = {1: lambda s: time.sleep(min(s, 0.005)), 2: lambda s: time.sleep(min(s, 0.005)),
+            3: lambda s: (time.sleep(min(s, 0.005)), True)[1], 0: time.sleep}
+    nodes = {0: "a", 1: "b", 2: "a", 3: "b"}
+
+    def join(rank):
+        member = rendezvous.Member(rank, nodes[rank], 1000 + rank)
+        results[rank] = rendezvous.join(
+            kv, "p/", "g", 4, member, timeout=20, on_token=lambda token: None, token="t",
+            waiting=rendezvous.Waiting(naps[rank], lambda members, r=rank: woke.setdefault(
+                r, sorted(m.rank for m in members))))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len([key for key in kv.data if "/member/" in key]) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    join(0)
+    for thread in threads:
+        thread.join()
+    expected = [rendezvous.Member(r, nodes[r], 1000 + r) for r in range(4)]
+    assert all(result == ("t", expected) for result in results.values())
+    # The completer wakes its node's ranks; node b's rank that looked wakes node b's.
+    assert woke == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+
+
+def test_a_completion_put_without_the_members_is_read_by_listing_them():
+    kv = MemoryKeyValue()
+    for rank in (0, 1):
+        kv.put(rendezvous._member_key("p/", "t", rendezvous.Member(rank, "a", 1000 + rank)))
+    kv.put("p/t/size", "3")
+    # As a member of a shrink whose completer died says it for it (``elastic``).
+    kv.put("p/t/complete")
+    token, members = rendezvous.join(kv, "p/", "g", 3, rendezvous.Member(2, "a", 1002), 5,
+                                     lambda token: None, token="t")
+    assert [m.rank for m in members] == [0, 1, 2]
 
 
 def test_a_join_that_times_out_names_the_missing_ranks_not_itself_and_withdraws():

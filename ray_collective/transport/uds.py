@@ -99,10 +99,10 @@ def knock(path: str) -> None:
         sock.close()
 
 
-def wait_for_knock(listener: socket.socket, seconds: float) -> None:
+def wait_for_knock(listener: socket.socket, seconds: float) -> bool:
     """Sleep up to ``seconds``, or less if a connection (a :func:`knock`) comes to
-    ``listener``, which is left to accept."""
-    select.select([listener], [], [], seconds)
+    ``listener``, which is left to accept; returns whether one came."""
+    return bool(select.select([listener], [], [], seconds)[0])
 
 
 def accepted(sock: socket.socket) -> "Connection":

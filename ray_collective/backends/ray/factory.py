@@ -110,8 +110,10 @@ class RayBackendFactory(BackendFactory):
         prefix = rendezvous.group_prefix(job_id, group_name)
         token = self.token
         if token is None and rank == 0:
-            sweep_finished_jobs(session)
             token = rendezvous.open_incarnation(kv, prefix, world_size)
+            # After the token is out: every other rank is waiting for it, and the sweep
+            # touches no key of a live job (0.18 s of rank 0's time at 400 ranks).
+            sweep_finished_jobs(session)
         endpoint: Dict[str, object] = {}
 
         def listen_under(current: str) -> None:
@@ -124,11 +126,11 @@ class RayBackendFactory(BackendFactory):
                 os.unlink(path)
             endpoint.update(directory=directory, listener=uds.listen(path, world_size + 16))
 
-        def nap(seconds: float) -> None:
+        def nap(seconds: float) -> bool:
             if "listener" in endpoint:
-                uds.wait_for_knock(endpoint["listener"], seconds)
-            else:
-                time.sleep(seconds)
+                return uds.wait_for_knock(endpoint["listener"], seconds)
+            time.sleep(seconds)
+            return False
 
         def completed(members) -> None:
             for member in members:

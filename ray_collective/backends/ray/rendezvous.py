@@ -24,8 +24,11 @@ group is identified by a random token:
   size is refused.
 - ``<prefix><token>/complete`` is written by the rank whose registration completed the
   membership (it is the one that finds all ``world_size`` keys when it lists them after its
-  own); the others poll this one key rather than list the whole membership again and again,
-  which at 400 ranks would be 400 listings of 400 keys per poll.
+  own), with its node and every member (``_completion``), so that the others read the
+  membership in the one key they poll rather than list 400 keys each. Its node-mates are
+  woken at once (``Waiting.completed``); a rank of another node that finds the key by
+  looking wakes its own node-mates, so the looks of a rank that waits registered are only a
+  fallback, and rarer the larger the group (``registered_pause``).
 - ``<prefix><token>/stream/<rank>/<host>/<port>`` is where a member of a group that spans
   nodes listens for streams from other nodes, published right after the membership is
   complete and read by a peer when it first connects.
@@ -42,7 +45,9 @@ A rank that registered under a token that then changes (it joined before rank 0 
 group) registers again under the new one; a registered rank looks for that (and for a broken
 mark) every ``RECHECK_S``, and otherwise polls only the ``complete`` key. A rank never
 registers under a token it has left (a re-init after a destroy waits for the next
-incarnation), and a rank whose join times out withdraws its member key.
+incarnation), and a rank whose join times out withdraws its member key. How often the waiting
+ranks look is bounded for the whole group, not per rank: every look is a request to Ray's
+control store, which 400 ranks on 2 cores kept busy enough to take 70-100 ms a request.
 
 Rebuilding after a crash works in any join order. A member that died never leaves, so its key
 stays under the old token until rank 0 (or the driver) opens the next incarnation; a rank that
@@ -73,15 +78,17 @@ class Waiting:
 
     Attributes:
         nap: sleeps between two looks at the store, ``nap(seconds)``; it may end early (the
-            ``ray`` backend's ends when the rank's listening socket is knocked).
-        completed: run by the rank whose registration completed the membership, with every
-            member, after it told them through the store (the ``ray`` backend knocks its
-            node-mates, so that they look at once rather than at their next look).
+            ``ray`` backend's ends when the rank's listening socket is knocked), and returns
+            whether it was woken so (a plain sleep returns None: not woken).
+        completed: run, with every member, by the rank whose registration completed the
+            membership after it told them through the store, and by a rank of another node
+            that learned it by looking rather than by being woken (the ``ray`` backend knocks
+            the rank's node-mates, so that they look at once rather than at their next look).
         longest_pause: the longest nap; None for one that grows with the world size
-            (``_longest_pause``).
+            (``_longest_pause`` before registering, ``registered_pause`` after).
     """
 
-    nap: Callable[[float], None] = time.sleep
+    nap: Callable[[float], Optional[bool]] = time.sleep
     completed: Callable[[List["Member"]], None] = lambda members: None
     longest_pause: Optional[float] = None
 
@@ -174,17 +181,19 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     registered = None
     abandoned: Set[str] = set()
     waits = pauses(world_size, waiting.longest_pause)
+    recheck_s = recheck_interval(world_size)
     members: List[Member] = []
     # The ranks seen registered in this incarnation while this rank waited: one whose own
     # deadline passed first withdrew its key, but it came, and is not named as missing.
     seen: Set[int] = set()
     next_recheck = 0.0
+    woken = False
     while True:
         # A registered rank polls one key; whether its incarnation was replaced or broken
-        # is looked at only every RECHECK_S (each look is a request to Ray's control store,
+        # is looked at only every recheck_s (each look is a request to Ray's control store,
         # which 400 waiting ranks would otherwise keep busy).
         if registered is None or time.monotonic() >= next_recheck:
-            next_recheck = time.monotonic() + RECHECK_S
+            next_recheck = time.monotonic() + recheck_s
             current = token or kv.get(prefix + "token")
             if registered is not None and kv.get(f"{prefix}{registered}/broken") is not None:
                 kv.delete_prefix(_member_key(prefix, registered, me))
@@ -217,12 +226,23 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
                         members = registered_members(kv, prefix, registered)
                         seen = {m.rank for m in members}
                         if len(members) >= world_size:
-                            kv.put(f"{prefix}{registered}/complete")
+                            kv.put(f"{prefix}{registered}/complete",
+                                   _completion(me.node, members))
                             waiting.completed(members)
                             return registered, sorted(members, key=lambda m: m.rank)
-        if registered is not None and kv.get(f"{prefix}{registered}/complete") is not None:
-            members = registered_members(kv, prefix, registered)
-            return registered, sorted(members, key=lambda m: m.rank)
+                        waits = pauses(world_size, waiting.longest_pause, registered=True)
+        if registered is not None:
+            completion = kv.get(f"{prefix}{registered}/complete")
+            if completion is not None:
+                completer_node, members = _completed_members(completion)
+                if members is None:
+                    # Completed for a rank that died after its key went in (``elastic``).
+                    members = registered_members(kv, prefix, registered)
+                elif completer_node != me.node and not woken:
+                    # The first of this node's ranks to see it: the completer woke only its
+                    # own node-mates.
+                    waiting.completed(members)
+                return registered, sorted(members, key=lambda m: m.rank)
         if time.monotonic() >= deadline:
             present = seen | {m.rank for m in (registered_members(kv, prefix, registered)
                                                if registered else members)}
@@ -233,7 +253,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             raise CollectiveTimeoutError(group_name, me.rank, "init_collective_group", -1,
                                          [r for r in range(world_size)
                                           if r not in present and r != me.rank], timeout)
-        waiting.nap(max(0.0, min(next(waits), deadline - time.monotonic())))
+        woken = bool(waiting.nap(max(0.0, min(next(waits), deadline - time.monotonic()))))
 
 
 def _register(kv: KeyValue, prefix: str, token: str, group_name: str, world_size: int,
@@ -330,36 +350,84 @@ def broken_by(kv: KeyValue, prefix: str, token: str) -> Optional[dict]:
     return record
 
 
-def _pauses(longest: float = 0.05) -> Iterator[float]:
-    """The sleeps between two looks at the store while waiting: short at first (the others are
-    usually a moment away), growing to at most ``longest`` seconds."""
-    pause = 0.002
+def _pauses(longest: float = 0.05, first: float = 0.002) -> Iterator[float]:
+    """The sleeps between two looks at the store while waiting: ``first`` (short: the others
+    are usually a moment away), growing to at most ``longest`` seconds."""
+    pause = min(first, longest)
     while True:
         yield pause
         pause = min(pause * 1.5, longest)
 
 
-def pauses(world_size: int, longest: Optional[float] = None) -> Iterator[float]:
+def pauses(world_size: int, longest: Optional[float] = None,
+           registered: bool = False) -> Iterator[float]:
     """The sleeps between two looks at the store of one of ``world_size`` ranks waiting for
-    each other: short at first, then at most ``longest``, or ``_longest_pause(world_size)``
-    when None."""
+    each other: short at first, then at most ``longest``, or, when None,
+    ``registered_pause(world_size)`` for a registered rank (it is woken when the membership
+    completes) and ``_longest_pause(world_size)`` for one still looking for an incarnation to
+    register in (nobody can wake it)."""
+    if registered:
+        # Not short at first: those on this node are woken, and a group that spans nodes
+        # needs only one look on each node soon (that rank wakes the others).
+        longest = registered_pause(world_size) if longest is None else longest
+        return _pauses(longest, first=longest)
     return _pauses(_longest_pause(world_size) if longest is None else longest)
 
 
 LOOKS_PER_SECOND = 4000
-"""How often all the waiting ranks of a group together may look at the store (each look is a
-request to Ray's control store, which serves the whole cluster)."""
+"""How often all the ranks of a group that look for an incarnation to register in may look
+at the store together (each look is a request to Ray's control store, which serves the whole
+cluster); they wait for rank 0 to open it, a moment at most."""
+
+REGISTERED_LOOKS_PER_SECOND = 400
+"""How often all the registered ranks of a group may look whether it is complete, together:
+they are woken when it is, so their looks are a fallback, and the first look on each node of
+a group that spans nodes (see the module)."""
 
 RECHECK_S = 0.5
-"""How often a registered rank looks whether its incarnation was replaced (a new token) or
-broken (a member died), besides whether it is complete."""
+"""How often a registered rank of a group of up to ``RECHECKS_PER_SECOND / 2`` ranks looks
+whether its incarnation was replaced (a new token) or broken (a member died), besides whether
+it is complete."""
+
+RECHECKS_PER_SECOND = 200
+"""How often all the registered ranks of a group may look whether their incarnation was
+replaced or broken, together (400 ranks: each every 2 s)."""
 
 
 def _longest_pause(world_size: int) -> float:
-    """The longest sleep between two looks of one of ``world_size`` waiting ranks: 50 ms, or
-    longer where the group is so large that looks every 50 ms would load the store beyond
-    ``LOOKS_PER_SECOND`` (400 ranks: 100 ms)."""
+    """The longest sleep between two looks of one of ``world_size`` ranks looking for an
+    incarnation: 50 ms, or longer where the group is so large that looks every 50 ms would
+    load the store beyond ``LOOKS_PER_SECOND`` (400 ranks: 100 ms)."""
     return max(0.05, world_size / LOOKS_PER_SECOND)
+
+
+def registered_pause(world_size: int) -> float:
+    """The longest sleep between two looks of one of ``world_size`` registered ranks: 50 ms,
+    or longer beyond ``REGISTERED_LOOKS_PER_SECOND`` looks a second (400 ranks: 1 s)."""
+    return max(0.05, world_size / REGISTERED_LOOKS_PER_SECOND)
+
+
+def recheck_interval(world_size: int) -> float:
+    """Seconds between two looks of a registered rank at whether its incarnation was replaced
+    or broken: ``RECHECK_S``, or longer beyond ``RECHECKS_PER_SECOND`` looks a second."""
+    return max(RECHECK_S, world_size / RECHECKS_PER_SECOND)
+
+
+def _completion(node: str, members: List[Member]) -> str:
+    """The value of the ``complete`` key: the completer's node and every member."""
+    return json.dumps({"node": node, "members": [
+        [m.rank, m.node, m.pid, m.cores, m.cross_node, m.host, m.engine] for m in members]})
+
+
+def _completed_members(value: str) -> Tuple[Optional[str], Optional[List[Member]]]:
+    """The completer's node and the members recorded in the ``complete`` key's ``value``;
+    (None, None) for a key put without them."""
+    if not value:
+        return None, None
+    record = json.loads(value)
+    return record["node"], [Member(rank, node, pid, cores, cross_node, host, engine)
+                            for rank, node, pid, cores, cross_node, host, engine
+                            in record["members"]]
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
