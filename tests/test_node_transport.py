@@ -291,3 +291,21 @@ def test_ranks_raising_an_abort_they_read_do_not_knock_again(tmp_path, monkeypat
     finally:
         for transport in transports:
             transport.close()
+
+
+def test_a_nap_on_the_listener_says_whether_a_knock_ended_it(tmp_path):
+    path = str(tmp_path / "0.sock")
+    listener = uds.listen(path, 4)
+    try:
+        started = time.monotonic()
+        assert uds.wait_for_knock(listener, 0.05) is False
+        assert time.monotonic() - started >= 0.04
+        uds.knock(path)
+        # Woken at once, and the knock stays for the transport to accept (and find empty).
+        assert uds.wait_for_knock(listener, 10) is True
+        assert uds.wait_for_knock(listener, 10) is True
+        connection, _ = listener.accept()
+        connection.close()
+        assert uds.wait_for_knock(listener, 0.01) is False
+    finally:
+        listener.close()

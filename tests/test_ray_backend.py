@@ -121,6 +121,26 @@ def test_destroy_leaves_nothing_and_name_can_be_reused(ray_session, members):
     assert _group_dirs(ray_session) == before_dirs
 
 
+def _leave_counting_post_office_lookups(rank, group):
+    from ray_collective.backends.ray import membership
+    looked_up = []
+    original = membership.shut_post_office
+    membership.shut_post_office = lambda *args: looked_up.append(args)
+    try:
+        join(rank, group, 2)
+        leave(rank, group)
+    finally:
+        membership.shut_post_office = original
+    return looked_up
+
+
+def test_leaving_a_one_node_group_looks_for_no_post_office(ray_session, members):
+    # It has none; each lookup is a request to Ray's control store.
+    assert run_in(ray_session, members[:2], _leave_counting_post_office_lookups,
+                  "one-node") == [[], []]
+    assert group_keys(ray_session, "one-node") == []
+
+
 def _join_once_all_started(rank, started_dir, starting, group, world_size, timeout):
     # On a loaded machine the joining ranks' tasks can start seconds apart; a rank that began
     # its join alone would then see the late one named missing beside the absent one.

@@ -102,10 +102,14 @@ class RayMembership(TransportMembership):
         else:
             gone = rendezvous.leave(rendezvous.KeyValue(), self.prefix, self.token, self.rank,
                                     self.world_size, sorted(self.departed or dead_here))
-        if {m.rank for m in self.members if m.node == node} <= gone:
+        nodes = {m.node for m in self.members}
+        # Only a group that spans nodes has post offices; looking one up by name is a request
+        # to Ray's control store, which the last of 400 ranks leaving a one-node group made
+        # under load.
+        if len(nodes) > 1 and {m.rank for m in self.members if m.node == node} <= gone:
             shut_post_office(transport.group_key, node)
         root = os.path.dirname(self.directory)
-        for other in {m.node for m in self.members}:
+        for other in nodes:
             # This node's directory, and that of a node of this machine whose ranks all died.
             if {m.rank for m in self.members if m.node == other} <= gone:
                 shutil.rmtree(private_dirs.node_path(root, other), ignore_errors=True)
