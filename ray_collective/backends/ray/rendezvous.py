@@ -43,11 +43,12 @@ group is identified by a random token:
 
 A rank that registered under a token that then changes (it joined before rank 0 reopened the
 group) registers again under the new one; a registered rank looks for that (and for a broken
-mark) every ``RECHECK_S``, and otherwise polls only the ``complete`` key. A rank never
+mark) every ``recheck_interval`` (``RECHECK_S``, longer in large groups), and otherwise polls
+only the ``complete`` key. A rank never
 registers under a token it has left (a re-init after a destroy waits for the next
 incarnation), and a rank whose join times out withdraws its member key. How often the waiting
 ranks look is bounded for the whole group, not per rank: every look is a request to Ray's
-control store, which 400 ranks on 2 cores kept busy enough to take 70-100 ms a request.
+control store, which 256 ranks on 2 cores kept busy enough to take 70-100 ms a request.
 
 Rebuilding after a crash works in any join order. A member that died never leaves, so its key
 stays under the old token until rank 0 (or the driver) opens the next incarnation; a rank that
