@@ -1,7 +1,7 @@
 """The minimal loop a user writes: this library against Ray's own Gloo group, call by call.
 
     python -m benchmarks.minimal_loop [--layouts 2x2,1x2,1x4] [--iters 200] [--warmup 20]
-        [--blocks 4] [--json PATH] [trial options]
+        [--blocks 4] [--collective allreduce] [--bytes 8] [--json PATH] [trial options]
 
 For each layout (``NODESxRANKS``: nodes of a ``ray.cluster_utils.Cluster`` on this machine, as
 ``python -m benchmarks --nodes`` starts one, or Ray's ordinary one-node start for ``1xN``)
@@ -10,8 +10,15 @@ the loop starts plain rank actors (``num_cpus=0``), pinned evenly in blocks of r
 ``backend="gloo"`` (Ray's own, on torch.distributed) and this library's group (``ray``). Then,
 as a user would: one barrier of each library, ``--warmup`` calls of each, and the timed
 ``allreduce`` of two float32, ``perf_counter`` around each call, the two libraries alternating
-in blocks (A B, B A, ...) in the same actors. Before timing, one allreduce of ``rank + 1`` on
-each library checks the sum every rank gets. It prints, per layout and library, the p50 of
+in blocks (A B, B A, ...) in the same actors. Before timing, one call on inputs of ``rank + 1``
+on each library checks the sum every rank gets.
+
+``--collective reducescatter`` times that instead, and ``--bytes`` sizes either as the CLI's
+rows do (``benchmarks.collectives``: allreduce's tensor, reducescatter's whole input list,
+each rank's block a world size's part of it; float32, at least one element). A library
+``ray@ALGORITHM`` is this library with the collective's algorithm forced
+(``RAY_COLLECTIVE_ALGORITHM`` while the rank joins): ``--libraries ray,ray@recursive_halving``
+sets the selector's rule against one algorithm in the loop a user writes. It prints, per layout and library, the p50 of
 the slowest rank per iteration, each rank's own p50 and each rank's CPU time per call.
 
 It shares only the two timers of ``worker`` with ``python -m benchmarks``: no harness, no peer
@@ -33,7 +40,7 @@ disagreed (the results page, benchmarks/README.md, "Across nodes"):
 - ``--gloo-group named`` (default: a group of its own name, a torch subgroup) or ``default``
   (Ray's ``"default"`` name: torch's world group itself);
 - ``--libraries ray,gloo`` (default; the order the groups are joined in and the first
-  block's order), or one library alone.
+  block's order), or one library alone, or ``ray@ALGORITHM`` beside them.
 """
 
 from __future__ import annotations
@@ -50,13 +57,21 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cli import choice, comma_list, non_negative_int, one_value, positive_int
+from ray_collective.algorithms import catalog
+from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE as ALGORITHM_VARIABLE
+
+from .cli import choice, comma_list, non_negative_int, one_value, parse_size, positive_int
 from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 from .stats import iteration_latencies, percentiles
 from .worker import time_back_to_back, time_with_barriers
 
 LIBRARIES = ("ray", "gloo")
 """This library and ``ray.util.collective``'s Gloo, in their default order."""
+
+COLLECTIVES = ("allreduce", "reducescatter")
+
+FORCED = "@"
+"""Separates this library from the algorithm it is forced to run: ``ray@recursive_halving``."""
 
 TIMINGS = ("per-call", "back-to-back")
 BARRIERS = ("once", "block")
@@ -65,8 +80,8 @@ CLUSTERS = ("bench", "user")
 PLACEMENTS = ("blocks", "alternate", "unpinned")
 GLOO_GROUPS = ("named", "default")
 
-ELEMENTS = 2
-"""Two float32 values: the 8-byte allreduce of the issue."""
+ITEMSIZE = 4
+"""Every buffer is float32."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,10 @@ class LoopOptions:
 
     Attributes:
         layouts: (nodes, ranks per node) per layout, in run order.
-        libraries: this library and/or ``gloo``, in join and first-block order.
+        libraries: this library (``ray``, or ``ray@ALGORITHM``) and/or ``gloo``, in join and
+            first-block order.
+        collective: ``allreduce`` or ``reducescatter``.
+        nbytes: the collective's size as the CLI names it (reducescatter: the whole list).
         iterations: timed calls per library, split over ``blocks``.
         warmup: untimed calls of each library after the first barrier.
         blocks: alternating blocks the timed calls are split into.
@@ -90,6 +108,8 @@ class LoopOptions:
 
     layouts: Tuple[Tuple[int, int], ...] = ((2, 2), (1, 2), (1, 4))
     libraries: Tuple[str, ...] = LIBRARIES
+    collective: str = "allreduce"
+    nbytes: int = 8
     iterations: int = 200
     warmup: int = 20
     blocks: int = 4
@@ -106,14 +126,40 @@ def _nothing() -> None:
     """No barrier: the loop's barriers are placed by ``--barrier``."""
 
 
+def block_elements(collective: str, nbytes: int, world_size: int) -> int:
+    """Elements of each rank's result: allreduce's tensor, or reducescatter's block (its part
+    of the whole list of ``nbytes``); at least one."""
+    per_rank = nbytes if collective == "allreduce" else nbytes // world_size
+    return max(1, per_rank // ITEMSIZE)
+
+
 class LoopRank:
     """A user's rank actor: joins both groups and runs blocks of calls."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, collective: str = "allreduce",
+                 nbytes: int = 8) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.tensor = np.zeros(ELEMENTS, np.float32)
+        self.collective = collective
+        self.elements = block_elements(collective, nbytes, world_size)
+        self.buffers = self._buffers(0.0)
         self.groups: Dict[str, str] = {}
+
+    def _buffers(self, value: float) -> Tuple[np.ndarray, List[np.ndarray]]:
+        """The result and the inputs (reducescatter's list, else none) filled with ``value``."""
+        result = np.full(self.elements, value, np.float32)
+        parts = ([np.full(self.elements, value, np.float32) for _ in range(self.world_size)]
+                 if self.collective == "reducescatter" else [])
+        return result, parts
+
+    def _call(self, library: str, buffers: Tuple[np.ndarray, List[np.ndarray]]
+              ) -> functools.partial:
+        """One call of the collective on ``library``'s group over ``buffers``."""
+        module, group = self._module(library), self.groups[library]
+        result, parts = buffers
+        if self.collective == "reducescatter":
+            return functools.partial(module.reducescatter, result, parts, group)
+        return functools.partial(module.allreduce, result, group)
 
     def ready(self) -> dict:
         """Where this rank runs: its Ray node and process id."""
@@ -121,11 +167,18 @@ class LoopRank:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def join(self, library: str, group_name: str, timeout_s: float) -> None:
-        """Join ``library``'s group as this rank."""
-        if library == "ray":
+        """Join ``library``'s group as this rank (``ray@ALGORITHM``: with the collective's
+        algorithm forced, read once at the join)."""
+        if library.startswith("ray"):
             import ray_collective
-            ray_collective.init_collective_group(self.world_size, self.rank, backend="ray",
-                                                 group_name=group_name, timeout=timeout_s)
+            forced = library.partition(FORCED)[2]
+            if forced:
+                os.environ[ALGORITHM_VARIABLE] = f"{self.collective}={forced}"
+            try:
+                ray_collective.init_collective_group(self.world_size, self.rank, backend="ray",
+                                                     group_name=group_name, timeout=timeout_s)
+            finally:
+                os.environ.pop(ALGORITHM_VARIABLE, None)
         else:
             import ray.util.collective
             ray.util.collective.init_collective_group(self.world_size, self.rank,
@@ -134,13 +187,21 @@ class LoopRank:
         self.groups[library] = group_name
 
     def check_sum(self, library: str) -> List[float]:
-        """One allreduce of ``[rank + 1] * 2`` on ``library``: what a user checks first."""
-        tensor = np.full(ELEMENTS, self.rank + 1, np.float32)
-        self._module(library).allreduce(tensor, self.groups[library])
-        return tensor.tolist()
+        """One call on inputs of ``rank + 1`` on ``library``: what a user checks first."""
+        buffers = self._buffers(float(self.rank + 1))
+        self._call(library, buffers)()
+        return buffers[0].tolist()
+
+    def algorithm(self, library: str) -> Optional[str]:
+        """The algorithm this library's last call ran, as its flight recorder has it (None for
+        Gloo, which does not say)."""
+        if not library.startswith("ray"):
+            return None
+        trace = self._module(library).get_collective_trace(self.groups[library])
+        return trace[-1]["algorithm"] if trace else None
 
     def _module(self, library: str) -> Any:
-        if library == "ray":
+        if library.startswith("ray"):
             import ray_collective
             return ray_collective
         import ray.util.collective
@@ -151,13 +212,13 @@ class LoopRank:
         self._module(library).barrier(self.groups[library])
 
     def warm_up(self, library: str, calls: int) -> None:
-        """``calls`` untimed allreduces of ``library``."""
-        module, group = self._module(library), self.groups[library]
+        """``calls`` untimed calls of ``library``."""
+        call = self._call(library, self.buffers)
         for _ in range(calls):
-            module.allreduce(self.tensor, group)
+            call()
 
     def run_block(self, library: str, iterations: int, timing: str, barrier_first: bool) -> dict:
-        """Time ``iterations`` allreduces of ``library``.
+        """Time ``iterations`` calls of ``library``.
 
         Returns:
             ``{"durations": seconds per call, "cpu_s": this process's CPU seconds over them}``.
@@ -165,7 +226,7 @@ class LoopRank:
         module, group = self._module(library), self.groups[library]
         if barrier_first:
             module.barrier(group)
-        call = functools.partial(module.allreduce, self.tensor, group)
+        call = self._call(library, self.buffers)
         # The CLI's two timers, without their barriers: "per-call" is perf_counter around
         # each call alone, "back-to-back" completion to completion.
         timer = time_with_barriers if timing == "per-call" else time_back_to_back
@@ -241,7 +302,8 @@ def start_ranks(options: LoopOptions, nodes: int, ranks_per_node: int,
         placement = [node_ids[node] for node in rank_nodes(world_size, nodes)]
     elif node_ids and options.placement == "alternate":
         placement = [node_ids[rank % nodes] for rank in range(world_size)]
-    ranks = [actor_class.options(**pinned(node)).remote(rank, world_size)
+    ranks = [actor_class.options(**pinned(node)).remote(rank, world_size, options.collective,
+                                                        options.nbytes)
              for rank, node in enumerate(placement)]
     where = ray.get([rank.ready.remote() for rank in ranks], timeout=options.timeout_s)
     misplaced = [rank for rank, (node, answer) in enumerate(zip(placement, where))
@@ -258,7 +320,7 @@ def group_name(library: str, options: LoopOptions, layout: Tuple[int, int]) -> s
     """The group's name: Ray's ``"default"`` for ``--gloo-group default``, else its own."""
     if library == "gloo" and options.gloo_group == "default":
         return "default"
-    return f"minimal-loop-{library}-{layout[0]}x{layout[1]}"
+    return f"minimal-loop-{library.replace(FORCED, '-')}-{layout[0]}x{layout[1]}"
 
 
 def measure_layout(options: LoopOptions, layout: Tuple[int, int],
@@ -268,8 +330,8 @@ def measure_layout(options: LoopOptions, layout: Tuple[int, int],
     Returns:
         ``{"layout": "2x2", "pids": ..., "nodes": each rank's node, "block_order": the
         libraries of each block in turn, "libraries": {library: {"sum_right": whether one
-        allreduce of rank + 1 gave every rank the sum, "durations": per rank, "cpu_s": per
-        rank}}}``.
+        call on inputs of rank + 1 gave every rank the sum, "algorithm": the algorithm it ran
+        on each rank (None for Gloo), "durations": per rank, "cpu_s": per rank}}}``.
     """
     import ray
     nodes, ranks_per_node = layout
@@ -293,6 +355,7 @@ def measure_layout(options: LoopOptions, layout: Tuple[int, int],
             sums = everywhere("check_sum", library)
             measured[library]["sum_right"] = all(value == expected
                                                  for values in sums for value in values)
+            measured[library]["algorithm"] = everywhere("algorithm", library)
         for library in options.libraries:
             everywhere("barrier", library)
             everywhere("warm_up", library, options.warmup)
@@ -365,11 +428,22 @@ def format_results(results: Sequence[dict]) -> str:
             ranks = " ".join(f"{p50 * 1e6:.0f}" for p50 in figures["rank_p50_s"])
             cpu = " ".join(f"{seconds * 1e6:.0f}" for seconds in figures["cpu_per_call_s"])
             wrong = "" if figures["sum_right"] else "   WRONG SUM"
-            lines.append(f"{result['layout']:>4} {library:<5} nodes {result['nodes']} "
+            ran = sorted({name for name in figures.get("algorithm", []) if name})
+            algorithm = f" ({', '.join(ran)})" if ran else ""
+            lines.append(f"{result['layout']:>4} {library:<5}{algorithm} nodes {result['nodes']} "
                          f"slowest rank p50 "
                          f"{figures['slowest_p50_s'] * 1e6:7.1f} us   per rank p50 [{ranks}] us"
                          f"   CPU/call [{cpu}] us{wrong}")
     return "\n".join(lines)
+
+
+def _library(text: str) -> str:
+    """``ray``, ``gloo`` or ``ray@ALGORITHM`` (the algorithm is checked against the collective
+    in ``main``)."""
+    name, forced, algorithm = text.partition(FORCED)
+    if name not in LIBRARIES or (forced and (name != "ray" or not algorithm)):
+        raise ValueError(f"{text!r} is not one of {', '.join(LIBRARIES)} or ray@ALGORITHM")
+    return text
 
 
 def _layout(text: str) -> Tuple[int, int]:
@@ -387,12 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.minimal_loop",
         description="The loop a user writes: this library and Ray's Gloo group in the same "
-                    "plain actors, allreduce of two float32 timed call by call.")
+                    "plain actors, allreduce of two float32 (or --collective, --bytes) timed "
+                    "call by call.")
     parser.add_argument("--layouts", type=comma_list(_layout), default=defaults.layouts,
                         help="NODESxRANKS per node, comma-separated (default 2x2,1x2,1x4)")
-    parser.add_argument("--libraries", type=comma_list(choice(LIBRARIES)),
-                        default=defaults.libraries,
-                        help="join and first-block order (default ray,gloo)")
+    parser.add_argument("--libraries", type=comma_list(_library), default=defaults.libraries,
+                        help="join and first-block order (default ray,gloo); ray@ALGORITHM "
+                             "forces the collective's algorithm")
+    parser.add_argument("--collective", type=one_value(choice(COLLECTIVES)),
+                        default=defaults.collective)
+    parser.add_argument("--bytes", type=one_value(parse_size), default=defaults.nbytes,
+                        help="the collective's size as the CLI's rows name it (default 8)")
     parser.add_argument("--iters", type=one_value(positive_int), default=defaults.iterations)
     parser.add_argument("--warmup", type=one_value(non_negative_int), default=defaults.warmup)
     parser.add_argument("--blocks", type=one_value(positive_int), default=defaults.blocks)
@@ -408,8 +487,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the loop from the command line; print and optionally write the figures."""
-    arguments = build_parser().parse_args(argv)
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    for library in arguments.libraries:
+        forced = library.partition(FORCED)[2]
+        if forced and forced not in catalog.names(arguments.collective):
+            parser.error(f"{library}: {arguments.collective} has no algorithm {forced!r} (it "
+                         f"has {', '.join(catalog.names(arguments.collective))})")
     options = LoopOptions(layouts=arguments.layouts, libraries=arguments.libraries,
+                          collective=arguments.collective, nbytes=arguments.bytes,
                           iterations=arguments.iters, warmup=arguments.warmup,
                           blocks=arguments.blocks, timeout_s=float(arguments.timeout),
                           timing=arguments.timing, barrier=arguments.barrier,

@@ -30,6 +30,53 @@ def test_layouts_and_trial_options_parse_and_bad_ones_exit_with_status_2(capsys)
     assert capsys.readouterr().err
 
 
+def test_a_forced_algorithm_is_a_library_of_its_own_checked_against_the_collective(capsys):
+    arguments = minimal_loop.build_parser().parse_args(
+        ["--collective", "reducescatter", "--bytes", "1K",
+         "--libraries", "ray,ray@recursive_halving"])
+    assert (arguments.collective, arguments.bytes) == ("reducescatter", 1024)
+    assert arguments.libraries == ("ray", "ray@recursive_halving")
+    options = minimal_loop.LoopOptions()
+    assert minimal_loop.group_name("ray@pairwise", options, (1, 4)) == \
+        "minimal-loop-ray-pairwise-1x4"
+    for bad in (["--libraries", "gloo@ring"], ["--libraries", "ray@"],
+                ["--collective", "gather"], ["--bytes", "lots"]):
+        with pytest.raises(SystemExit) as exited:
+            minimal_loop.build_parser().parse_args(bad)
+        assert exited.value.code == 2
+    # Known to the catalog, but not as an algorithm of this collective: refused before Ray.
+    with pytest.raises(SystemExit) as exited:
+        minimal_loop.main(["--collective", "reducescatter", "--libraries", "ray@ring_bogus"])
+    assert exited.value.code == 2
+    assert "reducescatter has no algorithm 'ring_bogus'" in capsys.readouterr().err
+
+
+def test_sizes_are_the_clis_reducescatter_the_whole_list():
+    assert minimal_loop.block_elements("allreduce", 8, 4) == 2
+    assert minimal_loop.block_elements("reducescatter", 16, 4) == 1
+    assert minimal_loop.block_elements("reducescatter", 4096, 4) == 256
+    assert minimal_loop.block_elements("reducescatter", 8, 4) == 1
+
+
+@pytest.mark.ray
+def test_a_tiny_reducescatter_loop_sets_the_rule_against_a_forced_algorithm(tmp_path):
+    out = tmp_path / "loop.json"
+    completed = run_benchmark(
+        "benchmarks.minimal_loop", "--layouts", "1x2", "--collective", "reducescatter",
+        "--bytes", "64", "--libraries", "ray,ray@pairwise", "--iters", "4",
+        "--warmup", "1", "--blocks", "2", "--timeout", "60", "--json", str(out))
+    [result] = json.loads(out.read_text())["results"]
+    assert result["block_order"] == [["ray", "ray@pairwise"], ["ray@pairwise", "ray"]]
+    for figures in result["libraries"].values():
+        assert figures["sum_right"] is True
+        assert [len(durations) for durations in figures["durations"]] == [4, 4]
+    # Two ranks with a core each: the rule halves; the forced group does not, and the forcing
+    # does not reach the group joined before it.
+    assert result["libraries"]["ray@pairwise"]["algorithm"] == ["pairwise"] * 2
+    assert result["libraries"]["ray"]["algorithm"] == ["recursive_halving"] * 2
+    assert "WRONG SUM" not in completed.stdout
+
+
 def test_figures_are_the_slowest_rank_per_iteration_and_each_ranks_own():
     figures = minimal_loop.summarize([[1.0, 5.0, 2.0, 4.0], [3.0, 1.0, 2.5, 0.5]], [2.0, 1.0])
     # slowest per iteration 3, 5, 2.5, 4: p50 3.5; rank 0 sorted 1 2 4 5: 3; rank 1: 1.75.
