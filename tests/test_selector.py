@@ -117,19 +117,13 @@ def test_oversubscribed_nodes_take_the_allreduce_with_fewest_messages():
     assert select("broadcast", 2, 4, 8, None, oversubscribed=True).name == "binomial"
 
 
-def test_a_crowded_node_of_4_ranks_reduce_scatters_small_blocks_pairwise():
-    assert select("reducescatter", 2, 4, 4, None, oversubscribed=True).name == "pairwise"
-    assert select("reducescatter", 1023, 4, 4, (0,) * 4, oversubscribed=True).name == \
-        "pairwise"
-    # from 4 KiB blocks, at other rank counts, with cores to spare or across nodes: as before
-    assert select("reducescatter", 1024, 4, 4, None, oversubscribed=True).name == \
-        "recursive_halving"
-    assert select("reducescatter", 2, 4, 3, None, oversubscribed=True).name == "halving_fold"
-    assert select("reducescatter", 2, 4, 8, None, oversubscribed=True).name == \
-        "recursive_halving"
-    assert select("reducescatter", 2, 4, 4, None).name == "recursive_halving"
-    assert select("reducescatter", 2, 4, 4, (0, 0, 1, 1), oversubscribed=True).name == \
-        "recursive_halving"
+def test_a_crowded_node_of_4_ranks_reduce_scatters_small_blocks_by_halving():
+    # Pairwise lost to it in the loop a user writes and in the CLI (2026-11-27 afternoon).
+    for nodes in (None, (0,) * 4):
+        assert select("reducescatter", 2, 4, 4, nodes, oversubscribed=True).name == \
+            "recursive_halving"
+        assert select("reducescatter", 256, 4, 4, nodes, oversubscribed=True).name == \
+            "recursive_halving"
 
 
 def test_between_crowded_nodes_allreduce_takes_fewest_messages_from_4_ranks():

@@ -16,8 +16,6 @@ The rules, and why:
   than a ring's rounds (``BROADCAST_ROUND_BYTES``);
 - on one node, a large scatter goes in one round from the root (linear): its receivers copy
   their blocks side by side rather than down a tree;
-- on one crowded node of 4 ranks, a reducescatter of small blocks goes pairwise: its sends
-  never wait on a partial sum (``CROWDED_PAIRWISE_RANKS``);
 - algorithms that need a power of two are only picked when p is one.
 
 The choice between these and the hierarchical variants (several nodes) is the selector's
@@ -61,17 +59,6 @@ MPICH p50, medians of four runs at 4 ranks, two at 8, 2026-11-27): at 4 ranks, 2
 against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 0.91 (1.22, 0.83), 4 MiB 0.74
 (0.99, 0.77), 16 MiB 0.46 (0.61, 0.53); at 8 ranks, 1 MiB 0.58 (0.81, 0.63), 16 MiB 0.64
 (0.62, 0.60). Not measured beyond 8 ranks, where scatter+allgather stays."""
-
-CROWDED_PAIRWISE_RANKS = 4
-CROWDED_PAIRWISE_MAX_BLOCK_BYTES = 4 * 1024
-"""On one oversubscribed node, a reducescatter of this many ranks with blocks below this size
-goes pairwise (3 rounds) rather than by recursive halving (2): each round's send is one of the
-rank's own input blocks, never a partial sum it waits for, so a rank that shares its core
-yields less. Measured on 2 cores against MPICH in the same run (ray / MPICH p50, medians of
-eight runs in four sets, 2026-11-27): 16 B 2.13 against 2.65, 1 KiB 2.19 against 3.01 (two
-runs: 64 B 2.33 against 3.15, 512 B 1.96 against 2.47, 2 KiB 2.00 against 2.07); from 8 KiB
-recursive halving did better (1.67 against 1.97, four runs). At 3 ranks halving_fold did better
-than pairwise (two runs), and at 8 the sets disagreed: the rule is kept to what was measured."""
 
 SMALL_BLOCK_BYTES = 1024
 """Alltoall blocks below this size go through Bruck's log-round packing."""
@@ -127,9 +114,8 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
             # read each one where it lies (no partial sums to forward through a buffer):
             # on the native core, 4 ranks, 16 MiB, 8.0 ms against the ring's 12.2 (MPICH 8.5).
             return "pairwise"
-        if (one_node and oversubscribed and p == CROWDED_PAIRWISE_RANKS
-                and nbytes < CROWDED_PAIRWISE_MAX_BLOCK_BYTES):
-            return "pairwise"
+        # Small blocks halve even on a crowded node: pairwise, tried there for 4 ranks on 2
+        # cores, won one morning's A/B runs and lost the afternoon's (2026-11-27; results page).
         if is_power_of_two(p):
             return "recursive_halving" if small or p > RING_MAX_RANKS else "ring"
         return "ring" if not small and p <= RING_MAX_RANKS else "halving_fold"
