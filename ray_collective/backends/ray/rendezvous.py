@@ -60,11 +60,12 @@ live incarnation is refused (``ValueError``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 from urllib.parse import quote
 
@@ -351,10 +352,10 @@ def broken_by(kv: KeyValue, prefix: str, token: str) -> Optional[dict]:
     return record
 
 
-def _pauses(longest: float = 0.05, first: float = 0.002) -> Iterator[float]:
-    """The sleeps between two looks at the store while waiting: ``first`` (short: the others
-    are usually a moment away), growing to at most ``longest`` seconds."""
-    pause = min(first, longest)
+def _pauses(longest: float = 0.05) -> Iterator[float]:
+    """The sleeps between two looks at the store while waiting: short at first (the others are
+    usually a moment away), growing to at most ``longest`` seconds."""
+    pause = 0.002
     while True:
         yield pause
         pause = min(pause * 1.5, longest)
@@ -363,15 +364,14 @@ def _pauses(longest: float = 0.05, first: float = 0.002) -> Iterator[float]:
 def pauses(world_size: int, longest: Optional[float] = None,
            registered: bool = False) -> Iterator[float]:
     """The sleeps between two looks at the store of one of ``world_size`` ranks waiting for
-    each other: short at first, then at most ``longest``, or, when None,
-    ``registered_pause(world_size)`` for a registered rank (it is woken when the membership
-    completes) and ``_longest_pause(world_size)`` for one still looking for an incarnation to
-    register in (nobody can wake it)."""
+    each other. A registered rank (it is woken when the membership completes) sleeps
+    ``longest`` each time, or ``registered_pause(world_size)`` when None; one still looking for
+    an incarnation to register in (nobody can wake it) sleeps short at first, then at most
+    ``longest``, or ``_longest_pause(world_size)`` when None."""
     if registered:
         # Not short at first: those on this node are woken, and a group that spans nodes
         # needs only one look on each node soon (that rank wakes the others).
-        longest = registered_pause(world_size) if longest is None else longest
-        return _pauses(longest, first=longest)
+        return itertools.repeat(registered_pause(world_size) if longest is None else longest)
     return _pauses(_longest_pause(world_size) if longest is None else longest)
 
 
@@ -416,8 +416,7 @@ def recheck_interval(world_size: int) -> float:
 
 def _completion(node: str, members: List[Member]) -> str:
     """The value of the ``complete`` key: the completer's node and every member."""
-    return json.dumps({"node": node, "members": [
-        [m.rank, m.node, m.pid, m.cores, m.cross_node, m.host, m.engine] for m in members]})
+    return json.dumps({"node": node, "members": [astuple(member) for member in members]})
 
 
 def _completed_members(value: str) -> Tuple[Optional[str], Optional[List[Member]]]:
@@ -426,9 +425,7 @@ def _completed_members(value: str) -> Tuple[Optional[str], Optional[List[Member]
     if not value:
         return None, None
     record = json.loads(value)
-    return record["node"], [Member(rank, node, pid, cores, cross_node, host, engine)
-                            for rank, node, pid, cores, cross_node, host, engine
-                            in record["members"]]
+    return record["node"], [Member(*fields) for fields in record["members"]]
 
 
 def _member_key(prefix: str, token: str, me: Member) -> str:
