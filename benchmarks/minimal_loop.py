@@ -18,8 +18,10 @@ rows do (``benchmarks.collectives``: allreduce's tensor, reducescatter's whole i
 each rank's block a world size's part of it; float32, at least one element). A library
 ``ray@ALGORITHM`` is this library with the collective's algorithm forced
 (``RAY_COLLECTIVE_ALGORITHM`` while the rank joins): ``--libraries ray,ray@recursive_halving``
-sets the selector's rule against one algorithm in the loop a user writes. It prints, per layout and library, the p50 of
-the slowest rank per iteration, each rank's own p50 and each rank's CPU time per call.
+sets the selector's rule against one algorithm in the loop a user writes.
+
+It prints, per layout and library, the p50 of the slowest rank per iteration, each rank's own
+p50 and each rank's CPU time per call.
 
 It shares only the two timers of ``worker`` with ``python -m benchmarks``: no harness, no peer
 classes. The trial options change one thing at a time, the candidates for why the two
@@ -126,6 +128,12 @@ def _nothing() -> None:
     """No barrier: the loop's barriers are placed by ``--barrier``."""
 
 
+def split_library(library: str) -> Tuple[str, str]:
+    """``(ray or gloo, the algorithm forced on it or "")`` of a ``--libraries`` item."""
+    name, _, forced = library.partition(FORCED)
+    return name, forced
+
+
 def block_elements(collective: str, nbytes: int, world_size: int) -> int:
     """Elements of each rank's result: allreduce's tensor, or reducescatter's block (its part
     of the whole list of ``nbytes``); at least one."""
@@ -169,9 +177,9 @@ class LoopRank:
     def join(self, library: str, group_name: str, timeout_s: float) -> None:
         """Join ``library``'s group as this rank (``ray@ALGORITHM``: with the collective's
         algorithm forced, read once at the join)."""
-        if library.startswith("ray"):
+        name, forced = split_library(library)
+        if name == "ray":
             import ray_collective
-            forced = library.partition(FORCED)[2]
             if forced:
                 os.environ[ALGORITHM_VARIABLE] = f"{self.collective}={forced}"
             try:
@@ -195,13 +203,13 @@ class LoopRank:
     def algorithm(self, library: str) -> Optional[str]:
         """The algorithm this library's last call ran, as its flight recorder has it (None for
         Gloo, which does not say)."""
-        if not library.startswith("ray"):
+        if split_library(library)[0] != "ray":
             return None
         trace = self._module(library).get_collective_trace(self.groups[library])
         return trace[-1]["algorithm"] if trace else None
 
     def _module(self, library: str) -> Any:
-        if library.startswith("ray"):
+        if split_library(library)[0] == "ray":
             import ray_collective
             return ray_collective
         import ray.util.collective
@@ -440,8 +448,8 @@ def format_results(results: Sequence[dict]) -> str:
 def _library(text: str) -> str:
     """``ray``, ``gloo`` or ``ray@ALGORITHM`` (the algorithm is checked against the collective
     in ``main``)."""
-    name, forced, algorithm = text.partition(FORCED)
-    if name not in LIBRARIES or (forced and (name != "ray" or not algorithm)):
+    name, forced = split_library(text)
+    if name not in LIBRARIES or (FORCED in text and (name != "ray" or not forced)):
         raise ValueError(f"{text!r} is not one of {', '.join(LIBRARIES)} or ray@ALGORITHM")
     return text
 
@@ -490,7 +498,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     arguments = parser.parse_args(argv)
     for library in arguments.libraries:
-        forced = library.partition(FORCED)[2]
+        forced = split_library(library)[1]
         if forced and forced not in catalog.names(arguments.collective):
             parser.error(f"{library}: {arguments.collective} has no algorithm {forced!r} (it "
                          f"has {', '.join(catalog.names(arguments.collective))})")
