@@ -312,6 +312,62 @@ def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory,
             np.testing.assert_array_equal(next(results), expected[-1])
 
 
+def test_only_written_arrays_may_not_share_memory():
+    """A call runs on the caller's arrays unless a written one shares memory with another
+    array; arrays that are only read may share (``[x] * p`` as an input list)."""
+    from ray_collective.native.runner import entries_overlap
+    whole = np.zeros(100)
+    a, b, inside = whole[:50], whole[50:], whole[10:20]
+    assert not entries_overlap([a, b])
+    assert entries_overlap([a, inside])
+    assert entries_overlap([whole[:51], b])                # one element in common
+    assert not entries_overlap([a], [b, b, b])             # repeated inputs
+    assert entries_overlap([b], [a, inside, whole[49:60]])  # a read span reaching a written one
+    assert entries_overlap([inside], [whole])              # a written span inside a read one
+    assert not entries_overlap([whole[0:0], whole[0:0]], [a])  # empty arrays hold nothing
+    assert not entries_overlap([], [a, a])
+
+
+@needs_native
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_repeated_input_array_runs_on_the_callers_arrays_with_the_same_bits(
+        shm_directory, monkeypatch, world_size):
+    """An input list of one array repeated (``[x] * p``, large blocks): alltoall, scatter's
+    root and reducescatter (pairwise, as on one node) still send from it without the
+    buffer, and agree with the Python engine and numpy."""
+    from ray_collective.native.runner import DIRECT_BLOCK_BYTES, NativeRunner
+    length = DIRECT_BLOCK_BYTES // 8 + 5
+    monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", "reducescatter=pairwise")
+    direct = []
+    run = NativeRunner.run
+
+    def spy(self, native, *args, **kwargs):
+        direct.append(native.buffered is not None)
+        return run(self, native, *args, **kwargs)
+
+    monkeypatch.setattr(NativeRunner, "run", spy)
+
+    def body(rank):
+        mine = _float_inputs(rank, length, "float64")
+        exchanged = [np.zeros(length) for _ in range(world_size)]
+        col.alltoall(exchanged, [mine] * world_size)
+        part = np.zeros(length)
+        col.scatter(part, [mine] * world_size if rank == 0 else None, 0)
+        reduced = np.zeros(length)
+        col.reducescatter(reduced, [mine] * world_size)
+        return [*exchanged, part, reduced]
+
+    natively = _on_both_engines(world_size, body, shm_directory)
+    assert direct and all(direct), direct
+    inputs = [_float_inputs(r, length, "float64") for r in range(world_size)]
+    for rank in range(world_size):
+        *exchanged, part, reduced = natively[rank]
+        for source in range(world_size):
+            np.testing.assert_array_equal(exchanged[source], inputs[source])
+        np.testing.assert_array_equal(part, inputs[0])
+        np.testing.assert_allclose(reduced, np.sum(inputs, axis=0), rtol=1e-12)
+
+
 def _spanning_factory(node_of, directory):
     """Ranks on pretend nodes (``node_of``), with the native core when ``directory`` is
     given: one directory per node, the transport between nodes."""

@@ -435,14 +435,14 @@ class TransportMembership(Membership):
             # The core copies the tensors and the lists to and from the buffers itself, or
             # needs no buffer (large blocks, and written arrays that overlap nothing).
             if layout == "exchange":
-                arrays = written = [*inputs, *outputs]
+                arrays, written, read = [*inputs, *outputs], outputs, inputs
+            elif layout == "gather":
+                arrays, written, read = [tensor, *outputs], outputs, ()
             else:
-                lists = outputs if layout == "gather" else inputs
-                arrays = [tensor, *lists]
                 # Where the list is an input, the tensor is written while entries are sent.
-                written = lists if layout == "gather" else arrays
+                arrays, written, read = [tensor, *inputs], [tensor], inputs
             native, slots = prepared.native, plan.slots(None)
-            if native.buffered is None or entries_overlap(written):
+            if native.buffered is None or entries_overlap(written, read):
                 native = native.buffered or native
                 slots = prepared.buffers(None)
             self.native.run(native, slots + arrays, prepared.template, stamp.seq,

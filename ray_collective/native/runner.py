@@ -227,11 +227,32 @@ def _direct_exchange(plan: Plan, blocks: Blocks) -> Optional[Plan]:
     return Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
 
 
-def entries_overlap(arrays: Sequence[np.ndarray]) -> bool:
-    """Whether any two of the contiguous ``arrays`` share memory."""
-    spans = sorted((array.ctypes.data, array.ctypes.data + array.nbytes)
-                   for array in arrays if array.nbytes)
-    return any(first[1] > second[0] for first, second in zip(spans, spans[1:]))
+def entries_overlap(written: Sequence[np.ndarray], read: Sequence[np.ndarray] = ()) -> bool:
+    """Whether a call's arrays share memory where it matters: two of the ``written`` ones, or
+    a written one and a ``read`` one. Arrays only read may share memory with each other (a
+    list of one array repeated, as ``[x] * p``, is an input a user writes).
+
+    Args:
+        written: contiguous arrays the call writes.
+        read: contiguous arrays the call only reads.
+
+    Returns:
+        True if the call must not run on these arrays in place.
+    """
+    spans = sorted([(array.ctypes.data, array.ctypes.data + array.nbytes, True)
+                    for array in written if array.nbytes]
+                   + [(array.ctypes.data, array.ctypes.data + array.nbytes, False)
+                      for array in read if array.nbytes])
+    # Sorted by start, a span overlaps an earlier one exactly when it starts before the
+    # furthest end among them; only a written one's end counts against a read span.
+    written_end = any_end = 0
+    for start, end, is_written in spans:
+        if start < (any_end if is_written else written_end):
+            return True
+        any_end = max(any_end, end)
+        if is_written:
+            written_end = max(written_end, end)
+    return False
 
 
 def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN_S,
