@@ -63,6 +63,7 @@ from ray_collective.algorithms import catalog
 from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE as ALGORITHM_VARIABLE
 
 from .cli import choice, comma_list, non_negative_int, one_value, parse_size, positive_int
+from .collectives import message_layout
 from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 from .stats import iteration_latencies, percentiles
 from .worker import time_back_to_back, time_with_barriers
@@ -136,9 +137,8 @@ def split_library(library: str) -> Tuple[str, str]:
 
 def block_elements(collective: str, nbytes: int, world_size: int) -> int:
     """Elements of each rank's result: allreduce's tensor, or reducescatter's block (its part
-    of the whole list of ``nbytes``); at least one."""
-    per_rank = nbytes if collective == "allreduce" else nbytes // world_size
-    return max(1, per_rank // ITEMSIZE)
+    of the whole list of ``nbytes``); at least one, as the CLI sizes its rows."""
+    return message_layout(collective, nbytes, world_size, ITEMSIZE).elements_per_tensor
 
 
 class LoopRank:
