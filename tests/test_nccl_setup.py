@@ -17,6 +17,7 @@ from support.nccl_standin import NCCL_CONSTANTS, StandInGpus
 from ray_collective.backends.nccl import (InProcessRendezvous, NcclBackendFactory,
                                           RayRendezvous, synchronize_device)
 from ray_collective.backends.nccl import library as library_module
+from ray_collective.backends.nccl.library import NcclLibrary, takes_id_as_bytes
 from ray_collective.backends.nccl.bootstrap import CliqueJoin
 from ray_collective.backends.nccl.wire import format_version, movement_format, reduction_format
 
@@ -153,6 +154,20 @@ def test_unique_id_travels_as_bytes_and_returns_as_the_platforms_chars(monkeypat
     unsigned.library().open_communicators(bytes(range(128, 256)), 1, [(0, 0)])
     with pytest.raises(ValueError, match="128 bytes"):
         unsigned.library().open_communicators(b"x", 1, [(0, 0)])
+
+
+def test_cupy_14_and_later_take_the_unique_id_as_bytes():
+    assert [takes_id_as_bytes(v) for v in ("13.6.0", "14.0.0rc1", "14.2.0", "15.0.0a1", "dev")] \
+        == [False, True, True, True, False]
+    gpus = StandInGpus(device_count=1, id_as_bytes=True)
+    unique_id = gpus.library().unique_id()
+    assert isinstance(unique_id, bytes) and len(unique_id) == 128
+    [communicator] = gpus.library().open_communicators(unique_id, 1, [(0, 0)])
+    assert communicator.uid == tuple(unique_id)
+    # The form a CuPy before 14 takes is refused by CuPy 14, as it refused it on a real GPU.
+    with pytest.raises(TypeError, match="expected bytes"):
+        NcclLibrary(gpus.cuda, gpus.nccl, id_as_bytes=False).open_communicators(
+            unique_id, 1, [(0, 0)])
 
 
 def test_several_gpus_of_one_process_join_inside_one_nccl_group():

@@ -41,7 +41,7 @@ import itertools
 import threading
 import types
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -91,6 +91,7 @@ class StandInCupyArray:
         self.host = host
         self.dtype = host.dtype
         self.shape = host.shape
+        self.strides = host.strides
         self.size = host.size
         self.flags = types.SimpleNamespace(c_contiguous=host.flags.c_contiguous)
         self.device = types.SimpleNamespace(id=device)
@@ -140,15 +141,19 @@ class _DeviceMemory:
 class _Communicator:
     """Stands for ``cupy.cuda.nccl.NcclCommunicator``."""
 
-    def __init__(self, gpus: "StandInGpus", ndev: int, commId: tuple, rank: int):
+    def __init__(self, gpus: "StandInGpus", ndev: int, commId: Union[tuple, bytes], rank: int):
         gpus._record("NcclCommunicator", ndev, rank)
-        if gpus.char_signed:
+        if gpus.id_as_bytes:
+            if not isinstance(commId, bytes):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                                f"{type(commId).__name__})")
+        elif gpus.char_signed:
             assert all(-128 <= v <= 127 for v in commId), "unique id not in signed char range"
         else:
             assert all(0 <= v <= 255 for v in commId), "unique id not in unsigned char range"
         assert len(commId) == 128
         self._gpus = gpus
-        self.uid = tuple(commId)
+        self.uid = tuple(commId) if gpus.id_as_bytes else tuple(v & 0xFF for v in commId)
         self.nranks = ndev
         self.rank = rank
         self.device = gpus._current_device()
@@ -237,6 +242,8 @@ class StandInGpus:
         device_count: visible GPUs.
         version: what ``nccl.get_version()`` returns.
         char_signed: whether the platform's C ``char`` is signed (checks the unique id form).
+        id_as_bytes: the CuPy 14 form: ``get_unique_id`` returns bytes and ``NcclCommunicator``
+            accepts nothing else (before, both used a tuple of C ``char`` values).
         without: NCCL constants this CuPy lacks.
 
     Attributes (failures to inject; set them at any time):
@@ -247,10 +254,11 @@ class StandInGpus:
     """
 
     def __init__(self, device_count: int = 4, version: int = 22105, char_signed: bool = True,
-                 without: Sequence[str] = ()):
+                 id_as_bytes: bool = False, without: Sequence[str] = ()):
         self.device_count = device_count
         self.version = version
         self.char_signed = char_signed
+        self.id_as_bytes = id_as_bytes
         self.log: List[tuple] = []
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
@@ -271,7 +279,7 @@ class StandInGpus:
 
     def library(self) -> NcclLibrary:
         """The backend's adapter over these stand-ins."""
-        return NcclLibrary(self.cuda, self.nccl)
+        return NcclLibrary(self.cuda, self.nccl, self.id_as_bytes)
 
     def close(self) -> None:
         """Release whatever still blocks (a communicator's creation, a blocked launch, a device
@@ -556,9 +564,11 @@ class _Cliques:
                 setattr(module, name, value)
         return module
 
-    def unique_id(self) -> tuple:
+    def unique_id(self) -> Union[tuple, bytes]:
         self._gpus._record("get_unique_id")
         raw = np.random.default_rng().integers(0, 256, 128, dtype=np.uint8)
+        if self._gpus.id_as_bytes:
+            return raw.tobytes()
         return tuple(int(v) for v in (raw.view(np.int8) if self._gpus.char_signed else raw))
 
     def join(self, communicator: _Communicator) -> None:

@@ -28,14 +28,31 @@ INSTALL_HINT = ("install CuPy built for your CUDA version together with NCCL, fo
 _EVENT_NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery on an event whose work still runs
 _UNIQUE_ID_BYTES = 128
 
-# Cython converts the unique id through C ``char``, whose signedness is the platform's: signed
-# on x86, unsigned on ARM and POWER. Rank 0 and the other ranks may sit on different machines,
-# so the id travels as plain bytes and each rank converts it back for its own platform.
+# Before CuPy 14, Cython converted the unique id through C ``char``, whose signedness is the
+# platform's: signed on x86, unsigned on ARM and POWER. Rank 0 and the other ranks may sit on
+# different machines (and CuPy versions), so the id travels as plain bytes and each rank converts
+# it to what its own CuPy takes.
 _SIGNED_CHAR_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
 def _char_is_signed() -> bool:
     return platform.machine().lower() in _SIGNED_CHAR_MACHINES
+
+
+def takes_id_as_bytes(cupy_version: str) -> bool:
+    """Whether this CuPy's ``NcclCommunicator`` takes the unique id as bytes.
+
+    CuPy 14 changed ``nccl.get_unique_id`` to return bytes and ``NcclCommunicator`` to accept
+    only bytes; before, both used a tuple of 128 C ``char`` values.
+
+    Args:
+        cupy_version: ``cupy.__version__``.
+
+    Returns:
+        True from CuPy 14 on.
+    """
+    major = cupy_version.split(".", 1)[0]
+    return major.isdigit() and int(major) >= 14
 
 
 class NcclLibrary:
@@ -45,13 +62,16 @@ class NcclLibrary:
         cuda: the ``cupy.cuda`` module (or a stand-in with ``runtime``, ``alloc`` and
             ``get_current_stream``).
         nccl: the ``cupy.cuda.nccl`` module (or a stand-in).
+        id_as_bytes: whether ``nccl.NcclCommunicator`` takes the unique id as bytes (CuPy 14
+            and later) rather than as a tuple of C ``char`` values.
 
     Raises:
         Exception: whatever ``nccl.get_version()`` raises when the NCCL library cannot load.
     """
 
-    def __init__(self, cuda: Any, nccl: Any):
+    def __init__(self, cuda: Any, nccl: Any, id_as_bytes: bool):
         self._cuda = cuda
+        self._id_as_bytes = id_as_bytes
         self._runtime = cuda.runtime
         self._nccl = nccl
         self.version = int(nccl.get_version())
@@ -137,8 +157,11 @@ class NcclLibrary:
         if len(unique_id) != _UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {_UNIQUE_ID_BYTES} bytes, not "
                              f"{len(unique_id)}")
-        signed = _char_is_signed()
-        id_tuple = tuple(b - 256 if signed and b > 127 else b for b in unique_id)
+        if self._id_as_bytes:
+            comm_id: Any = bytes(unique_id)
+        else:
+            signed = _char_is_signed()
+            comm_id = tuple(b - 256 if signed and b > 127 else b for b in unique_id)
         communicators = []
         # Several communicators created by one thread must be created inside one NCCL group:
         # each ncclCommInitRank would otherwise wait for the others, which are not started yet.
@@ -148,7 +171,7 @@ class NcclLibrary:
         try:
             for device, nccl_rank in members:
                 with self.on_device(device):
-                    communicators.append(self._nccl.NcclCommunicator(nranks, id_tuple,
+                    communicators.append(self._nccl.NcclCommunicator(nranks, comm_id,
                                                                      nccl_rank))
         finally:
             if grouped:
@@ -344,6 +367,7 @@ def load_library() -> NcclLibrary:
             what to install.
     """
     try:
+        import cupy
         from cupy import cuda
         from cupy.cuda import nccl
     except ImportError as err:
@@ -355,7 +379,7 @@ def load_library() -> NcclLibrary:
             f"the 'nccl' backend is not available: this CuPy was built or installed without "
             f"NCCL; {INSTALL_HINT}")
     try:
-        return NcclLibrary(cuda, nccl)
+        return NcclLibrary(cuda, nccl, takes_id_as_bytes(cupy.__version__))
     except Exception as err:  # CuPy raises several types when libnccl or the driver is absent
         raise BackendNotAvailableError(
             f"the 'nccl' backend is not available: the NCCL library did not load "
