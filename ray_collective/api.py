@@ -37,7 +37,7 @@ from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
 from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
                      UnsupportedOperationError)
 from .group import Group, Work, current_registry, find_group
-from .tensors import TensorView, as_view, check_op, check_same_layout
+from .tensors import TensorView, as_view, check_op, check_same_layout, cupy_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
 from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,
                          check_world_size, group_timeout)
@@ -95,7 +95,8 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 # strides, the op, the root, the group), so the checks run at a shape's first call, and its
 # later calls go straight to the group with a runner the backend prepared for the shape
 # (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
-# Only blocking calls with the group's own deadline on writable numpy arrays take it; for
+# Only blocking calls with the group's own deadline on writable numpy arrays (and cupy arrays,
+# for allreduce, reduce and broadcast on a backend that runs them) take it; for
 # allgather, reducescatter, and gather and scatter at their root, every array of the list must
 # be like the tensor (dtype, shape, strides), and for alltoall every entry of both lists like
 # the first input, which is checked per call.
@@ -107,11 +108,17 @@ _ALLTOALL = "alltoall"
 
 def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
     """What identifies a call's shape for the known-shape path, or None when the call cannot
-    take it (not a plain writable numpy array, an op or root of another type)."""
-    if (type(tensor) is not np.ndarray or type(op) is not ReduceOp
-            or type(root) is not int or not tensor.flags.writeable):
+    take it (not a plain writable numpy array or a cupy array, an op or root of another
+    type). A cupy array's key is longer than a numpy array's and names "cupy" where the
+    numpy key has its dtype, so the two never meet."""
+    if type(op) is not ReduceOp or type(root) is not int:
         return None
     # Enum members hash in Python code; a member's id stands for it (each is a singleton).
+    if type(tensor) is not np.ndarray:
+        layout = cupy_layout(tensor)
+        return None if layout is None else (collective, id(op), root) + layout
+    if not tensor.flags.writeable:
+        return None
     return (collective, id(op), root, tensor.dtype, tensor.shape, tensor.strides)
 
 
@@ -122,6 +129,8 @@ def _list_shape_key(collective: str, tensor: Any, tensors: Any, op: Any,
     :func:`_shape_key`; a list entry unlike the tensor, or not writable where it is written).
     Gather and scatter use the list on their root only: elsewhere it may be None, and the
     runner ignores it."""
+    if type(tensor) is not np.ndarray:
+        return None
     key = _shape_key(collective, tensor, op, root)
     if key is not None and tensors is None and root != -1:
         return key + (None,)

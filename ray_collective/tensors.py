@@ -299,6 +299,28 @@ def _cupy_view(t: Any, what: str) -> TensorView:
                       shape=tuple(t.shape), device=device, kind="cupy")
 
 
+def cupy_layout(tensor: Any) -> Optional[tuple]:
+    """What decides whether a cupy array passes :func:`as_view`'s checks, for a cache key.
+
+    Two arrays with the same layout pass or fail alike: the dtype, shape and strides decide
+    the dtype and contiguity checks, and the device where the call runs.
+
+    Args:
+        tensor: any object.
+
+    Returns:
+        ``("cupy", dtype, shape, strides, device index)``, or None when ``tensor`` is not a
+        cupy array (or an object of cupy's that is no array: :func:`as_view` names it).
+    """
+    module = type(tensor).__module__
+    if module != "cupy" and not module.startswith("cupy."):
+        return None
+    try:
+        return ("cupy", tensor.dtype, tensor.shape, tensor.strides, tensor.device.id)
+    except AttributeError:
+        return None
+
+
 def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
     """Recognise ``tensor`` and return its :class:`TensorView`, checking it can be used.
 

@@ -941,3 +941,14 @@ def test_a_tiny_sweep_across_two_nodes_of_a_local_cluster(tmp_path):
     assert metadata["backend_versions"]["ray"][CROSS_NODE_VARIABLE] == "default"
     assert [line.split()[:5] for line in completed.stdout.splitlines()
             if line.startswith("allreduce")] == [["allreduce", "2×1", "8", "B", "back-to-back"]]
+
+
+def test_nccl_overhead_gives_no_bandwidth_verdict_at_one_rank():
+    """At one rank NCCL's in-place allreduce moves nothing (1.8 µs for 8 B and for 256 MiB on
+    an H200), so a bandwidth ratio there would only compare call costs."""
+    from benchmarks.nccl_overhead import BANDWIDTH_SIZE, Point, report
+    one = report([Point(8, 1.8e-6, 16.6e-6, 1), Point(BANDWIDTH_SIZE, 2.6e-6, 14.2e-6, 1)])
+    assert "no bandwidth at one rank" in one and "of direct bandwidth" not in one
+    assert "+14.8 µs per call: meets the 20 µs target" in one
+    two = report([Point(BANDWIDTH_SIZE, 10e-3, 10.4e-3, 2)])
+    assert "library at 96.2% of direct bandwidth: meets the 95% target" in two

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTimeoutError,
                        PeerDiedError)
 from ...tensors import TensorView
-from ...types import Collective, ReduceOp
+from ...types import CallOptions, Collective, ReduceOp
 from ..base import BackendFactory, GroupCall, Membership
 from .arguments import GpuArguments, MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
@@ -182,6 +182,55 @@ class NcclMembership(Membership):
         with self._lock:
             for device, (_, event) in order.items():
                 self._spare_events[device].append(event)
+
+    # ------------------------------------------------------------ calls of a known shape
+
+    def shape_runner(self, options: CallOptions, view: Optional[TensorView]
+                     ) -> Optional[Callable[[int, Any], None]]:
+        """Later allreduce, reduce and broadcast calls on cupy arrays of one shape: the call's
+        one NCCL operation on the array's address, without building its steps again.
+
+        Args:
+            options: the calls' options.
+            view: the first call's tensor (its GPU's clique exists: that call ran).
+
+        Returns:
+            ``runner(seq, array)``, or None for any other call.
+        """
+        collective = options.collective
+        if (view is None or view.kind != "cupy" or not view.count
+                or collective not in _KNOWN_SHAPE_OPERATIONS):
+            return None
+        lane = self._single.get(device_of(view, self.devices, self.group_name, "tensor"))
+        if lane is None:
+            return None
+        if collective is Collective.BROADCAST:
+            fmt, trailing = self._movement(view), (options.root, lane.stream)
+        else:
+            fmt = self._reduction(view, options.op)
+            trailing = (fmt.op, options.root, lane.stream) if collective is Collective.REDUCE \
+                else (fmt.op, lane.stream)
+        operation = getattr(lane.communicator, _KNOWN_SHAPE_OPERATIONS[collective])
+        count, datatype = view.count * fmt.per_element, fmt.datatype
+        peers = tuple(r for r in range(self.world_size) if r != self.rank)
+        # The view stands for every later array of the shape in the caller order's lookup and
+        # in error messages; it must not keep the first array alive.
+        like = TensorView(None, None, view.dtype_name, view.wire_dtype, view.shape, view.device,
+                          view.kind)
+
+        def run(seq: int, array: Any) -> None:
+            address = array.data.ptr
+            steps = _CallSteps((lane,), peers, launches=[functools.partial(
+                operation, address, address, count, datatype, *trailing)])
+            call = GroupCall(options, seq, tensor=like)
+            order = self._record_caller_order(call)
+            try:
+                self._execute(call, steps, order)
+            finally:
+                if order:
+                    self._release(order)
+
+        return run
 
     # ------------------------------------------------------------ running a call
 
@@ -550,6 +599,10 @@ def _views_of(call: GroupCall) -> Iterator[TensorView]:
         for views in call.device_lists:
             yield from views
 
+
+# The collectives a known-shape runner serves, and the communicator's method of each.
+_KNOWN_SHAPE_OPERATIONS = {Collective.ALLREDUCE: "allReduce", Collective.REDUCE: "reduce",
+                           Collective.BROADCAST: "broadcast"}
 
 _SINGLE_PLANNERS = {
     Collective.ALLREDUCE: NcclMembership._allreduce,
