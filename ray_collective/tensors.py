@@ -299,26 +299,34 @@ def _cupy_view(t: Any, what: str) -> TensorView:
                       shape=tuple(t.shape), device=device, kind="cupy")
 
 
-def cupy_layout(tensor: Any) -> Optional[tuple]:
-    """What decides whether a cupy array passes :func:`as_view`'s checks, for a cache key.
+def gpu_layout(tensor: Any) -> Optional[tuple]:
+    """What decides whether a GPU tensor passes :func:`as_view`'s checks, for a cache key.
 
-    Two arrays with the same layout pass or fail alike: the dtype, shape and strides decide
-    the dtype and contiguity checks, and the device where the call runs.
+    Two tensors with the same layout pass or fail alike: the dtype, shape and strides decide
+    the dtype and contiguity checks, the device where the call runs, and for torch the lazy
+    conjugate and negative bits. torch CPU tensors have none: a CPU backend works on their
+    numpy arrays, which the key does not give.
 
     Args:
         tensor: any object.
 
     Returns:
-        ``("cupy", dtype, shape, strides, device index)``, or None when ``tensor`` is not a
-        cupy array (or an object of cupy's that is no array: :func:`as_view` names it).
+        ``("cupy", dtype, shape, strides, device index)`` for a cupy array, ``("torch", dtype,
+        shape, stride, device, is_conj, is_neg)`` for a dense torch CUDA tensor, or None for
+        anything else (an object of cupy's that is no array, say: :func:`as_view` names it).
     """
     module = type(tensor).__module__
-    if module != "cupy" and not module.startswith("cupy."):
+    if module == "cupy" or module.startswith("cupy."):
+        try:
+            return ("cupy", tensor.dtype, tensor.shape, tensor.strides, tensor.device.id)
+        except AttributeError:
+            return None
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(tensor, getattr(torch, "Tensor", ()))
+            or not tensor.is_cuda or tensor.layout is not torch.strided):
         return None
-    try:
-        return ("cupy", tensor.dtype, tensor.shape, tensor.strides, tensor.device.id)
-    except AttributeError:
-        return None
+    return ("torch", tensor.dtype, tensor.shape, tensor.stride(), tensor.device,
+            tensor.is_conj(), tensor.is_neg())
 
 
 def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:

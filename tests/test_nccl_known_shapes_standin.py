@@ -1,12 +1,14 @@
 """Calls of a known shape on the NCCL backend, against the recording stand-in (no GPU).
 
-After an allreduce, reduce or broadcast on a cupy array has run once, later blocking calls on
-cupy arrays of the same dtype, shape, strides and device skip the API's checks and the step
-building (``NcclMembership.shape_runner``). They must give the same results, keep the same
+After an allreduce, reduce or broadcast on a GPU tensor (cupy, or torch on CUDA) has run once,
+later blocking calls on tensors of the same dtype, shape, strides and device skip the API's
+checks and the step building (``NcclMembership.shape_runner``). They must give the same results, keep the same
 stream order and fail the same way as the full path; the completion poll they end in must not
 sleep while it spins.
 """
 
+import dataclasses
+import sys
 import time
 import types
 
@@ -115,6 +117,68 @@ def test_a_cupy_array_unlike_the_known_shape_takes_the_full_path_and_its_checks(
 
     np.testing.assert_array_equal(values_of(run_nccl_ranks(gpus.library(), 1, body))[0],
                                   np.ones((3, 2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchDevice:
+    type: str
+    index: int
+
+
+class _StandInTorch:
+    """Just enough of torch for CUDA tensors over stand-in memory: the module's ``Tensor``,
+    ``strided`` and ``cuda.current_stream``."""
+
+    strided = "strided"
+
+    def __init__(self, gpus):
+        torch = self
+
+        class Tensor:
+            def __init__(self, array):
+                self.array = array  # the stand-in memory; the test reads results from it
+                self.dtype = f"torch.{array.dtype.name}"
+                self.shape, self.is_cuda, self.layout = array.shape, True, torch.strided
+                self.device = _TorchDevice("cuda", array.device.id)
+
+            def stride(self):
+                return tuple(s // self.array.dtype.itemsize for s in self.array.strides)
+
+            def is_contiguous(self):
+                return self.array.flags.c_contiguous
+
+            def is_conj(self):
+                return False
+
+            def is_neg(self):
+                return False
+
+            def data_ptr(self):
+                return self.array.data.ptr
+
+        self.Tensor = Tensor
+        self.cuda = types.SimpleNamespace(current_stream=lambda device: types.SimpleNamespace(
+            cuda_stream=gpus.default_streams[device]))
+
+
+def test_torch_cuda_tensors_take_the_known_shape_path_too(gpus, monkeypatch):
+    taken = _counting_full_path(monkeypatch)
+    torch = _StandInTorch(gpus)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+    def body(rank):
+        results = []
+        for step in range(3):
+            tensor = torch.Tensor(gpus.array(_values(rank, step), device=rank))
+            col.allreduce(tensor)
+            results.append(tensor.array.host.copy())
+        return results
+
+    results = values_of(run_nccl_ranks(gpus.library(), 2, body))
+    for per_step in results:
+        for step, got in enumerate(per_step):
+            np.testing.assert_array_equal(got, _values(0, step) + _values(1, step))
+    assert taken == ["allreduce"] * 2
 
 
 def test_a_known_shape_call_times_out_naming_the_missing_rank_and_its_seq(gpus):

@@ -43,7 +43,7 @@ from ..base import BackendFactory, GroupCall, Membership
 from .arguments import GpuArguments, MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
-from .library import NcclLibrary, load_library
+from .library import ADDRESS_OF, NcclLibrary, load_library
 from .rendezvous import InProcessRendezvous, RayRendezvous, Rendezvous
 from .wire import WireFormat, movement_format, reduction_format
 
@@ -187,8 +187,8 @@ class NcclMembership(Membership):
 
     def shape_runner(self, options: CallOptions, view: Optional[TensorView]
                      ) -> Optional[Callable[[int, Any], None]]:
-        """Later allreduce, reduce and broadcast calls on cupy arrays of one shape: the call's
-        one NCCL operation on the array's address, without building its steps again.
+        """Later allreduce, reduce and broadcast calls on GPU tensors of one shape: the call's
+        one NCCL operation on the tensor's address, without building its steps again.
 
         Args:
             options: the calls' options.
@@ -198,7 +198,7 @@ class NcclMembership(Membership):
             ``runner(seq, array)``, or None for any other call.
         """
         collective = options.collective
-        if (view is None or view.kind != "cupy" or not view.count
+        if (view is None or view.kind not in ADDRESS_OF or not view.count
                 or collective not in _KNOWN_SHAPE_OPERATIONS):
             return None
         lane = self._single.get(device_of(view, self.devices, self.group_name, "tensor"))
@@ -211,6 +211,7 @@ class NcclMembership(Membership):
             trailing = (fmt.op, options.root, lane.stream) if collective is Collective.REDUCE \
                 else (fmt.op, lane.stream)
         operation = getattr(lane.communicator, _KNOWN_SHAPE_OPERATIONS[collective])
+        address_of = ADDRESS_OF[view.kind]
         count, datatype = view.count * fmt.per_element, fmt.datatype
         peers = tuple(r for r in range(self.world_size) if r != self.rank)
         # The view stands for every later array of the shape in the caller order's lookup and
@@ -219,7 +220,7 @@ class NcclMembership(Membership):
                           view.kind)
 
         def run(seq: int, array: Any) -> None:
-            address = array.data.ptr
+            address = address_of(array)
             steps = _CallSteps((lane,), peers, launches=[functools.partial(
                 operation, address, address, count, datatype, *trailing)])
             call = GroupCall(options, seq, tensor=like)

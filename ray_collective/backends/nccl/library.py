@@ -32,6 +32,9 @@ _UNIQUE_ID_BYTES = 128
 # platform's: signed on x86, unsigned on ARM and POWER. Rank 0 and the other ranks may sit on
 # different machines (and CuPy versions), so the id travels as plain bytes and each rank converts
 # it to what its own CuPy takes.
+# A GPU tensor's device address, by its TensorView.kind.
+ADDRESS_OF = {"cupy": lambda array: array.data.ptr, "torch": lambda tensor: tensor.data_ptr()}
+
 _SIGNED_CHAR_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
@@ -337,9 +340,7 @@ class NcclLibrary:
         Returns:
             The address.
         """
-        if view.kind == "torch":
-            return int(view.tensor.data_ptr())
-        return int(view.tensor.data.ptr)
+        return int(ADDRESS_OF[view.kind](view.tensor))
 
     def caller_stream(self, kind: str, device: int) -> int:
         """The stream the calling thread queues its work on for ``device``.
