@@ -37,7 +37,7 @@ from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
 from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
                      UnsupportedOperationError)
 from .group import Group, Work, current_registry, find_group
-from .tensors import TensorView, as_view, check_op, check_same_layout, gpu_layout
+from .tensors import TensorView, as_view, check_op, check_same_layout, known_shape_input, tensor_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
 from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,
                          check_world_size, group_timeout)
@@ -95,8 +95,8 @@ def _submit(group: Group, options: CallOptions, async_op: bool,
 # strides, the op, the root, the group), so the checks run at a shape's first call, and its
 # later calls go straight to the group with a runner the backend prepared for the shape
 # (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
-# Only blocking calls with the group's own deadline on writable numpy arrays (and GPU tensors,
-# for allreduce, reduce and broadcast on a backend that runs them) take it; for
+# Only blocking calls with the group's own deadline on writable numpy arrays (and cupy arrays
+# and torch tensors, for allreduce, reduce and broadcast) take it; for
 # allgather, reducescatter, and gather and scatter at their root, every array of the list must
 # be like the tensor (dtype, shape, strides), and for alltoall every entry of both lists like
 # the first input, which is checked per call.
@@ -108,14 +108,14 @@ _ALLTOALL = "alltoall"
 
 def _shape_key(collective: str, tensor: Any, op: Any, root: Any) -> Optional[Tuple]:
     """What identifies a call's shape for the known-shape path, or None when the call cannot
-    take it (not a plain writable numpy array or a GPU tensor, an op or root of another
-    type). A GPU tensor's key is longer than a numpy array's and names "cupy" or "torch" where
-    the numpy key has its dtype, so the two never meet."""
+    take it (not a plain writable numpy array, a cupy array or a torch tensor, an op or root
+    of another type). A cupy or torch key is longer than a numpy array's and names "cupy" or
+    "torch" where the numpy key has its dtype, so the two never meet."""
     if type(op) is not ReduceOp or type(root) is not int:
         return None
     # Enum members hash in Python code; a member's id stands for it (each is a singleton).
     if type(tensor) is not np.ndarray:
-        layout = gpu_layout(tensor)
+        layout = tensor_layout(tensor)
         return None if layout is None else (collective, id(op), root) + layout
     if not tensor.flags.writeable:
         return None
@@ -200,7 +200,8 @@ def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
     """A blocking call by the full path; once it has run, its shape is learnt."""
     group.submit(lambda seq: GroupCall(options, seq, tensor=view, **lists), False, seq_key)
     if key is not None:
-        group.learn_shape(key, options, view)
+        group.learn_shape(key, options, view,
+                          None if view is None else known_shape_input(view))
 
 
 # ---------------------------------------------------------------- groups

@@ -223,7 +223,8 @@ class Group:
             with self._lock:
                 self._queued -= 1
 
-    def learn_shape(self, key: Tuple, options: CallOptions, view: Optional[Any]) -> None:
+    def learn_shape(self, key: Tuple, options: CallOptions, view: Optional[Any],
+                    convert: Optional[Callable[[Any], Any]] = None) -> None:
         """Remember how to run later calls of one shape, after a call of it passed every check.
 
         Args:
@@ -231,10 +232,17 @@ class Group:
                 shape and strides).
             options: the call's options.
             view: its tensor's view (None for a barrier).
+            convert: what turns a later call's tensor into what the runner takes (a torch CPU
+                tensor's numpy array), or None when the runner takes it as it is.
         """
         if key in self.shape_runners or self._broken is not None:
             return
         runner = self.membership.shape_runner(options, view)
+        if runner is not None and convert is not None:
+            inner = runner
+
+            def runner(seq: int, tensor: Any) -> None:
+                inner(seq, convert(tensor))
         if runner is not None:
             if len(self.shape_runners) >= SHAPE_CACHE_SIZE:
                 self.shape_runners.clear()

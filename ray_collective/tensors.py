@@ -299,21 +299,23 @@ def _cupy_view(t: Any, what: str) -> TensorView:
                       shape=tuple(t.shape), device=device, kind="cupy")
 
 
-def gpu_layout(tensor: Any) -> Optional[tuple]:
-    """What decides whether a GPU tensor passes :func:`as_view`'s checks, for a cache key.
+def tensor_layout(tensor: Any) -> Optional[tuple]:
+    """What decides whether a cupy array or torch tensor passes :func:`as_view`'s checks, for
+    a cache key.
 
     Two tensors with the same layout pass or fail alike: the dtype, shape and strides decide
     the dtype and contiguity checks, the device where the call runs, and for torch the lazy
-    conjugate and negative bits. torch CPU tensors have none: a CPU backend works on their
-    numpy arrays, which the key does not give.
+    conjugate and negative bits.
 
     Args:
         tensor: any object.
 
     Returns:
         ``("cupy", dtype, shape, strides, device index)`` for a cupy array, ``("torch", dtype,
-        shape, stride, device, is_conj, is_neg)`` for a dense torch CUDA tensor, or None for
-        anything else (an object of cupy's that is no array, say: :func:`as_view` names it).
+        shape, stride, device, is_conj, is_neg)`` for a dense torch tensor on the CPU (not
+        bfloat16, whose numpy array :func:`known_shape_input` could not give) or CUDA, or None
+        for anything else (an object of cupy's that is no array, say: :func:`as_view` names
+        it).
     """
     module = type(tensor).__module__
     if module == "cupy" or module.startswith("cupy."):
@@ -323,10 +325,32 @@ def gpu_layout(tensor: Any) -> Optional[tuple]:
             return None
     torch = sys.modules.get("torch")
     if (torch is None or not isinstance(tensor, getattr(torch, "Tensor", ()))
-            or not tensor.is_cuda or tensor.layout is not torch.strided):
+            or tensor.layout is not torch.strided
+            or (not tensor.is_cuda and tensor.dtype is getattr(torch, "bfloat16", None))):
         return None
     return ("torch", tensor.dtype, tensor.shape, tensor.stride(), tensor.device,
             tensor.is_conj(), tensor.is_neg())
+
+
+def _torch_cpu_array(tensor: Any) -> np.ndarray:
+    return tensor.detach().numpy()
+
+
+def known_shape_input(view: TensorView) -> Optional[Callable[[Any], Any]]:
+    """How a later call's tensor of ``view``'s shape becomes what a CPU backend's known-shape
+    runner takes, or None when it takes the tensor itself (numpy arrays; GPU tensors, whose
+    backend reads their address).
+
+    Args:
+        view: the first call's tensor.
+
+    Returns:
+        For a torch CPU tensor, a function giving its numpy array (sharing its memory, in its
+        own shape); else None.
+    """
+    if view.kind == "torch" and view.device == "cpu":
+        return _torch_cpu_array
+    return None
 
 
 def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:

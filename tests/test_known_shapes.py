@@ -10,6 +10,7 @@ import pytest
 import ray_collective as col
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
+from support import extras
 
 
 def _runners():
@@ -268,3 +269,45 @@ def test_a_list_unlike_its_tensor_takes_the_full_path_and_its_checks(monkeypatch
 
     run_ranks(2, body)
     assert taken.count("allgather") == 4  # two ranks: the first call and the read-only one
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_torch_cpu_tensors_take_the_known_shape_path_on_their_numpy_memory(world_size,
+                                                                          monkeypatch):
+    torch = extras.need("torch", "torch tensors")
+    taken = _counting_full_path(monkeypatch)
+
+    def body(rank):
+        results = []
+        for step in range(3):
+            # requires_grad: the call works on the detached tensor's memory, as the full path.
+            x = torch.arange(5, dtype=torch.float64, requires_grad=True) * (rank + 1) + step
+            x = x.detach().requires_grad_(True)
+            col.allreduce(x)
+            results.append(x.detach().numpy().copy())
+            y = torch.full((3,), rank + step, dtype=torch.int32)
+            col.broadcast(y, src_rank=world_size - 1)
+            results.append(y.numpy().copy())
+            z = torch.full((2,), rank + 1.0 + step)
+            col.reduce(z, dst_rank=0, op=col.ReduceOp.MAX)
+            results.append(z.numpy().copy())
+            b = torch.full((2,), float(rank + step), dtype=torch.bfloat16)
+            col.allreduce(b)
+            results.append(b.float().numpy().copy())
+        return results
+
+    outcome = run_ranks(world_size, body)
+    for rank, results in enumerate(outcome):
+        for step in range(3):
+            allreduced, broadcast, reduced, bf16 = results[4 * step:4 * step + 4]
+            np.testing.assert_array_equal(allreduced, sum(
+                np.arange(5, dtype=np.float64) * (r + 1) + step for r in range(world_size)))
+            np.testing.assert_array_equal(broadcast, np.full(3, world_size - 1 + step))
+            np.testing.assert_array_equal(
+                reduced, np.full(2, (world_size if rank == 0 else rank + 1.0) + step))
+            np.testing.assert_array_equal(
+                bf16, np.full(2, sum(float(r + step) for r in range(world_size))))
+    # Each rank's first allreduce, broadcast and reduce, and every bfloat16 allreduce (its
+    # numpy array is a view the full path makes).
+    assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce"] * world_size
+                                   + ["allreduce"] * 3 * world_size)

@@ -198,8 +198,8 @@ class NcclMembership(Membership):
             ``runner(seq, array)``, or None for any other call.
         """
         collective = options.collective
-        if (view is None or view.kind not in ADDRESS_OF or not view.count
-                or collective not in _KNOWN_SHAPE_OPERATIONS):
+        if (view is None or view.kind not in ADDRESS_OF or not view.device.startswith("cuda:")
+                or not view.count or collective not in _KNOWN_SHAPE_OPERATIONS):
             return None
         lane = self._single.get(device_of(view, self.devices, self.group_name, "tensor"))
         if lane is None:
