@@ -11,6 +11,7 @@ import ray_collective as col
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
 from support import extras
+from support.helpers import count_full_path
 
 
 def _runners():
@@ -20,15 +21,7 @@ def _runners():
 def _counting_full_path(monkeypatch):
     """Count the calls that take the full path (``Membership.run``) in every rank."""
     from ray_collective.backends.transport_membership import TransportMembership
-    taken = []
-    original = TransportMembership.run
-
-    def run(self, call):
-        taken.append(call.options.collective.value)
-        return original(self, call)
-
-    monkeypatch.setattr(TransportMembership, "run", run)
-    return taken
+    return count_full_path(monkeypatch, TransportMembership)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

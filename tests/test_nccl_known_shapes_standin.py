@@ -19,6 +19,7 @@ import ray_collective as col
 from ray_collective.backends.nccl import NcclOptions
 from ray_collective.backends.nccl import completion
 from ray_collective.backends.nccl.backend import NcclMembership
+from support.helpers import count_full_path
 from support.nccl_ranks import run_nccl_ranks, values_of
 from support.nccl_standin import StandInCupyArray, StandInGpus
 
@@ -28,18 +29,6 @@ def gpus():
     gpus = StandInGpus(device_count=4)
     yield gpus
     gpus.close()  # what still waits (a rank that never came) raises instead
-
-
-def _counting_full_path(monkeypatch):
-    taken = []
-    original = NcclMembership.run
-
-    def run(self, call):
-        taken.append(call.options.collective.value)
-        return original(self, call)
-
-    monkeypatch.setattr(NcclMembership, "run", run)
-    return taken
 
 
 def _values(rank, step):
@@ -59,7 +48,7 @@ CALLS = {
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_repeated_calls_on_new_arrays_match_numpy_and_skip_the_full_path(gpus, name,
                                                                         monkeypatch):
-    taken = _counting_full_path(monkeypatch)
+    taken = count_full_path(monkeypatch, NcclMembership)
     call, _ = CALLS[name]
     steps = 4
 
@@ -162,7 +151,7 @@ class _StandInTorch:
 
 
 def test_torch_cuda_tensors_take_the_known_shape_path_too(gpus, monkeypatch):
-    taken = _counting_full_path(monkeypatch)
+    taken = count_full_path(monkeypatch, NcclMembership)
     torch = _StandInTorch(gpus)
     monkeypatch.setitem(sys.modules, "torch", torch)
 

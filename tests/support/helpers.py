@@ -1,7 +1,8 @@
 """What the tests share besides fixtures: reference results computed by numpy alone (with
 ``support.reference``), small integer inputs, the plain member actors the Ray tests form groups
-around (and how to run code inside them), acting while a transport waits, scripts and
-benchmarks run in a subprocess, and acting as another user (the security tests)."""
+around (and how to run code inside them), counting the calls that take a backend's full path,
+acting while a transport waits, scripts and benchmarks run in a subprocess, and acting as
+another user (the security tests)."""
 
 import contextlib
 import errno
@@ -47,6 +48,20 @@ class Member:
 
     def pid(self):
         return os.getpid()
+
+
+def count_full_path(monkeypatch, membership_class):
+    """Record the collective of every call that takes the full path (``membership_class.run``)
+    in every rank, as a list the test reads afterwards."""
+    taken = []
+    original = membership_class.run
+
+    def run(self, call):
+        taken.append(call.options.collective.value)
+        return original(self, call)
+
+    monkeypatch.setattr(membership_class, "run", run)
+    return taken
 
 
 def start_members(ray, count):

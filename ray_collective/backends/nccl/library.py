@@ -28,13 +28,13 @@ INSTALL_HINT = ("install CuPy built for your CUDA version together with NCCL, fo
 _EVENT_NOT_READY = 600  # cudaErrorNotReady: cudaEventQuery on an event whose work still runs
 _UNIQUE_ID_BYTES = 128
 
+# A GPU tensor's device address, by its TensorView.kind.
+ADDRESS_OF = {"cupy": lambda array: array.data.ptr, "torch": lambda tensor: tensor.data_ptr()}
+
 # Before CuPy 14, Cython converted the unique id through C ``char``, whose signedness is the
 # platform's: signed on x86, unsigned on ARM and POWER. Rank 0 and the other ranks may sit on
 # different machines (and CuPy versions), so the id travels as plain bytes and each rank converts
 # it to what its own CuPy takes.
-# A GPU tensor's device address, by its TensorView.kind.
-ADDRESS_OF = {"cupy": lambda array: array.data.ptr, "torch": lambda tensor: tensor.data_ptr()}
-
 _SIGNED_CHAR_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
