@@ -263,7 +263,8 @@ def test_a_large_reducescatter_agrees_on_both_engines_whatever_its_tensor_aliase
 
 @needs_native
 @pytest.mark.parametrize("world_size, algorithm", [(2, "pairwise"), (3, "pairwise"),
-                                                   (4, "pairwise"), (3, "bruck"), (4, "bruck")])
+                                                   (4, "pairwise"), (3, "bruck"), (4, "bruck"),
+                                                   (3, "linear"), (4, "linear")])
 @pytest.mark.parametrize("blocks", ["small", "large"])
 def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory, monkeypatch,
                                                                    world_size, algorithm,

@@ -44,6 +44,13 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("reducescatter", 1 << 20, 32, None, "recursive_halving"),
     ("alltoall", 2, 64, None, "bruck"),
     ("alltoall", 1 << 20, 64, None, "pairwise"),
+    # blocks up to 128 KiB on one node up to 8 ranks: every pair's message in one round;
+    # elsewhere a peer a round
+    ("alltoall", 1 << 15, 8, None, "linear"),
+    ("alltoall", 2, 8, (0,) * 8, "linear"),
+    ("alltoall", (1 << 15) + 1, 8, None, "pairwise"),
+    ("alltoall", 1 << 20, 9, None, "pairwise"),
+    ("alltoall", 2, 4, (0, 0, 1, 1), "pairwise"),
     ("barrier", 0, 64, None, "dissemination"),
     ("gather", 2, 64, None, "binomial"),
     # large blocks on one node: to the root in one round, up to 16 ranks

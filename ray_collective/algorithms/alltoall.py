@@ -2,12 +2,16 @@
 
 Block j of every rank travels into a block v of the same size, so the blocks are necessarily
 all of one size n (elements); ``bruck`` relies on that to see the buffers as p rows of n. The
-send and receive buffers must not overlap. Two algorithms, for any number of ranks p:
+send and receive buffers must not overlap. Three algorithms, for any number of ranks p:
 
 - **pairwise** — in round s (1 <= s < p), rank v sends block v + s to rank v + s and receives
   block v - s from rank v - s (mod p); its own block is a local copy. p - 1 rounds,
   n·(p - 1) elements per rank: each block crosses the network once, straight from the send
   buffer into its place. Chosen for large blocks, where bandwidth dominates.
+- **linear** — the same messages in one round: rank v posts its p - 1 sends (to v + 1, v + 2,
+  ...) and its p - 1 receives at once, so every pair's message moves as soon as both sides are
+  in the call, and no rank waits on a slow peer before serving the others. Chosen on one node
+  for large blocks, where the native core runs every pair's ring side by side.
 - **Bruck** — rank v first rotates its blocks into scratch so that row i holds the block bound
   for rank v + i. In round k (0 <= k < ceil(log2 p)) it packs every row whose index has bit k
   set into one message to rank v + 2^k and unpacks the message from rank v - 2^k into the same
@@ -36,6 +40,20 @@ def pairwise(team: Team, sendbuf: np.ndarray, recvbuf: np.ndarray, blocks: Block
         to, source = (v + s) % p, (v - s) % p
         yield (Send(team.peer(to), blocks.view(sendbuf, to), step0 + s - 1),
                Recv(team.peer(source), blocks.view(recvbuf, source), step0 + s - 1))
+
+
+def linear(team: Team, sendbuf: np.ndarray, recvbuf: np.ndarray, blocks: Blocks, ctx: Context,
+           step0: int = 0) -> AlgorithmGen:
+    """Exchange blocks directly with every other rank, all in one round."""
+    v, p = team.index, team.size
+    ctx.copy(blocks.view(recvbuf, v), blocks.view(sendbuf, v))
+    if p == 1:
+        return
+    peers = [(v + s) % p for s in range(1, p)]
+    sends = tuple(Send(team.peer(to), blocks.view(sendbuf, to), step0) for to in peers)
+    receives = tuple(Recv(team.peer(source), blocks.view(recvbuf, source), step0)
+                     for source in ((v - s) % p for s in range(1, p)))
+    yield sends + receives
 
 
 def rows_with_bit(rows: np.ndarray, k: int) -> List[np.ndarray]:
@@ -87,6 +105,11 @@ def pairwise_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cos
     return Cost(p - 1, count * (p - 1))
 
 
+def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """One round; every block but the own one is sent once."""
+    return Cost(min(1, p - 1), count * (p - 1))
+
+
 def bruck_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """ceil(log2 p) rounds; round k sends the rows i < p with bit k set."""
     rounds = log_rounds(p)
@@ -96,5 +119,6 @@ def bruck_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
 
 ALGORITHMS = (
     Algorithm("alltoall", "pairwise", pairwise, pairwise_cost),
+    Algorithm("alltoall", "linear", linear, linear_cost),
     Algorithm("alltoall", "bruck", bruck, bruck_cost),
 )

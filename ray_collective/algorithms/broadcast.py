@@ -16,8 +16,9 @@
   nodes one after the other, so that only the links between them cross nodes.
 - **linear** — one round: the root sends the whole buffer to every other rank. The root sends
   n·(p-1) elements, so it is no choice where the root's link bounds the call; on one node the
-  receivers copy the buffer out of the root's memory side by side (the native core's reads in
-  place), each exactly once, with no round waiting on another.
+  receivers copy the buffer side by side (on the native core out of their rings from the root,
+  or from 32 MiB out of the root's memory itself), each exactly once, with no round waiting
+  on another.
 """
 
 from __future__ import annotations

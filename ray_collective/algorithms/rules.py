@@ -15,7 +15,8 @@ The rules, and why:
   ranks goes binomially unless the message is so large that the root's extra bytes cost more
   than a ring's rounds (``BROADCAST_ROUND_BYTES``);
 - on one node, a large scatter goes in one round from the root (linear): its receivers copy
-  their blocks side by side rather than down a tree;
+  their blocks side by side rather than down a tree; an alltoall of blocks up to 128 KiB
+  there goes in one round too, every pair's message at once;
 - algorithms that need a power of two are only picked when p is one.
 
 The choice between these and the hierarchical variants (several nodes) is the selector's
@@ -53,12 +54,25 @@ ranks and 4.2 s at 128, a cost that grows with p²."""
 
 LINEAR_BROADCAST_MAX_RANKS = 8
 """Up to this many ranks on one node, a broadcast that is not small goes from the root in one
-round (``broadcast.linear``): every receiver copies the buffer once, out of the root's memory
-on the native core, side by side. Measured on 2 cores against MPICH in the same run (ray /
-MPICH p50, medians of four runs at 4 ranks, two at 8, 2026-11-27): at 4 ranks, 256 KiB 0.99
-against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 0.91 (1.22, 0.83), 4 MiB 0.74
-(0.99, 0.77), 16 MiB 0.46 (0.61, 0.53); at 8 ranks, 1 MiB 0.58 (0.81, 0.63), 16 MiB 0.64
-(0.62, 0.60). Not measured beyond 8 ranks, where scatter+allgather stays."""
+round (``broadcast.linear``): every receiver copies the buffer once, side by side. Measured
+on 2 cores against MPICH in the same run (ray / MPICH p50, medians of four runs at 4 ranks,
+two at 8, 2026-11-27, receivers then reading 256 KiB or more out of the root's memory): at 4
+ranks, 256 KiB 0.99 against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 0.91 (1.22,
+0.83), 4 MiB 0.74 (0.99, 0.77), 16 MiB 0.46 (0.61, 0.53); at 8 ranks, 1 MiB 0.58 (0.81,
+0.63), 16 MiB 0.64 (0.62, 0.60). Through the rings (``native.runner.REMOTE_MIN_BYTES``), 1 MiB
+at 4 ranks 0.31-0.40 in six runs. Not measured beyond 8 ranks, where scatter+allgather
+stays."""
+
+LINEAR_ALLTOALL_MAX_RANKS = 8
+LINEAR_ALLTOALL_MAX_BLOCK_BYTES = 128 * 1024
+"""Up to this many ranks on one node and blocks of up to this size, an alltoall posts all its
+messages in one round (``alltoall.linear``) instead of one peer per round (pairwise): no rank
+waits for a slow peer before serving the next. Measured on 2 cores with the native core, ray
+p50 linear against pairwise, medians of four runs in two alternated pairs (2026-11-27), at 8
+ranks: 64 KiB 138 against 167 us, 256 KiB 213 against 280, 1 MiB (blocks of 128 KiB) 705
+against 853; 4 MiB (blocks of 512 KiB) 2.74 against 2.37 ms, where every pair's parts in
+flight at once crowd the cache. At 4 ranks level (1 MiB 222 against 209 us). Not measured
+beyond 8 ranks, where pairwise stays."""
 
 SMALL_BLOCK_BYTES = 1024
 """Alltoall blocks below this size go through Bruck's log-round packing."""
@@ -131,7 +145,12 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         # 0.66; 8 ranks (two runs) 1 MiB 0.67 against 0.97, 16 MiB 0.17 against 0.30.
         return "linear" if one_node and not small and p <= RING_MAX_RANKS else "binomial"
     if collective == "alltoall":
-        return "bruck" if nbytes < SMALL_BLOCK_BYTES and p > 8 else "pairwise"
+        if nbytes < SMALL_BLOCK_BYTES and p > 8:
+            return "bruck"
+        if one_node and p <= LINEAR_ALLTOALL_MAX_RANKS \
+                and nbytes <= LINEAR_ALLTOALL_MAX_BLOCK_BYTES:
+            return "linear"
+        return "pairwise"
     if collective == "barrier":
         return "dissemination"
     return "binomial"

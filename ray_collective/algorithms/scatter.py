@@ -16,9 +16,9 @@ A subtree whose blocks wrap past the last block travels as two messages in one r
 
 - **linear** — one round: the root sends every other rank its block, and each receives it
   straight from the root. Each block crosses once, where the tree forwards a subtree's blocks
-  down a level at every round; on one node the receivers then copy their blocks out of the
-  root's memory side by side (the native core's reads in place) instead of one after another
-  down the tree. Chosen for large blocks on one node.
+  down a level at every round; on one node the receivers then copy their blocks side by side
+  (on the native core out of their rings from the root, or from 32 MiB out of the root's
+  memory itself) instead of one after another down the tree. Chosen for large blocks on one node.
 """
 
 from __future__ import annotations

@@ -93,12 +93,21 @@ us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us ei
 (MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
 
 
-REMOTE_MIN_BYTES = 256 << 10
+REMOTE_MIN_BYTES = 32 << 20
 """From this size on, a message of a collective that reduces nothing (broadcast, allgather,
-gather, scatter) is read by its receiver straight from the sender's memory
+gather, scatter, alltoall) is read by its receiver straight from the sender's memory
 (``process_vm_readv``, see ``remote.c``): one copy instead of two through the ring. Where the
 kernel refuses (another user's process, Yama's ptrace_scope above 0 without CAP_SYS_PTRACE),
-the messages go through the ring as below this size."""
+the messages go through the ring as below this size. Below 32 MiB the ring is faster: the
+kernel walks and pins the sender's pages one by one (``perf`` at 4 ranks, alltoall of 1 MiB:
+page-table walks and pinning took three times the samples of the copy itself), while the
+ring's two copies stay in the cache and run on both sides at once. Measured on 2 cores with
+``python -m benchmarks --collective alltoall,allgather,broadcast,gather,scatter --backends
+ray,mpi4py --bytes 1M,4M,16M,64M`` at 2, 4 and 8 ranks, alternated runs (2026-11-27): with
+the former threshold of 256 KiB, alltoall of 1 MiB at 4 ranks took 1.53x and 1.81x MPICH's
+time and allgather of 4 MiB 1.43x and 1.32x, through the ring 1.09x and 0.82x, 0.87x and
+1.00x; broadcast of 1 MiB 1.69x and 1.01x against 0.36x and 0.40x. At 2 ranks and 64 MiB
+(messages of 32 MiB or 64 MiB) the ring alone took 1.13-1.36x the time of reading in place."""
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
