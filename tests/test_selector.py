@@ -34,6 +34,12 @@ from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE, forced_algo
     ("allgather", 2, 8, None, "recursive_doubling"),
     ("allgather", 2, 9, None, "bruck"),
     ("allgather", 1 << 20, 8, None, "ring"),
+    # blocks from 16 KiB up to 128 KiB on one node up to 8 ranks: in one round
+    ("allgather", 1 << 15, 8, None, "linear"),
+    ("allgather", 1 << 12, 4, (0,) * 4, "linear"),
+    ("allgather", (1 << 12) - 1, 8, None, "recursive_doubling"),
+    ("allgather", 1 << 15, 9, None, "ring"),
+    ("allgather", 1 << 15, 4, (0, 0, 1, 1), "ring"),
     ("reducescatter", 2, 8, None, "recursive_halving"),
     ("reducescatter", 2, 9, None, "halving_fold"),
     # large blocks: pairwise on one node (reduced at their owners from the inputs), the ring

@@ -15,6 +15,9 @@ differ in rounds and in whom a rank talks to:
   first; in round i it sends its first min(2^i, p-2^i) blocks to v-2^i and appends as many from
   v+2^i. ceil(log2 p) rounds, then a local copy undoes the rotation. Chosen instead of
   recursive doubling when p is not a power of two.
+- **linear** — one round: rank v sends its own block to every other rank (v+1, v+2, ...) and
+  takes every other block straight from its owner. The same bytes as the ring, but no round
+  waits on another: on one node, where the native core runs every pair's ring side by side.
 
 Each algorithm labels round i with step ``step0 + i``, so that composites can run phases back
 to back with step offsets.
@@ -35,6 +38,17 @@ def ring(team: Team, buf: np.ndarray, blocks: Blocks, ctx: Context,
     for s in range(p - 1):
         yield (Send(right, blocks.view(buf, (v - s) % p), step0 + s),
                Recv(left, blocks.view(buf, (v - s - 1) % p), step0 + s))
+
+
+def linear(team: Team, buf: np.ndarray, blocks: Blocks, ctx: Context,
+           step0: int = 0) -> AlgorithmGen:
+    """Allgather in one round: every rank's block straight to every other rank."""
+    p, v = team.size, team.index
+    if p == 1:
+        return
+    others = [(v + s) % p for s in range(1, p)]
+    yield (tuple(Send(team.peer(w), blocks.view(buf, v), step0) for w in others)
+           + tuple(Recv(team.peer(w), blocks.view(buf, w), step0) for w in others))
 
 
 def recursive_doubling(team: Team, buf: np.ndarray, blocks: Blocks, ctx: Context,
@@ -81,6 +95,11 @@ def ring_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     return Cost(p - 1, (p - 1) * count)
 
 
+def linear_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """One round; every rank sends its block to each of the p - 1 others."""
+    return Cost(min(1, p - 1), count * (p - 1))
+
+
 def recursive_doubling_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
     """log2(p) rounds, (p-1)·count elements per rank."""
     return Cost(p.bit_length() - 1, (p - 1) * count)
@@ -96,4 +115,5 @@ ALGORITHMS = (
     Algorithm("allgather", "recursive_doubling", recursive_doubling, recursive_doubling_cost,
               power_of_two_only=True),
     Algorithm("allgather", "bruck", bruck, bruck_cost),
+    Algorithm("allgather", "linear", linear, linear_cost),
 )

@@ -15,8 +15,8 @@ The rules, and why:
   ranks goes binomially unless the message is so large that the root's extra bytes cost more
   than a ring's rounds (``BROADCAST_ROUND_BYTES``);
 - on one node, a large scatter goes in one round from the root (linear): its receivers copy
-  their blocks side by side rather than down a tree; an alltoall of blocks up to 128 KiB
-  there goes in one round too, every pair's message at once;
+  their blocks side by side rather than down a tree; an alltoall or allgather of blocks up
+  to 128 KiB there goes in one round too, every pair's message at once;
 - algorithms that need a power of two are only picked when p is one.
 
 The choice between these and the hierarchical variants (several nodes) is the selector's
@@ -63,16 +63,18 @@ ranks, 256 KiB 0.99 against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 
 at 4 ranks 0.31-0.40 in six runs. Not measured beyond 8 ranks, where scatter+allgather
 stays."""
 
-LINEAR_ALLTOALL_MAX_RANKS = 8
-LINEAR_ALLTOALL_MAX_BLOCK_BYTES = 128 * 1024
-"""Up to this many ranks on one node and blocks of up to this size, an alltoall posts all its
-messages in one round (``alltoall.linear``) instead of one peer per round (pairwise): no rank
-waits for a slow peer before serving the next. Measured on 2 cores with the native core, ray
-p50 linear against pairwise, medians of four runs in two alternated pairs (2026-11-27), at 8
-ranks: 64 KiB 138 against 167 us, 256 KiB 213 against 280, 1 MiB (blocks of 128 KiB) 705
-against 853; 4 MiB (blocks of 512 KiB) 2.74 against 2.37 ms, where every pair's parts in
-flight at once crowd the cache. At 4 ranks level (1 MiB 222 against 209 us). Not measured
-beyond 8 ranks, where pairwise stays."""
+LINEAR_EXCHANGE_MAX_RANKS = 8
+LINEAR_EXCHANGE_MAX_BLOCK_BYTES = 128 * 1024
+"""Up to this many ranks on one node and blocks of up to this size, an alltoall or an allgather
+(of blocks not small) posts all its messages in one round (``alltoall.linear``,
+``allgather.linear``) instead of one peer per round (pairwise, the ring): no rank waits for a
+slow peer before serving the next. Measured on 2 cores with the native core, ray p50, two
+alternated pairs of runs (2026-11-27), at 8 ranks: alltoall against pairwise (medians of
+four runs) 256 KiB 213 against 280 us, 1 MiB (blocks of 128 KiB) 705 against 853, but 4 MiB
+(blocks of 512 KiB) 2.74 against 2.37 ms, where every pair's parts in flight at once crowd
+the cache; allgather against the ring, 256 KiB 175 and 202 against 231 and 329 us, 1 MiB 554
+and 682 against 703 and 782, 4 MiB 2.59 and 2.87 against 1.99 and 2.38 ms. At 4 ranks both
+level. Not measured beyond 8 ranks, where pairwise and the ring stay."""
 
 SMALL_BLOCK_BYTES = 1024
 """Alltoall blocks below this size go through Bruck's log-round packing."""
@@ -119,6 +121,9 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
             return "binomial"
         return "scatter_allgather"
     if collective == "allgather":
+        if not small and one_node and p <= LINEAR_EXCHANGE_MAX_RANKS \
+                and nbytes <= LINEAR_EXCHANGE_MAX_BLOCK_BYTES:
+            return "linear"
         if not small and p <= RING_MAX_RANKS:
             return "ring"
         return "recursive_doubling" if is_power_of_two(p) else "bruck"
@@ -147,8 +152,8 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
     if collective == "alltoall":
         if nbytes < SMALL_BLOCK_BYTES and p > 8:
             return "bruck"
-        if one_node and p <= LINEAR_ALLTOALL_MAX_RANKS \
-                and nbytes <= LINEAR_ALLTOALL_MAX_BLOCK_BYTES:
+        if one_node and p <= LINEAR_EXCHANGE_MAX_RANKS \
+                and nbytes <= LINEAR_EXCHANGE_MAX_BLOCK_BYTES:
             return "linear"
         return "pairwise"
     if collective == "barrier":
