@@ -17,7 +17,9 @@ differ in rounds and in whom a rank talks to:
   recursive doubling when p is not a power of two.
 - **linear** — one round: rank v sends its own block to every other rank (v+1, v+2, ...) and
   takes every other block straight from its owner. The same bytes as the ring, but no round
-  waits on another: on one node, where the native core runs every pair's ring side by side.
+  waits on another. Chosen on one node (up to 8 ranks, blocks of 16 KiB to 128 KiB:
+  ``rules.LINEAR_EXCHANGE_MAX_BLOCK_BYTES``), where the native core runs every pair's ring
+  side by side.
 
 Each algorithm labels round i with step ``step0 + i``, so that composites can run phases back
 to back with step offsets.

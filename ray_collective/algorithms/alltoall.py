@@ -11,7 +11,8 @@ send and receive buffers must not overlap. Three algorithms, for any number of r
 - **linear** — the same messages in one round: rank v posts its p - 1 sends (to v + 1, v + 2,
   ...) and its p - 1 receives at once, so every pair's message moves as soon as both sides are
   in the call, and no rank waits on a slow peer before serving the others. Chosen on one node
-  for large blocks, where the native core runs every pair's ring side by side.
+  (up to 8 ranks, blocks up to 128 KiB: ``rules.LINEAR_EXCHANGE_MAX_BLOCK_BYTES``), where the
+  native core runs every pair's ring side by side.
 - **Bruck** — rank v first rotates its blocks into scratch so that row i holds the block bound
   for rank v + i. In round k (0 <= k < ceil(log2 p)) it packs every row whose index has bit k
   set into one message to rank v + 2^k and unpacks the message from rank v - 2^k into the same
@@ -49,11 +50,10 @@ def linear(team: Team, sendbuf: np.ndarray, recvbuf: np.ndarray, blocks: Blocks,
     ctx.copy(blocks.view(recvbuf, v), blocks.view(sendbuf, v))
     if p == 1:
         return
-    peers = [(v + s) % p for s in range(1, p)]
-    sends = tuple(Send(team.peer(to), blocks.view(sendbuf, to), step0) for to in peers)
-    receives = tuple(Recv(team.peer(source), blocks.view(recvbuf, source), step0)
-                     for source in ((v - s) % p for s in range(1, p)))
-    yield sends + receives
+    yield (tuple(Send(team.peer(v + s), blocks.view(sendbuf, (v + s) % p), step0)
+                 for s in range(1, p))
+           + tuple(Recv(team.peer(v - s), blocks.view(recvbuf, (v - s) % p), step0)
+                   for s in range(1, p)))
 
 
 def rows_with_bit(rows: np.ndarray, k: int) -> List[np.ndarray]:

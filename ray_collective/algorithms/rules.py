@@ -104,6 +104,8 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
     """
     p = world_size
     small = nbytes < SMALL_MESSAGE_BYTES
+    exchange_in_one_round = (one_node and p <= LINEAR_EXCHANGE_MAX_RANKS
+                             and nbytes <= LINEAR_EXCHANGE_MAX_BLOCK_BYTES)
     if collective == "allreduce":
         if small:
             tree_above = (OVERSUBSCRIBED_BETWEEN_NODES_TREE_MIN_RANKS if between_nodes
@@ -121,8 +123,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
             return "binomial"
         return "scatter_allgather"
     if collective == "allgather":
-        if not small and one_node and p <= LINEAR_EXCHANGE_MAX_RANKS \
-                and nbytes <= LINEAR_EXCHANGE_MAX_BLOCK_BYTES:
+        if not small and exchange_in_one_round:
             return "linear"
         if not small and p <= RING_MAX_RANKS:
             return "ring"
@@ -152,10 +153,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
     if collective == "alltoall":
         if nbytes < SMALL_BLOCK_BYTES and p > 8:
             return "bruck"
-        if one_node and p <= LINEAR_EXCHANGE_MAX_RANKS \
-                and nbytes <= LINEAR_EXCHANGE_MAX_BLOCK_BYTES:
-            return "linear"
-        return "pairwise"
+        return "linear" if exchange_in_one_round else "pairwise"
     if collective == "barrier":
         return "dissemination"
     return "binomial"

@@ -108,8 +108,8 @@ the former threshold of 256 KiB, alltoall of 1 MiB at 4 ranks took 1.53x and 1.8
 time and allgather of 4 MiB 1.43x and 1.32x, through the ring 1.09x and 0.82x, 0.87x and
 1.00x; broadcast of 1 MiB 1.69x and 1.01x against 0.36x and 0.40x; an allreduce's ring, whose
 allgather phase reduces nothing, of 1 MiB at 4 ranks 469 and 320 us against 189 and 206 (MPICH
-410-613 us). At 2 ranks and 64 MiB
-(messages of 32 MiB or 64 MiB) the ring alone took 1.13-1.36x the time of reading in place."""
+410-613 us). At 2 ranks and 64 MiB (messages of 32 MiB or 64 MiB) the ring alone took
+1.13-1.36x the time of reading in place."""
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
