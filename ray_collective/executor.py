@@ -21,6 +21,7 @@ from .transport.base import COLLECTIVE_TAG, Request, Transport
 from .transport.wire import CallStamp
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
+RoundRunner = Callable[[int, Sequence[np.ndarray], CallStamp, float], Optional[Sequence[int]]]
 
 
 def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
@@ -38,7 +39,8 @@ def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
 
 def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag: int,
              stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str,
-             watch: Optional[Callable[[], None]] = None, watch_every_s: float = 0.05) -> None:
+             watch: Optional[Callable[[], None]] = None, watch_every_s: float = 0.05,
+             rounds: Optional[RoundRunner] = None) -> None:
     """Run one rank's part of a call by replaying ``plan`` on ``slots``, blocking.
 
     Args:
@@ -53,6 +55,10 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
         watch: called every ``watch_every_s`` while a round waits: a check that raises what
             the transport cannot see (a peer's part of another call on the native core).
         watch_every_s: seconds between two calls of ``watch``.
+        rounds: runs a round itself where it can (the native core over the streams between
+            nodes, ``native.streams``): given the round's index in ``plan.steps``, the slots,
+            the stamp and the deadline, it returns None where it cannot (the round then goes
+            over ``transport``), else the peers still pending at the deadline (empty: done).
 
     Raises:
         CollectiveTimeoutError: a round was still incomplete ``timeout`` seconds after the start;
@@ -65,10 +71,18 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
     if collective:
         transport.arrive(stamp)
     isend, irecv = transport.isend, transport.irecv
-    for step in plan.steps:
+    for index, step in enumerate(plan.steps):
         if type(step) is Local:
             step.run(slots, combine)
             continue
+        if rounds is not None:
+            late = rounds(index, slots, stamp, deadline)
+            if late:
+                absent = transport.absent_ranks(stamp.seq) if collective else None
+                raise CollectiveTimeoutError(stamp.template.group, transport.rank, what,
+                                             stamp.seq, absent or late, timeout)
+            if late is not None:
+                continue
         requests = []
         for is_send, peer, number, (slot, start, stop), reduce in step:
             buffer = slots[slot][start:stop]

@@ -1,6 +1,7 @@
 """A ``ray`` group across three Ray nodes on one machine (``ray.cluster_utils.Cluster``), two
 ranks per node: every collective correct on small and large tensors, the hierarchical path taken
-(only one rank per node, or the root, talks across nodes), one post office per node while the
+(only one rank per node, or the root, talks across nodes, its rounds between nodes in the native
+core once its streams are known), one post office per node while the
 group lives and nothing left after it is destroyed (keys, post offices, stream sockets); for a
 declared group over streams and over the object store, and an imperative group over streams.
 Over streams: a stranger with a wrong key refused by a live listener, a rank SIGKILLed on
@@ -69,6 +70,18 @@ def test_hierarchical_path_is_taken(summary, scenario):
     # nodes; under a flat algorithm every rank would send across nodes.
     leaders = {expected_nodes.index(node) for node in expected_nodes}
     assert seen["ranks_that_crossed_nodes"] == sorted(leaders | {seen["root"]})
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rounds_between_nodes_run_in_the_native_core_over_streams(summary, scenario):
+    """Every rank that crosses nodes runs some of its rounds between nodes in the core
+    (``native.streams``) once its peers' first messages came; none over the object store."""
+    seen = summary[scenario]
+    rounds = seen["stream_rounds_in_core"]
+    if scenario == "declared_object_store":
+        assert rounds == [0] * WORLD_SIZE
+    else:
+        assert all(rounds[r] > 0 for r in seen["ranks_that_crossed_nodes"]), rounds
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -26,6 +26,7 @@ from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
 from ..tensors import TensorView, combiner, finalize_average
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
+from ..native.streams import StreamPlan
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
@@ -71,20 +72,25 @@ class PreparedCall:
             followed by its receive buffer), kept from call to call when it is small (calls
             of one group run one at a time), else None.
         segments: for an algorithm of ``CUT_BY_WAY`` in a group on the native core that spans
-            nodes, the plan cut where its rounds change way: ``(core plan, None)`` for a run
-            of rounds with this node's ranks, ``(None, plan)`` for one with other nodes' ranks
-            (over the transport); the local steps go with the rounds before them. None
-            otherwise.
+            nodes, the plan cut where its rounds change way: ``(core plan, None, None)`` for
+            a run of rounds with this node's ranks, ``(None, plan, stream plan)`` for one with
+            other nodes' ranks (over the transport, its rounds in the core where their streams
+            allow: ``native.streams``; the stream plan None where the group has no streams);
+            the local steps go with the rounds before them. None otherwise.
+        on_streams: for any other plan run over the transport in a group on the native core
+            that spans nodes, its rounds between nodes in the core's form
+            (``native.streams``), or None.
     """
 
     __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native", "kept_buffer", "segments")
+                 "average", "native", "kept_buffer", "segments", "on_streams")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
                  native: Optional[NativePlan] = None,
-                 segments: Optional[Tuple[Tuple[Optional[NativePlan], Optional[Plan]],
-                                          ...]] = None):
+                 segments: Optional[Tuple[Tuple[Optional[NativePlan], Optional[Plan],
+                                                Optional[StreamPlan]], ...]] = None,
+                 on_streams: Optional[StreamPlan] = None):
         self.options = options
         self.plan = plan
         self.template = template
@@ -95,6 +101,7 @@ class PreparedCall:
         self.average = average
         self.native = native
         self.segments = segments
+        self.on_streams = on_streams
         self.kept_buffer = None
         if (native is not None and options.collective in _LISTS_IN_CORE
                 and blocks.total * plan.dtype.itemsize <= KEEP_SCRATCH_BYTES):
@@ -207,14 +214,16 @@ def _list_runner(membership: "TransportMembership", prepared: PreparedCall, dtyp
     return run
 
 
-def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan], NativePlan]
-              ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan]], ...]:
+def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan], NativePlan],
+              on_streams: Callable[[Plan], Optional[StreamPlan]]
+              ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan], Optional[StreamPlan]],
+                         ...]:
     """``plan`` of an algorithm of ``CUT_BY_WAY`` cut where its rounds change way
     (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
     between two ranks of a node goes through the core, one between nodes through the
     transport, on both ends. These algorithms never mix the two in a round (a test
     checks it over many layouts); a round that did would raise here. ``on_core`` prepares a
-    run of rounds for the core."""
+    run of rounds for the core, ``on_streams`` one between nodes."""
     here = node_of[rank]
     runs: List[Tuple[bool, list]] = []
     leading: list = []  # local steps before the first round
@@ -237,7 +246,8 @@ def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan]
     segments = []
     for within, steps in runs:
         part = Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
-        segments.append((on_core(part), None) if within else (None, part))
+        segments.append((on_core(part), None, None) if within
+                        else (None, part, on_streams(part)))
     return tuple(segments)
 
 
@@ -383,13 +393,16 @@ class TransportMembership(Membership):
             plan = point_to_point(collective is Collective.SEND, options.peer, count, dtype)
             header = CallHeader(self.group_name, self.epoch, 0, "send/recv", "direct",
                                 dtype_name, count, shape)
-            native = None
-            # Between nodes a send or recv takes the transport alone: the core has no ring.
+            native = on_streams = None
+            # Between nodes a send or recv takes the transport (its stream in the core where
+            # it can: native.streams).
             if self.native is not None and (
                     self.node_of is None or self.node_of[options.peer] == self.node_of[rank]):
                 native = self.native.prepare(plan, collective.value, dtype_name, None)
+            elif self.native is not None:
+                on_streams = self.native.prepare_streams(plan, dtype_name, None, self.node_of)
             return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
-                                options.tag, "in place", False, native)
+                                options.tag, "in place", False, native, on_streams=on_streams)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology,
@@ -413,10 +426,18 @@ class TransportMembership(Membership):
         if self.native is not None and self.node_of is None:
             native = self.native.prepare(plan, collective.value, dtype_name, op_or_none, lists)
         elif self.native is not None and algorithm.name in CUT_BY_WAY:
-            segments = _segments(plan, self.node_of, rank, lambda part: self.native.prepare(
-                part, collective.value, dtype_name, op_or_none))
+            segments = _segments(
+                plan, self.node_of, rank,
+                lambda part: self.native.prepare(part, collective.value, dtype_name,
+                                                 op_or_none),
+                lambda part: self.native.prepare_streams(part, dtype_name, op_or_none,
+                                                         self.node_of))
+        on_streams = None
+        if self.native is not None and self.node_of is not None and segments is None:
+            on_streams = self.native.prepare_streams(plan, dtype_name, op_or_none, self.node_of)
         return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
-                            COLLECTIVE_TAG, layout, average, native, segments=segments)
+                            COLLECTIVE_TAG, layout, average, native, segments=segments,
+                            on_streams=on_streams)
 
     def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
         tensor = call.tensor.array if call.tensor is not None else None
@@ -488,17 +509,25 @@ class TransportMembership(Membership):
             watch_every_s = native.slice_s
         if prepared.segments is not None:
             deadline = time.monotonic() + timeout
-            for core_plan, part in prepared.segments:
+            for core_plan, part, on_streams in prepared.segments:
                 left = max(0.0, deadline - time.monotonic())
                 if core_plan is not None:
                     native.run(core_plan, slots, prepared.template, stamp.seq, left, what,
                                prepared.tag)
-                else:
-                    run_plan(part, slots, self.transport, prepared.tag, stamp,
-                             prepared.combine, left, what, watch, watch_every_s)
+                    continue
+                rounds = None
+                if on_streams is not None:
+                    rounds = functools.partial(native.streams.run, on_streams,
+                                               tag=prepared.tag, watch=watch)
+                run_plan(part, slots, self.transport, prepared.tag, stamp, prepared.combine,
+                         left, what, watch, watch_every_s, rounds)
             return
+        rounds = None
+        if prepared.on_streams is not None:
+            rounds = functools.partial(native.streams.run, prepared.on_streams,
+                                       tag=prepared.tag, watch=watch)
         run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
-                 timeout, what, watch, watch_every_s)
+                 timeout, what, watch, watch_every_s, rounds)
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -1,5 +1,6 @@
-"""The native core of the data path on one node: a C extension that runs a whole recorded plan
-over shared memory with the GIL released.
+"""The native core of the data path: a C extension that runs a whole recorded plan over shared
+memory on a node, and rounds of messages over the TCP streams between nodes, with the GIL
+released.
 
 Importing this package never fails: :func:`available` says whether the extension was built and
 imports, :func:`import_error` why not. The extension, ``ray_collective.native._core``::
@@ -16,6 +17,8 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     node.close()                           # also a context manager
     combine(dtype_code, op_code, acc, incoming)   # the reduction kernel alone
     itemsize(dtype_code)                          # bytes per element (0: unknown code)
+    pending = stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes,
+                           max_frame_bytes, timeout_s, slice_s, on_event, watched)
 
 - ``Node(...)``: ``directory`` is a private directory (this user's, mode 0700, else
   PermissionError) shared by the ranks of one group on one node, which all pass the same
@@ -73,8 +76,23 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   ``part_bytes``, ``tag``; and ``expected_step``, ``expected_count`` of the receive (-1 when
   the message was found at the head of a ring before any receive from that peer: same call
   number, other header).
+- ``stream_round(...)`` runs one round of messages over connected, authenticated stream
+  sockets ``fds`` (``streams.c``; :mod:`.streams` is its caller): ``table`` an int64 array of
+  rows ``stream, flags, step, slot, start, stop`` (the stream an index into ``fds``, flags and
+  elements as in the plan code), ``slots`` and ``header`` as for ``start``; sends are framed
+  as ``transport.tcp`` frames them, in parts of ``part_bytes``, and frames longer than
+  ``max_frame_bytes`` are refused. It returns the indices of the messages still pending after
+  ``timeout_s`` (empty once all are done). ``on_event(kind, stream, detail)`` is called with the
+  GIL: ``STREAM_SLICE`` every ``slice_s`` of waiting (it may raise, which ends the round);
+  ``STREAM_FOREIGN`` with a whole frame (bytes, its length prefix stripped) that is not of the
+  round's tag; ``STREAM_WATCHED`` when socket ``watched[stream]`` (sockets the round polls
+  while it waits but never reads: the caller's listener, its other streams) is ready, for the
+  caller to serve (the round polls it no more); and, where it must raise (else RuntimeError), ``STREAM_CLOSED`` (the stream ended
+  or failed), ``STREAM_PROTOCOL`` (a frame the protocol forbids; detail says how) and
+  ``STREAM_MISMATCH`` (detail: the message's index, its bytes received, then the part's header,
+  step, count, message bytes, offset and size). ValueError for a malformed table, MemoryError.
 - Constants ``DONE``, ``REROUTED``, ``PENDING``, ``MISMATCH``, and ``HEADER_SEQ_OFFSET`` (where the packed
-  header holds the call number; ``wire.CallHeader.SEQ_OFFSET``).
+  header holds the call number; ``wire.CallHeader.SEQ_OFFSET``); ``STREAM_*`` as above.
 
 Semantics kept from ``executor.run_plan``: messages between two ranks on one tag are matched in
 posting order; each part's header, step, element count, message size and offset are checked
@@ -90,7 +108,8 @@ MPI's sends do.
 Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
 ``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
 ``executor.c`` (a call's messages and local steps), ``remote.c`` (large messages read in
-place), ``progress.c`` (waiting), ``module.c`` (this API).
+place), ``progress.c`` (waiting), ``streams.c`` (rounds over the streams between nodes),
+``module.c`` (this API).
 """
 
 from __future__ import annotations
@@ -117,6 +136,17 @@ def available() -> bool:
 def import_error() -> Optional[str]:
     """Why the native core did not import, or None when it did."""
     return _IMPORT_ERROR
+
+
+def core():
+    """The extension module itself.
+
+    Raises:
+        ImportError: the core did not import (:func:`import_error` says why).
+    """
+    if _core is None:
+        raise ImportError(f"ray_collective's native core is not available: {_IMPORT_ERROR}")
+    return _core
 
 
 def node_type():

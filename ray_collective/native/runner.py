@@ -33,7 +33,8 @@ from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
 from ..transport.node_state import COLLECTIVE_CODES
 from ..transport.wire import CallStamp, HeaderTemplate, mismatch
 from ..types import ReduceOp
-from . import codes, node_type
+from . import codes, node_type, streams
+from .streams import StreamPlan, StreamRounds
 from .codes import DONE, MISMATCH, REROUTED
 
 SLICE_S = 0.05
@@ -329,14 +330,17 @@ class NativeRunner:
             the transport (not on the state page from the core), and between slices lets
             the transport take in what arrived, so that a peer's part of another call is a
             mismatch there.
+        streams: runs the rounds between nodes in the core where it can (a group that
+            spans nodes over TCP streams); None: they run on the Python engine.
     """
 
     def __init__(self, node, transport: Transport, slice_s: float = SLICE_S,
-                 spans_nodes: bool = False):
+                 spans_nodes: bool = False, streams: Optional[StreamRounds] = None):
         self.node = node
         self.transport = transport
         self.slice_s = slice_s
         self.spans_nodes = spans_nodes
+        self.streams = streams
         words = None if spans_nodes else transport.rank_words()
         # Where the core records a call's start and end itself, a call it finishes in its
         # first slice costs no Python of the transport's.
@@ -384,6 +388,18 @@ class NativeRunner:
             return buffered
         return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, call_code,
                           buffered)
+
+    def prepare_streams(self, plan: Plan, dtype_name: str, op: Optional[ReduceOp],
+                        node_of: Sequence) -> Optional[StreamPlan]:
+        """The core's form of a plan's rounds whose peers are all on other nodes than this
+        rank's (``native.streams``; ``node_of`` gives every rank's node), or None where it has
+        none or this rank has no :class:`StreamRounds`."""
+        if self.streams is None:
+            return None
+        here = node_of[self.transport.rank]
+        op_code = codes.NO_OP if op is None else codes.op_code(op, dtype_name)
+        return streams.prepare(plan, codes.dtype_code(dtype_name or "uint8"), op_code,
+                               lambda peer: node_of[peer] != here)
 
     def run(self, native: NativePlan, slots: Sequence[np.ndarray], template: HeaderTemplate,
             seq: int, timeout: float, what: str, tag: int = COLLECTIVE_TAG) -> bool:

@@ -90,6 +90,16 @@ class Engine:
         """Whether to wake for ``fd`` becoming writable too (it has frames queued)."""
         self._poll.modify(fd, select.POLLIN | (select.POLLOUT if writable else 0))
 
+    def sockets(self) -> List[int]:
+        """Every socket the engine watches."""
+        return list(self._handlers)
+
+    def serve(self, fd: int) -> None:
+        """Handle what socket ``fd`` has now (it was seen ready outside :meth:`progress`)."""
+        handler = self._handlers.get(fd)
+        if handler is not None:
+            handler(select.POLLIN)
+
     def unregister(self, fd: int) -> None:
         """Stop watching ``fd`` (before it is closed)."""
         if self._handlers.pop(fd, None) is not None:
@@ -120,6 +130,23 @@ class Engine:
             raise self.inbox.error
         self.failures.raise_if_failed(pending)
 
+    def raise_if_post_office_lost(self) -> None:
+        """Raise ``PostOfficeDiedError`` if this node's post office is known to be dead (asked
+        at every wait: ``FailureWatch.local_post_office_lost``)."""
+        failures = self.failures
+        if failures.local_post_office_lost():
+            raise failures.post_office_died(failures.node)
+
+    def look_for_failures(self, peers: set, now: float, remote_too: bool) -> bool:
+        """One liveness turn of a wait: record that this rank is alive, give the carriers
+        their tick, look for dead ``peers`` (on other nodes too when ``remote_too``); returns
+        whether remote ones were asked about. The caller then raises what is known
+        (:meth:`raise_if_failed`)."""
+        self.failures.beat()
+        for carrier in self._carriers:
+            carrier.tick(now)
+        return self.failures.check_liveness(peers, remote_too)
+
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
         """Make progress until every request completes or ``deadline`` passes.
 
@@ -132,9 +159,7 @@ class Engine:
         """
         for carrier in self._carriers:
             carrier.before_wait()
-        failures = self.failures
-        if failures.local_post_office_lost():
-            raise failures.post_office_died(failures.node)
+        self.raise_if_post_office_lost()
         if self.spin_s:
             # Spin while messages keep coming: each arrival buys another spin_s, so a rank
             # exchanging a large message part by part never sleeps between parts.
@@ -161,10 +186,8 @@ class Engine:
             if now >= deadline:
                 return pending
             if now >= next_local:
-                failures.beat()
-                for carrier in self._carriers:
-                    carrier.tick(now)
-                remote = failures.check_liveness({r.peer for r in pending}, now >= next_remote)
+                remote = self.look_for_failures({r.peer for r in pending}, now,
+                                                now >= next_remote)
                 next_local = now + LOCAL_LIVENESS_INTERVAL_S
                 if remote:
                     next_remote = now + REMOTE_LIVENESS_INTERVAL_S

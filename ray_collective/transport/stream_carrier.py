@@ -72,6 +72,7 @@ class StreamCarrier(Carrier):
         self.refused = 0
         self._by_fd: Dict[int, tcp.Stream] = {}
         self._to: Dict[int, tcp.Stream] = {}
+        self._from: Dict[int, tcp.Stream] = {}  # the stream each peer's messages came on
         failures.streamed = self._to
         engine.register(streams.listener.fileno(), self._on_listener)
 
@@ -202,7 +203,7 @@ class StreamCarrier(Carrier):
                 self.failures.mark_dead(stream.peer, "its stream did not prove the group's key")
             self.drop(stream)
         except ValueError as err:
-            self._protocol_error(stream, err)
+            self.refuse(stream, err)
 
     def _on_open(self, stream: tcp.Stream) -> None:
         if not 0 <= stream.peer < self.world_size or self.peers[stream.peer].node == self.node:
@@ -216,9 +217,11 @@ class StreamCarrier(Carrier):
         if stream.backlogged:
             self.engine.watch(stream.fd, writable=True)
 
-    def _on_frame(self, stream: tcp.Stream, frame: memoryview) -> int:
+    def _on_frame(self, stream: tcp.Stream, frame: memoryview,
+                  own: Optional[Callable[[memoryview], object]] = None) -> int:
         """Handle one frame; returns the bytes of the part kept for a later receive (0 when
-        a receive took it, or it was no part)."""
+        a receive took it, or it was no part). ``own`` keeps a part's payload (the stream's
+        own by default)."""
         if stream.peer < 0:
             return 0  # refused on opening: nothing it sent is read
         try:
@@ -231,13 +234,16 @@ class StreamCarrier(Carrier):
             tag, part = wire.parse_data(frame, stream, stream.placed)
             if part.segment != wire.INLINE:
                 raise ValueError("a shared-memory part on a stream")
-            if not self.engine.inbox.arrive((stream.peer, tag), part, stream.own):
+            self._from[stream.peer] = stream
+            if not self.engine.inbox.arrive((stream.peer, tag), part, own or stream.own):
                 return part.part_bytes
         except (ValueError, struct.error) as err:
-            self._protocol_error(stream, err)
+            self.refuse(stream, err)
         return 0
 
-    def _protocol_error(self, stream: tcp.Stream, err: Exception) -> None:
+    def refuse(self, stream: tcp.Stream, err: Exception) -> None:
+        """Close ``stream``, whose peer sent a frame the protocol forbids (every later wait
+        of the rank raises)."""
         self.failures.protocol_failed(stream.peer, err, "its stream")
         self.drop(stream, ended=False)
 
@@ -251,6 +257,8 @@ class StreamCarrier(Carrier):
         del self._by_fd[stream.fd]
         self.engine.unregister(stream.fd)
         peer = stream.peer
+        if self._from.get(peer) is stream:
+            del self._from[peer]
         ours = peer >= 0 and self._to.get(peer) is stream
         others = [other for other in self._by_fd.values() if other.peer == peer]
         if ours:
@@ -266,6 +274,41 @@ class StreamCarrier(Carrier):
                                           f"ended (its process exited or left the group)")
         stream.close()
 
+    # ------------------------------------------------------------ the native core
+
+    def quiet_streams(self, peer: int, tag: int, sends: bool, receives: bool
+                      ) -> Optional[Tuple[tcp.Stream, tcp.Stream]]:
+        """(the stream this rank sends to ``peer`` on, the one ``peer`` sends on) if the
+        native core may write the first (``sends``) and read the second (``receives``) from
+        their next frames on (``native.streams``); one of the two stands for the other where
+        it is not needed. Quiet: open and whole, nothing queued to send, nothing read ahead,
+        no receive posted or part waiting on (``peer``, ``tag``), and which of two streams
+        the peer sends on known (from its first message). None otherwise."""
+        sending = self._to.get(peer) if sends else None
+        receiving = self._from.get(peer) if receives else None
+        if sends and (sending is None or not sending.quiet):
+            return None
+        if receives and (receiving is None or not receiving.quiet
+                         or not self.engine.inbox.quiet((peer, tag))):
+            return None
+        return sending or receiving, receiving or sending
+
+    def deliver(self, stream: tcp.Stream, frame: bytes) -> None:
+        """Handle a whole frame the native core read from ``stream`` and did not want (another
+        channel's part, an ABORT), as if the stream had read it."""
+        stream.placed = None
+        self._on_frame(stream, memoryview(frame), _as_is)
+
+    def ended(self, stream: tcp.Stream) -> None:
+        """Forget ``stream``, which the native core found ended or broken: its peer is dead.
+        Nothing more is read from it (the core may have read part of a frame)."""
+        peer = stream.peer
+        self.drop(stream)
+        if peer >= 0:
+            self.failures.mark_dead(peer, f"its stream from node {self.peers[peer].node[:8]} "
+                                          f"ended or failed (its process exited or left the "
+                                          f"group)")
+
     def open_streams(self) -> List[tcp.Stream]:
         """Every stream this rank holds (with a peer known or not yet)."""
         return list(self._by_fd.values())
@@ -279,5 +322,10 @@ class StreamCarrier(Carrier):
             stream.close()
         self._by_fd.clear()
         self._to.clear()
+        self._from.clear()
         self.streams.listener.close()
 
+
+def _as_is(payload: memoryview) -> memoryview:
+    """Keeps a payload that lies in a frame no one reuses (``StreamCarrier.deliver``)."""
+    return payload

@@ -237,6 +237,13 @@ class Stream:
             self._write_handshake(opening)
 
     @property
+    def quiet(self) -> bool:
+        """Whether another reader and writer may take the socket's next frames over: open and
+        whole, nothing queued to send, nothing read ahead of the frames handled."""
+        return (self.open and not (self.closed or self.unwritable) and not self._outbox
+                and self._start == self._end and self._placing is None)
+
+    @property
     def backlogged(self) -> bool:
         """Whether frames wait for room in the kernel (none can leave before the handshake)."""
         return self.open and bool(self._outbox)

@@ -204,6 +204,30 @@ def mismatch(rank: int, peer: int, stamp: CallStamp, step: int, count: int, got_
                                    {"message": ("as expected", "differently encoded")})
 
 
+def part_difference(rank: int, peer: int, stamp: CallStamp, step: int, out: np.ndarray,
+                    received: int, header, got_step: int, got_count: int, got_nbytes: int,
+                    got_offset: int, got_part_bytes: int) -> Optional[CollectiveMismatchError]:
+    """How an arriving part differs from what the receive into ``out`` expects next, or None.
+
+    Args:
+        rank: this rank; peer: the sender.
+        stamp, step: the receive's call and step.
+        out: the receive's buffer; received: its bytes already in.
+        header, got_step, got_count: the part's packed call header, step and element count.
+        got_nbytes, got_offset, got_part_bytes: the part's message size, offset and size.
+    """
+    if header != stamp.packed or got_step != step or got_count != len(out):
+        return mismatch(rank, peer, stamp, step, len(out), bytes(header), got_step, got_count)
+    if (got_nbytes != out.nbytes or got_offset != received or got_part_bytes % out.itemsize
+            or got_offset + got_part_bytes > out.nbytes):
+        mine = stamp.header
+        return CollectiveMismatchError(
+            mine.group, rank, peer, mine.collective, mine.seq,
+            {"message part (offset, bytes of message)": (
+                (received, out.nbytes), (got_offset, got_nbytes))})
+    return None
+
+
 # ------------------------------------------------------------------------------ frames
 
 def hello(rank: int, group_key: bytes) -> bytes:
@@ -486,6 +510,10 @@ class Inbox:
             self.error = mismatch(self.rank, sender, current, part.step, part.count,
                                   bytes(part.header), part.step, part.count)
 
+    def quiet(self, key: Hashable) -> bool:
+        """Whether no receive is posted and no part waits on ``key`` = (sender, tag)."""
+        return not self._posted.get(key) and not self._unexpected.get(key)
+
     def unexpected_parts(self) -> int:
         """Parts that arrived and are not yet consumed (stale messages of a failed call)."""
         return sum(len(parts) for parts in self._unexpected.values())
@@ -505,20 +533,9 @@ class Inbox:
 
     def _difference(self, receive: Receive, part: Part) -> Optional[CollectiveMismatchError]:
         """How ``part`` differs from what ``receive`` expects next, or None."""
-        out = receive.out
-        if (part.header != receive.stamp.packed or part.step != receive.step
-                or part.count != len(out)):
-            return mismatch(self.rank, receive.peer, receive.stamp, receive.step, len(out),
-                            bytes(part.header), part.step, part.count)
-        if (part.nbytes != out.nbytes or part.part_offset != receive.received
-                or part.part_bytes % out.itemsize
-                or part.part_offset + part.part_bytes > out.nbytes):
-            mine = receive.stamp.header
-            return CollectiveMismatchError(
-                mine.group, self.rank, receive.peer, mine.collective, mine.seq,
-                {"message part (offset, bytes of message)": (
-                    (receive.received, out.nbytes), (part.part_offset, part.nbytes))})
-        return None
+        return part_difference(self.rank, receive.peer, receive.stamp, receive.step,
+                               receive.out, receive.received, part.header, part.step,
+                               part.count, part.nbytes, part.part_offset, part.part_bytes)
 
     @staticmethod
     def _target(receive: Receive, part: Part) -> np.ndarray:

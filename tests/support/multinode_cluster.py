@@ -118,7 +118,10 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
     carrier = transport.stream_carrier
     streams = carrier.streams if carrier is not None else None
     stream_nodes = {transport.peers[peer].node for peer in transport.failures.streamed}
+    runner = backend.native
     return {"outputs": outputs, "membership": type(backend).__name__,
+            "stream_rounds_in_core": (runner.streams.rounds_run if runner is not None
+                                      and runner.streams is not None else 0),
             "node": ray.get_runtime_context().get_node_id(),
             "node_of": None if backend.node_of is None else list(backend.node_of),
             "streams": streams is not None,
@@ -180,6 +183,7 @@ def observe_hierarchy(results: list, root: int) -> dict:
                      for c in HIERARCHICAL_COLLECTIVES for n in (SMALL, LARGE)},
         "ranks_that_crossed_nodes": [r for r, res in enumerate(results) if res["sent_to_nodes"]],
         "streams": [r["streams"] for r in results],
+        "stream_rounds_in_core": [r["stream_rounds_in_core"] for r in results],
         "root": root,
         "failures": check_hierarchical_phase(results, root),
     }

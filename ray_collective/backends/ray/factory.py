@@ -36,7 +36,9 @@ from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
+from ... import native
 from ...native.runner import NativeRunner, native_node, slice_s_for
+from ...native.streams import StreamRounds
 from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
                           ray_module, runtime)
 from .machines import ranks_over_cores, ranks_per_core
@@ -176,9 +178,13 @@ class RayBackendFactory(BackendFactory):
                                   streams=streams)
         runner = None
         if all(m.engine == NATIVE for m in members):
+            slice_s = slice_s_for(ranks_per_core(members)[node])
+            on_streams = None
+            if transport.stream_carrier is not None:
+                on_streams = StreamRounds(native.core(), transport.stream_carrier, transport,
+                                          slice_s)
             runner = NativeRunner(native_node(directory, rank, world_size), transport,
-                                  slice_s_for(ranks_per_core(members)[node]),
-                                  spans_nodes=len(nodes) > 1)
+                                  slice_s, spans_nodes=len(nodes) > 1, streams=on_streams)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 
