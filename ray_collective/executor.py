@@ -78,9 +78,7 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
         if rounds is not None:
             late = rounds(index, slots, stamp, deadline)
             if late:
-                absent = transport.absent_ranks(stamp.seq) if collective else None
-                raise CollectiveTimeoutError(stamp.template.group, transport.rank, what,
-                                             stamp.seq, absent or late, timeout)
+                raise _timed_out(transport, stamp, collective, what, late, timeout)
             if late is not None:
                 continue
         requests = []
@@ -107,8 +105,16 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
                 pending = transport.wait(pending,
                                          min(deadline, time.monotonic() + watch_every_s))
         if pending:
-            absent = transport.absent_ranks(stamp.seq) if collective else None
-            raise CollectiveTimeoutError(stamp.template.group, transport.rank, what, stamp.seq,
-                                         absent or [r.peer for r in pending], timeout)
+            raise _timed_out(transport, stamp, collective, what, [r.peer for r in pending],
+                             timeout)
     if collective:
         transport.complete(stamp)
+
+
+def _timed_out(transport: Transport, stamp: CallStamp, collective: bool, what: str,
+               waited_for: Sequence[int], timeout: float) -> CollectiveTimeoutError:
+    """The error of a call whose round was still incomplete at its deadline: it names the ranks
+    that hold the call up where the transport knows them, else ``waited_for``."""
+    absent = transport.absent_ranks(stamp.seq) if collective else None
+    return CollectiveTimeoutError(stamp.template.group, transport.rank, what, stamp.seq,
+                                  absent or waited_for, timeout)

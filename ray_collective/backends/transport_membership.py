@@ -251,6 +251,15 @@ def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan]
     return tuple(segments)
 
 
+def _in_core(native: Optional[NativeRunner], on_streams: Optional[StreamPlan], tag: int,
+             watch: Optional[Callable[[], None]]):
+    """``run_plan``'s ``rounds`` for a plan whose rounds between nodes are ``on_streams`` (the
+    core runs them where their streams allow), or None where there are none."""
+    if on_streams is None:
+        return None
+    return functools.partial(native.streams.run, on_streams, tag=tag, watch=watch)
+
+
 class TransportMembership(Membership):
     """Runs every collective as a recorded algorithm over ``transport``.
 
@@ -515,19 +524,13 @@ class TransportMembership(Membership):
                     native.run(core_plan, slots, prepared.template, stamp.seq, left, what,
                                prepared.tag)
                     continue
-                rounds = None
-                if on_streams is not None:
-                    rounds = functools.partial(native.streams.run, on_streams,
-                                               tag=prepared.tag, watch=watch)
                 run_plan(part, slots, self.transport, prepared.tag, stamp, prepared.combine,
-                         left, what, watch, watch_every_s, rounds)
+                         left, what, watch, watch_every_s,
+                         _in_core(native, on_streams, prepared.tag, watch))
             return
-        rounds = None
-        if prepared.on_streams is not None:
-            rounds = functools.partial(native.streams.run, prepared.on_streams,
-                                       tag=prepared.tag, watch=watch)
         run_plan(prepared.plan, slots, self.transport, prepared.tag, stamp, prepared.combine,
-                 timeout, what, watch, watch_every_s, rounds)
+                 timeout, what, watch, watch_every_s,
+                 _in_core(native, prepared.on_streams, prepared.tag, watch))
 
     def abort(self, error: BaseException) -> None:
         self.transport.abort(error)

@@ -163,6 +163,34 @@ static int take_code(rc_call *call, PyObject *code)
     return ok ? 0 : -1;
 }
 
+/* Gets slot `i`'s buffer into `view`: writable where it can be (`*writable` 1), else read-only
+ * (0: a read-only array may still be sent from; the caller refuses writes into it), its
+ * elements of `itemsize` bytes, aligned. 1 once `view` is held and right; -1 when it is held
+ * (to release) but its elements are wrong; 0 when nothing is held. The Python error is set
+ * unless 1. */
+static int get_slot(PyObject *item, Py_ssize_t i, int itemsize, Py_buffer *view, int *writable)
+{
+    *writable = 1;
+    if (PyObject_GetBuffer(item, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+            != 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError)
+                && !PyErr_ExceptionMatches(PyExc_ValueError))
+            return 0;
+        PyErr_Clear();
+        *writable = 0;
+        if (PyObject_GetBuffer(item, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
+            return 0;
+    }
+    int alignment = itemsize < 8 ? itemsize : 8;
+    if (view->itemsize != itemsize || (uintptr_t)view->buf % alignment != 0) {
+        PyErr_Format(PyExc_ValueError, "slot %zd has %zd-byte elements at address %p; the "
+                     "call's dtype has %d-byte elements, aligned", i, view->itemsize,
+                     view->buf, itemsize);
+        return -1;
+    }
+    return 1;
+}
+
 static int take_slots(NodeObject *self, PyObject *slots)
 {
     rc_call *call = &self->node.call;
@@ -175,30 +203,14 @@ static int take_slots(NodeObject *self, PyObject *slots)
         Py_DECREF(items);
         return -1;
     }
-    int alignment = call->itemsize < 8 ? call->itemsize : 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_buffer *view = &self->views[i];
-        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
-        int writable = 1;
-        if (PyObject_GetBuffer(item, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-                != 0) {
-            /* A read-only array may still be sent from; the plan check refuses writes to it. */
-            if (!PyErr_ExceptionMatches(PyExc_BufferError)
-                    && !PyErr_ExceptionMatches(PyExc_ValueError))
-                break;
-            PyErr_Clear();
-            writable = 0;
-            if (PyObject_GetBuffer(item, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
-                break;
-        }
-        self->n_views++;
-        call->slots[i].writable = writable;
-        if (view->itemsize != call->itemsize || (uintptr_t)view->buf % alignment != 0) {
-            PyErr_Format(PyExc_ValueError, "slot %zd has %zd-byte elements at address %p; the "
-                         "call's dtype has %d-byte elements, aligned", i, view->itemsize,
-                         view->buf, call->itemsize);
+        int writable, got = get_slot(PySequence_Fast_GET_ITEM(items, i), i, call->itemsize,
+                                     view, &writable);
+        self->n_views += got != 0;
+        if (got != 1)
             break;
-        }
+        call->slots[i].writable = writable; /* the plan check refuses writes into it */
         call->slots[i].base = view->buf;
         call->slots[i].count = view->len / view->itemsize;
     }
@@ -633,25 +645,12 @@ static int take_round(rc_stream_round *r, PyObject *table_object, PyObject *item
         PyErr_SetString(PyExc_TypeError, "the round's table must be a contiguous int64 array "
                         "of rows (stream, flags, step, slot, start, stop)");
     Py_ssize_t n_slots = PySequence_Fast_GET_SIZE(items);
-    int alignment = r->itemsize < 8 ? r->itemsize : 8;
     for (Py_ssize_t i = 0; !failed && i < n_slots; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
-        if (PyObject_GetBuffer(item, &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
-                               | PyBUF_FORMAT) != 0) {
-            /* A read-only slot may be sent from; a receive into it is refused below. */
-            PyErr_Clear();
-            if (PyObject_GetBuffer(item, &views[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
-                failed = 1;
-                break;
-            }
-        }
-        (*n_views)++;
-        if (views[i].itemsize != r->itemsize || (uintptr_t)views[i].buf % alignment != 0) {
-            PyErr_Format(PyExc_ValueError, "slot %zd has %zd-byte elements at address %p; the "
-                         "call's dtype has %d-byte elements, aligned", i, views[i].itemsize,
-                         views[i].buf, r->itemsize);
-            failed = 1;
-        }
+        /* A read-only slot may be sent from; a receive into it is refused below. */
+        int writable, got = get_slot(PySequence_Fast_GET_ITEM(items, i), i, r->itemsize,
+                                     &views[i], &writable);
+        *n_views += got != 0;
+        failed = got != 1;
     }
     const int64_t *rows = table.buf;
     r->n_messages = failed ? 0 : table.len / (8 * TABLE_WORDS);

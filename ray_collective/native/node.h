@@ -166,6 +166,8 @@ void rc_outgoing_recycle(rc_node *node, rc_outgoing *out);
 
 /* progress.c: runs the call for at most slice_ns; returns an rc_status. */
 int rc_progress(rc_node *node, int64_t slice_ns);
+/* CLOCK_MONOTONIC in nanoseconds (progress.c; streams.c waits by it too). */
+int64_t rc_now_ns(void);
 
 /* executor.c: what a pass returns besides the rc_status values. */
 enum { RC_PASS_IDLE = -1, RC_PASS_PROGRESS = -2 };

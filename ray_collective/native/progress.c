@@ -36,7 +36,7 @@
  * send of its own does not wait it out (rc_offers_cross). */
 #define P2P_OFFER_GRACE_NS 1000000
 
-static int64_t now_ns(void)
+int64_t rc_now_ns(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -65,7 +65,7 @@ static int settle(rc_node *node, int result)
 int rc_progress(rc_node *node, int64_t slice_ns)
 {
     rc_call *call = &node->call;
-    int64_t deadline = now_ns() + slice_ns, spin_until = 0;
+    int64_t deadline = rc_now_ns() + slice_ns, spin_until = 0;
     int result = RC_PASS_IDLE;
     for (;;) {
         if (result == RC_PASS_PROGRESS) {
@@ -81,7 +81,7 @@ int rc_progress(rc_node *node, int64_t slice_ns)
             continue;
         if (settle(node, result) >= 0)
             return result;
-        int64_t now = now_ns();
+        int64_t now = rc_now_ns();
         if (now >= deadline)
             return RC_PENDING;
         /* Before polling: two ranks that both send first gain nothing by waiting. */

@@ -40,13 +40,6 @@
 #define TURN_BYTES (1 << 20)
 #define PAYLOAD_ALIGN 64
 
-static int64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static void put_le(unsigned char *at, uint64_t value, int bytes)
 {
     for (int i = 0; i < bytes; i++)
@@ -425,7 +418,7 @@ static int pump_receive(rc_stream_round *r, int s)
 
 int rc_stream_round_run(rc_stream_round *r, int64_t slice_ns)
 {
-    int64_t deadline = now_ns() + slice_ns;
+    int64_t deadline = rc_now_ns() + slice_ns;
     for (;;) {
         int moved = 0, busy = 0;
         for (int s = 0; s < r->n_streams; s++) {
@@ -460,7 +453,7 @@ int rc_stream_round_run(rc_stream_round *r, int64_t slice_ns)
             return RC_DONE;
         if (moved)
             continue;
-        int64_t left = deadline - now_ns();
+        int64_t left = deadline - rc_now_ns();
         if (left <= 0)
             return RC_PENDING;
         struct pollfd *watched = r->polls + r->n_streams;

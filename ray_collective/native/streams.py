@@ -86,9 +86,11 @@ def prepare(plan: Plan, dtype_code: int, op_code: int,
             continue
         peers: list = []
         rows = []
+        sends_to, receives_from = set(), set()
         for is_send, peer, number, (slot, start, stop), reduce in step:
             if peer not in peers:
                 peers.append(peer)
+            (sends_to if is_send else receives_from).add(peer)
             flags = (codes.MESSAGE_SEND if is_send else 0) | (
                 codes.MESSAGE_REDUCE if reduce else 0)
             # Two streams per peer, the one this rank sends on and the one the peer sends on
@@ -97,9 +99,7 @@ def prepare(plan: Plan, dtype_code: int, op_code: int,
                          start, stop])
         table = np.array(rows, np.int64).reshape(-1, 6)
         table.flags.writeable = False
-        ways = tuple((any(row[0] == 2 * i for row in rows),
-                      any(row[0] == 2 * i + 1 for row in rows))
-                     for i in range(len(peers)))
+        ways = tuple((peer in sends_to, peer in receives_from) for peer in peers)
         rounds.append(StreamRound(tuple(peers), table,
                                   tuple(SendRequest(peer) for peer in peers), ways))
     if not any(rounds):
