@@ -3,13 +3,14 @@
 ``import ray_collective as col`` gives the same functions with the same arguments, plus
 ``gather``, ``scatter``, ``alltoall``, ``ReduceOp.AVG``, ``async_op=``, ``timeout=`` and ``tag=``,
 elastic groups (``shrink_collective_group``, ``grow_collective_group``), the declarative
-``*_refs`` collectives, and ``batch_remote`` / ``ActorPool`` for calling one
-method on many actors at once.
+``*_refs`` collectives, ``batch_remote`` / ``ActorPool`` for calling one
+method on many actors at once, and weight sync (``declare_weight_sync``, ``publish_weights``,
+``receive_weights``: a model from trainers to inference actors).
 Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
 
 What a rank does not need until it uses it is imported on first use, since every rank process
 pays for every module it holds (docs/running-at-scale.md): the driver's ``batch_remote``,
-``ActorPool`` and ``*_refs`` (through this module's ``__getattr__``), and the ``nccl``
+``ActorPool`` and ``*_refs``, weight sync (through this module's ``__getattr__``), and the ``nccl``
 backend (``backends``).
 """
 
@@ -27,7 +28,9 @@ from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
                      GroupError, GroupNotInitializedError, InsecureDirectoryError,
                      PeerDiedError, PostOfficeDiedError, RankExcludedError, RankFailedError,
-                     ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError)
+                     ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError,
+                     WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError,
+                     WeightSyncNotInitializedError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
 from .interop import ray_util_collective_runtime_env
@@ -58,10 +61,18 @@ __all__ = [
     "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",
     "send_ref",
     "batch_remote", "BatchRemoteHandle", "PerActor", "ActorPool",
+    "declare_weight_sync", "add_weight_subscribers", "remove_weight_subscribers",
+    "destroy_weight_sync", "init_weight_sync", "publish_weights", "receive_weights",
+    "WeightSyncWork", "weight_sync_report", "WeightSyncError", "WeightSyncMismatchError", "WeightSyncMemberDiedError",
+    "WeightSyncNotInitializedError",
 ]
 
 
 _BATCH_NAMES = ("batch_remote", "BatchRemoteHandle", "PerActor")
+_WEIGHT_SYNC_NAMES = ("declare_weight_sync", "add_weight_subscribers",
+                      "remove_weight_subscribers", "destroy_weight_sync", "init_weight_sync",
+                      "publish_weights", "receive_weights", "WeightSyncWork",
+                      "weight_sync_report")
 _REFS_NAMES = ("allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs",
                "reducescatter_refs", "send_ref")
 
@@ -79,4 +90,7 @@ def __getattr__(name: str):
     if name in _REFS_NAMES:
         from . import refs
         return getattr(refs, name)
+    if name in _WEIGHT_SYNC_NAMES:
+        from . import weight_sync
+        return getattr(weight_sync, name)
     raise AttributeError(f"module 'ray_collective' has no attribute '{name}'")

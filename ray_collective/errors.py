@@ -192,6 +192,45 @@ class GroupBrokenError(CollectiveError):
             + ("" if told.endswith(advice) else f" {advice}"))
 
 
+class WeightSyncError(CollectiveError):
+    """A weight sync (``ray_collective.weight_sync``) failed; the message says which sync,
+    which member (publisher or subscriber, and its index), which version and what to do.
+
+    Attributes:
+        sync_name: the weight sync.
+        member: this member, e.g. ``"subscriber 2"``.
+        version: the version the sync was moving, or None before it was known.
+    """
+
+    def __init__(self, sync_name: str, member: str, version: Optional[int], detail: str):
+        self.sync_name = sync_name
+        self.member = member
+        self.version = version
+        what = f" of version {version}" if version is not None else ""
+        super().__init__(f"{member} of weight sync '{sync_name}': the sync{what} failed: "
+                         f"{detail}")
+
+
+class WeightSyncMismatchError(WeightSyncError, ValueError):
+    """The members' state dicts, versions or calls do not agree (a tensor's name, shape or
+    dtype, a version that does not go forward, a publisher calling ``receive_weights``...):
+    refused on every member before any byte moved; the weight sync stays usable."""
+
+
+class WeightSyncMemberDiedError(WeightSyncError):
+    """A member died during the sync. After a subscriber's death, the next sync goes on
+    without it (nothing to call); after a publisher's, the sync cannot go on.
+
+    Attributes:
+        dead: the dead members, e.g. ``("subscriber 3",)``.
+    """
+
+    def __init__(self, sync_name: str, member: str, version: Optional[int],
+                 dead: Sequence[str], detail: str):
+        self.dead = tuple(dead)
+        super().__init__(sync_name, member, version, detail)
+
+
 class GroupError(CollectiveError):
     """Base class of errors about group membership and lifetime."""
 
@@ -205,6 +244,14 @@ class GroupNotInitializedError(GroupError):
             f"the collective group '{group_name}' is not initialized in this process. Call "
             f"init_collective_group(world_size, rank, group_name='{group_name}') in every member, "
             f"or declare_collective_group(actors, ...) from the driver, first.")
+
+
+class WeightSyncNotInitializedError(GroupNotInitializedError):
+    """This process is no member of the named weight sync (nor the driver that declared it)."""
+
+    def __init__(self, sync_name: str, detail: str):
+        self.group_name = sync_name
+        GroupError.__init__(self, detail)
 
 
 class GroupAlreadyInitializedError(GroupError):

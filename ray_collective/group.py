@@ -459,6 +459,10 @@ class GroupRegistry:
         self._declared: Dict[str, DeclaredGroup] = {}
         self._lock = threading.Lock()
         self._metrics: Optional[MetricsFlush] = None
+        # Weight syncs (``ray_collective.weight_sync``) this process is a member of, and those
+        # it declared from the driver, by name; that package keeps them and their lock here.
+        self.weight_syncs: Dict[str, Any] = {}
+        self.declared_weight_syncs: Dict[str, Any] = {}
 
     def create(self, name: str, world_size: int, rank: int, factory: BackendFactory,
                timeout: float) -> Group:

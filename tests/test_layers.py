@@ -26,6 +26,7 @@ LAZY_MODULES = {
     "ray_collective.actor_pool": "ActorPool, loaded on first use (it imports Ray)",
     "ray_collective.sim": "the simulator, for benchmarks and the command line",
     "ray_collective.testing": "in-process groups for tests",
+    "ray_collective.weight_sync": "weight sync, loaded when a process first uses it",
 }
 """Our modules that may be imported inside functions (with their subpackages): a rank needs
 none of them until it uses it, and each costs every rank process its memory (400 of them on
@@ -222,7 +223,7 @@ LAYERS = (
     ("group",),
     ("declared", "elastic"),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
-     "status", "__main__"),
+     "status", "__main__", "weight_sync"),
     ("integrations",),
 )
 """The layers of docs/architecture.md, bottom first: a module imports only from its own layer

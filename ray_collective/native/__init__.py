@@ -17,6 +17,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     node.close()                           # also a context manager
     combine(dtype_code, op_code, acc, incoming)   # the reduction kernel alone
     itemsize(dtype_code)                          # bytes per element (0: unknown code)
+    digest(buffer)                                # weight sync's change digest (digest.c)
     pending = stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes,
                            max_frame_bytes, timeout_s, slice_s, on_event, watched)
 

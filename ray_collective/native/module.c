@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "digest.h"
 #include "node.h"
 #include "streams.h"
 
@@ -861,9 +862,25 @@ static PyObject *core_stream_round(PyObject *module, PyObject *const *args, Py_s
     return result;
 }
 
+static PyObject *core_digest(PyObject *module, PyObject *arg)
+{
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_C_CONTIGUOUS) != 0)
+        return NULL;
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = rc_digest(data.buf, (size_t)data.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
 static PyMethodDef core_methods[] = {
     {"combine", core_combine, METH_VARARGS,
      "combine(dtype_code, op_code, acc, incoming): acc = op(acc, incoming), element-wise"},
+    {"digest", core_digest, METH_O,
+     "digest(buffer) -> int: weight sync's 64-bit change digest of a C-contiguous buffer "
+     "(ray_collective.weight_sync.digest), GIL released"},
     {"itemsize", core_itemsize, METH_VARARGS,
      "itemsize(dtype_code): bytes per element of the dtype code (0: unknown)"},
     {"stream_round", (PyCFunction)(void (*)(void))core_stream_round, METH_FASTCALL,

@@ -1,0 +1,445 @@
+"""One process's membership of a weight sync: its groups, what it last sent or received, and
+the steps of one sync.
+
+A weight sync named ``N`` with P publishers is one *control group* of every member (publishers
+first, as ranks 0..P-1, then the subscribers) and, with P > 1, one *data group* per publisher
+(that publisher as rank 0, then every subscriber in the control group's order); with one
+publisher the control group is the data group. All are groups of the collectives, so shrinking
+and growing them is the elastic groups' work.
+
+One sync (:meth:`WeightSyncMember.sync`):
+
+1. If the last sync failed, the member first shrinks every group it is in (the others do the
+   same: the last step below told them all), which leaves the dead out.
+2. Agreement (``agreement.agree``): headers, and descriptions where needed; bad input anywhere
+   raises on every member here.
+3. Bytes (``transfer``): each publisher sends its buckets down its data group; a subscriber
+   receives from every publisher at once, one thread per data group.
+4. The close: one more allgather on the control group, so that every member ends the same way;
+   a member that died is named to all, and the next sync goes on without it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from .. import api
+from ..elastic import grow_member, shrink_member
+from ..errors import (ArgumentValueError, CollectiveError, PeerDiedError, RankExcludedError,
+                      WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError)
+from ..group import current_registry
+from ..group import use_registry
+from .agreement import (H_PLAN, PUBLISHER, ROLE_NAMES, SUBSCRIBER, Roster, Verdict, agree,
+                        allgather_words, header, member_name)
+from .layout import Layout, read_state_dict
+from .plan import SyncPlan
+from .transfer import bucket_digest, receive_buckets, send_buckets
+
+
+def control_group(name: str) -> str:
+    """The control group of weight sync ``name``."""
+    return f"weight-sync:{name}"
+
+
+def data_group(name: str, publisher: int, publishers: int) -> str:
+    """The data group of ``publisher`` in weight sync ``name``."""
+    return control_group(name) if publishers == 1 else f"weight-sync:{name}:from-{publisher}"
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """What a member was made with.
+
+    Attributes:
+        name: the weight sync.
+        role: ``PUBLISHER`` or ``SUBSCRIBER``.
+        index: the member's index among its role.
+        publishers: the number of publishers.
+        timeout: the default deadline of a sync's every step, in seconds.
+        bucket_bytes: the bucket size (0: chosen by the model's size).
+    """
+
+    name: str
+    role: int
+    index: int
+    publishers: int
+    timeout: float
+    bucket_bytes: int = 0
+
+    @property
+    def groups(self) -> List[str]:
+        """The groups this member is in: the control group first, then its data groups."""
+        control = control_group(self.name)
+        if self.publishers == 1:
+            return [control]
+        mine = [self.index] if self.role == PUBLISHER else range(self.publishers)
+        return [control] + [data_group(self.name, p, self.publishers) for p in mine]
+
+    def fresh_ranks(self, subscribers: int) -> Dict[str, Tuple[int, int]]:
+        """``{group: (rank, world size)}`` of this member in a newly formed sync of
+        ``subscribers`` subscribers (publishers first in the control group; in a data group
+        its publisher, then the subscribers)."""
+        groups, publishers = self.groups, self.publishers
+        if self.role == PUBLISHER:
+            place = {groups[0]: (self.index, publishers + subscribers)}
+            place.update({g: (0, 1 + subscribers) for g in groups[1:]})
+        else:
+            place = {groups[0]: (publishers + self.index, publishers + subscribers)}
+            place.update({g: (1 + self.index, 1 + subscribers) for g in groups[1:]})
+        return place
+
+
+def check_bucket_bytes(bucket_bytes: Any) -> int:
+    """``bucket_bytes`` as a config holds it (0: chosen by the model's size).
+
+    Raises:
+        ArgumentValueError: not None or an int in [1, 2^40].
+    """
+    if bucket_bytes is None:
+        return 0
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or \
+            not 1 <= bucket_bytes <= 1 << 40:
+        raise ArgumentValueError(f"bucket_bytes must be an int in [1, 2^40], not "
+                                 f"{bucket_bytes!r}")
+    return bucket_bytes
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What this member's last delivered sync moved.
+
+    Attributes:
+        version: the version.
+        moved_bytes: bytes this member sent (a publisher) or received (a subscriber).
+        model_bytes: the model's bytes.
+        full: whether every bucket went (a first sync, a new subscriber, a changed model).
+    """
+
+    version: int
+    moved_bytes: int
+    model_bytes: int
+    full: bool
+
+
+class WeightSyncMember:
+    """This process's part in one weight sync (see the module docstring)."""
+
+    def __init__(self, config: SyncConfig):
+        self.config = config
+        self.me = member_name(config.role, config.index)
+        self._plan: Optional[SyncPlan] = None
+        self._key = 0
+        self._version = -1
+        self._digests: Dict[int, int] = {}
+        self._repair = False
+        self._broken = ""
+        self._lock = threading.Lock()
+        self._async: Optional[ThreadPoolExecutor] = None
+        self._receivers: Optional[ThreadPoolExecutor] = None
+        self._moved = 0
+        self.report: Optional[SyncReport] = None
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while a sync or a change of members runs: one at a time."""
+        return self._lock
+
+    @property
+    def version(self) -> int:
+        """The version this member last published or received in full (-1: none yet)."""
+        return self._version
+
+    def submit(self, run, *args) -> Any:
+        """Run ``run(*args)`` on this member's sync thread; its Future."""
+        if self._async is None:
+            self._async = ThreadPoolExecutor(1, thread_name_prefix=f"weight-sync[{self.me}]")
+        return self._async.submit(run, *args)
+
+    def close(self) -> None:
+        """Stop this member's threads (its groups are left by the caller)."""
+        for pool in (self._async, self._receivers):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    def _error(self, cls, detail: str, version: Optional[int] = None, **extra) -> WeightSyncError:
+        return cls(self.config.name, self.me, version, detail=detail, **extra)
+
+    # ------------------------------------------------------------------ one sync
+
+    def sync(self, role: int, state_dict: Any, version: int, unchanged: Optional[Collection[str]],
+             use_digest: bool, timeout: Optional[float]) -> int:
+        """Publish (``role`` PUBLISHER) or receive one version; see ``publish_weights``.
+
+        Returns:
+            The version delivered.
+
+        Raises:
+            WeightSyncMismatchError: the members' inputs disagree (on every member).
+            WeightSyncMemberDiedError: a member died; the next sync goes on without it.
+            WeightSyncError: the sync failed otherwise (a timeout), or cannot go on.
+        """
+        with self._lock:
+            if self._broken:
+                raise self._error(WeightSyncError, self._broken)
+            deadline = self.config.timeout if timeout is None else timeout
+            if self._repair:
+                self._shrink(deadline)
+            layout, bytes_of = self._read(role, state_dict, version, unchanged)
+            verdict = self._agree(layout, version, deadline)
+            failure = self._move(verdict, bytes_of, unchanged, use_digest, deadline)
+            self._close(verdict, failure, deadline)
+            return verdict.version
+
+    def _read(self, role: int, state_dict: Any, version: int,
+              unchanged: Optional[Collection[str]]):
+        call = "publish_weights" if role == PUBLISHER else "receive_weights"
+        if role != self.config.role:
+            right = "publish_weights" if self.config.role == PUBLISHER else "receive_weights"
+            return Layout(error=f"{self.me} called {call}; a {ROLE_NAMES[self.config.role]} "
+                                f"calls {right}"), {}
+        layout, bytes_of = read_state_dict(state_dict, role == SUBSCRIBER, call)
+        if layout.error or role == SUBSCRIBER:
+            return layout, bytes_of
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or \
+                not 0 <= version < 2 ** 63:
+            return Layout(error=f"{call}: version must be an int in [0, 2^63), not "
+                                f"{version!r}"), {}
+        if unchanged is not None:
+            if isinstance(unchanged, str) or not all(isinstance(n, str) for n in unchanged):
+                return Layout(error=f"{call}: unchanged must be a collection of tensor "
+                                    f"names, not {unchanged!r}"), {}
+            unknown = sorted(set(unchanged) - set(bytes_of))
+            if unknown:
+                return Layout(error=f"{call}: unchanged names {unknown[0]!r}, which is not in "
+                                    f"state_dict"), {}
+        return layout, bytes_of
+
+    def _agree(self, layout: Layout, version: int, deadline: float) -> Verdict:
+        config = self.config
+        description = layout.encode()
+        proposed = int(version) if config.role == PUBLISHER and not layout.error else -1
+        words = header(config.role, config.index, layout,
+                       proposed if config.role == PUBLISHER else self._version,
+                       self._version if config.role == PUBLISHER else -1, self._key,
+                       description, config.bucket_bytes, config.publishers)
+        control = control_group(config.name)
+        try:
+            headers = self._allgather(words, deadline)
+        except CollectiveError as err:
+            dead = self._dead(err, None)
+            if not dead:
+                self._repair = True
+                raise self._error(WeightSyncError, f"{err}; the next sync shrinks the groups "
+                                                   f"and goes on") from err
+            if any(rank < config.publishers for rank in dead):
+                self._broken = (f"publisher {min(dead)} died; a weight sync cannot go on "
+                                f"without a publisher: destroy it and declare it again")
+                raise self._error(WeightSyncMemberDiedError, self._broken,
+                                  dead=[f"publisher {r}" for r in sorted(dead)
+                                        if r < config.publishers]) from err
+            # A member died after the last sync had ended well for this member but not for
+            # all: every survivor finds out here, shrinks, and the sync goes on without it.
+            self._shrink(deadline)
+            words[H_PLAN] = self._key
+            headers = self._allgather(words, deadline)
+        verdict, problem = agree(headers, description, self._plan, self._key, control, deadline)
+        if problem:
+            raise self._error(WeightSyncMismatchError, problem,
+                              proposed if proposed >= 0 else None)
+        return verdict
+
+    def _allgather(self, words: np.ndarray, deadline: float) -> np.ndarray:
+        control = control_group(self.config.name)
+        return allgather_words(words, control, api.get_collective_group_size(control), deadline)
+
+    def _move(self, verdict: Verdict, bytes_of: Dict[str, np.ndarray],
+              unchanged: Optional[Collection[str]], use_digest: bool,
+              deadline: float) -> Optional[BaseException]:
+        """The sync's bytes; the failure, if any, for the close to tell everyone."""
+        config, plan = self.config, verdict.plan
+        try:
+            if config.role == PUBLISHER:
+                mine = plan.buckets_of(config.index)
+                send = self._what_to_send(verdict, mine, bytes_of, unchanged, use_digest)
+                known: Dict[int, int] = {}
+                self._moved = sum(b.nbytes for b, goes in zip(mine, send) if goes)
+                send_buckets(plan, mine, send, bytes_of,
+                             data_group(config.name, config.index, config.publishers),
+                             deadline, known)
+                self._digests.update(known)
+            else:
+                self._moved = self._receive_all(plan, bytes_of, deadline)
+        except CollectiveError as err:
+            return err
+        return None
+
+    def _what_to_send(self, verdict: Verdict, buckets, bytes_of: Dict[str, np.ndarray],
+                      unchanged: Optional[Collection[str]], use_digest: bool) -> List[bool]:
+        """Which of this publisher's buckets go: all of them in a full sync; otherwise, with
+        the digest, those the caller does not claim unchanged and those whose digest moved;
+        without it, those the caller does not claim unchanged."""
+        if verdict.full:
+            self._digests = {}
+            return [True] * len(buckets)
+        claimed = None if unchanged is None else set(unchanged)
+        send = []
+        for bucket in buckets:
+            said_unchanged = claimed is not None and all(
+                n in claimed for n in verdict.plan.tensors_of(bucket))
+            if not use_digest or (claimed is not None and not said_unchanged):
+                send.append(not said_unchanged)
+            elif bucket.index not in self._digests:
+                send.append(True)
+            else:
+                send.append(bucket_digest(verdict.plan, bucket, bytes_of)
+                            != self._digests[bucket.index])
+        return send
+
+    def _receive_all(self, plan: SyncPlan, bytes_of: Dict[str, np.ndarray],
+                     deadline: float) -> int:
+        config = self.config
+        groups = [data_group(config.name, p, config.publishers) for p in range(config.publishers)]
+        if len(groups) == 1:
+            return receive_buckets(plan, plan.buckets_of(0), bytes_of, groups[0], deadline)
+        if self._receivers is None:
+            self._receivers = ThreadPoolExecutor(len(groups),
+                                                 thread_name_prefix=f"weight-sync[{self.me}]")
+        registry = current_registry()
+        futures = [self._receivers.submit(_in_registry, registry, receive_buckets, plan,
+                                          plan.buckets_of(p), bytes_of, group, deadline)
+                   for p, group in enumerate(groups)]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return sum(f.result() for f in futures)
+
+    def _close(self, verdict: Verdict, failure: Optional[BaseException],
+               deadline: float) -> None:
+        roster = verdict.roster
+        world = len(roster.members)
+        words = np.zeros(world + 1, np.int64)
+        dead = self._dead(failure, roster) if failure is not None else set()
+        words[0] = failure is not None
+        words[[1 + r for r in dead]] = 1
+        try:
+            rows = allgather_words(words, control_group(self.config.name), world, deadline)
+        except CollectiveError as err:
+            dead |= self._dead(err, roster)
+            failure = failure or err
+        else:
+            dead |= {r for r in range(world) if rows[:, 1 + r].any()}
+            if rows[:, 0].any() and failure is None:
+                failed = [roster.name(r) for r in range(world) if rows[r, 0]]
+                failure = WeightSyncError(self.config.name, failed[0], verdict.version,
+                                          f"{', '.join(failed)} failed")
+        if failure is None:
+            self._plan, self._key, self._version = verdict.plan, verdict.key, verdict.version
+            self.report = SyncReport(verdict.version, self._moved, verdict.plan.nbytes,
+                                     verdict.full)
+            return
+        self._repair = True
+        self._plan, self._key = verdict.plan, verdict.key
+        self._digests = {}
+        if self.config.role == SUBSCRIBER:
+            self._version = -1
+        names = [roster.name(r) for r in sorted(dead)]
+        if any(roster.members[r][0] == PUBLISHER for r in dead):
+            self._broken = (f"{', '.join(names)} died during the sync of version "
+                            f"{verdict.version}; a weight sync cannot go on without a "
+                            f"publisher: destroy it and declare it again")
+        if names:
+            then = (self._broken or "the next sync goes on without "
+                    + ("it" if len(names) == 1 else "them"))
+            raise self._error(WeightSyncMemberDiedError, f"{', '.join(names)} died; {then}",
+                              verdict.version, dead=names) from failure
+        raise self._error(WeightSyncError, f"{failure}; the next sync shrinks the groups and "
+                                           f"goes on", verdict.version) from failure
+
+    # ------------------------------------------------------------------ membership
+
+    def settle(self, timeout: float) -> Dict[str, int]:
+        """Make this member's groups whole before the driver changes the members: shrink them
+        if the last sync failed, then find with one barrier a member that died since and
+        shrink again without it (every member does the same at once). Call with
+        :attr:`lock` held.
+
+        Returns:
+            ``{group: world size}`` of this member's groups.
+
+        Raises:
+            WeightSyncError: the sync cannot go on, or shrinking failed.
+        """
+        if self._broken:
+            raise self._error(WeightSyncError, self._broken)
+        if self._repair:
+            self._shrink(timeout)
+        control = control_group(self.config.name)
+        try:
+            api.barrier(control, timeout=timeout)
+        except CollectiveError as err:
+            dead = self._dead(err, None)
+            if not dead:
+                raise
+            self._shrink(timeout)
+            api.barrier(control, timeout=timeout)
+        return {g: api.get_collective_group_size(g) for g in self.config.groups}
+
+    def grow(self, added: int, timeout: float) -> None:
+        """Grow every group of this member by ``added`` new subscribers (which join as the
+        next ranks meanwhile). Call with :attr:`lock` held, after :meth:`settle`."""
+        registry = current_registry()
+        for group in self.config.groups:
+            grow_member(registry, group, api.get_collective_group_size(group) + added, timeout)
+        self._key = 0
+
+    def shrink_out(self, timeout: float) -> None:
+        """Shrink every group of this member after subscribers left it. Call with
+        :attr:`lock` held, after :meth:`settle`."""
+        self._shrink(timeout)
+
+    def _dead(self, error: Optional[BaseException], roster: Optional[Roster]) -> Set[int]:
+        """The control ranks ``error`` names dead (empty without a roster to map them)."""
+        found: Set[int] = set()
+        seen = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if isinstance(error, PeerDiedError):
+                found |= self._to_control(error.group_name, error.dead_ranks, roster)
+            error = getattr(error, "cause", None) or error.__cause__
+        return found
+
+    def _to_control(self, group: str, ranks, roster: Optional[Roster]) -> Set[int]:
+        name, publishers = self.config.name, self.config.publishers
+        if group == control_group(name) or roster is None:
+            return set(ranks) if group == control_group(name) else set()
+        for p in range(publishers):
+            if group == data_group(name, p, publishers):
+                return {roster.control_rank(p, r) for r in ranks}
+        return set()
+
+    def _shrink(self, deadline: float) -> None:
+        """Shrink every group of this member, leaving out the members that failed."""
+        registry = current_registry()
+        try:
+            for group in self.config.groups:
+                shrink_member(registry, group, deadline)
+        except RankExcludedError as err:
+            self._broken = (f"the other members went on without {self.me} ({err}); it is no "
+                            f"longer a member: destroy the weight sync here")
+            raise self._error(WeightSyncError, self._broken) from err
+        except CollectiveError as err:
+            raise self._error(WeightSyncError, f"shrinking the groups after a failure failed: "
+                                               f"{err}; call again") from err
+        self._repair = False
+        self._key = 0
+
+
+def _in_registry(registry, run, *args):
+    with use_registry(registry):
+        return run(*args)

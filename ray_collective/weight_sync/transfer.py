@@ -1,0 +1,183 @@
+"""The bytes of a sync: one publisher's buckets down one data group, pipelined.
+
+A data group is one publisher (its rank 0) and every subscriber. The publisher first broadcasts
+which of its buckets this sync sends (one byte per bucket), then each of those buckets, every
+one a ``broadcast`` of the library (so the chain through the nodes, the copies out of shared
+memory on a node and everything else the collectives do for a large broadcast apply), issued
+with ``async_op=True`` so that the next bucket is packed, and the last one unpacked, while one
+is in flight. At most two buckets are in flight per group; a bucket that is one piece of one
+tensor moves from and into that tensor's memory, a fused one through one of two staging
+buffers.
+
+The publisher learns each sent bucket's digest while it is in flight (the core's digest runs
+without the GIL), so that the next sync can skip what did not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import api
+from .digest import combine, digest
+from .plan import Bucket, SyncPlan
+
+IN_FLIGHT = 2
+"""Buckets a member has in flight per data group; also the staging buffers it holds."""
+
+
+def segment_views(plan: SyncPlan, bucket: Bucket, bytes_of: Dict[str, np.ndarray]
+                  ) -> List[np.ndarray]:
+    """The caller's memory of each segment of ``bucket``, as uint8 views."""
+    return [bytes_of[plan.tensors[s.tensor].name][s.offset:s.offset + s.nbytes]
+            for s in bucket.segments]
+
+
+def bucket_digest(plan: SyncPlan, bucket: Bucket, bytes_of: Dict[str, np.ndarray]) -> int:
+    """The digest of the bytes ``bucket`` carries, read from the caller's tensors."""
+    return combine(digest(view) for view in segment_views(plan, bucket, bytes_of))
+
+
+class _Staging:
+    """Two staging buffers of one data group, made on first use at the largest fused bucket's
+    size, each reused once the broadcast that last used it is done."""
+
+    def __init__(self, nbytes: int):
+        self._buffers = [None] * IN_FLIGHT
+        self._nbytes = nbytes
+
+    def buffer(self, slot: int, nbytes: int) -> np.ndarray:
+        if self._buffers[slot] is None:
+            self._buffers[slot] = np.empty(self._nbytes, np.uint8)
+        return self._buffers[slot][:nbytes]
+
+
+def _largest_fused(buckets: Sequence[Bucket]) -> int:
+    return max((b.nbytes for b in buckets if not b.in_place), default=0)
+
+
+def send_buckets(plan: SyncPlan, buckets: Sequence[Bucket], send: Sequence[bool],
+                 bytes_of: Dict[str, np.ndarray], group: str, timeout: Optional[float],
+                 known: Dict[int, int]) -> None:
+    """Send this publisher's ``buckets`` where ``send`` says so, after the flags themselves.
+
+    Args:
+        plan: the sync's plan.
+        buckets: this publisher's buckets, in order.
+        send: for each, whether it goes out this sync.
+        bytes_of: the publisher's tensors as uint8 views, by name.
+        group: the data group (this publisher is its rank 0).
+        timeout: each broadcast's deadline.
+        known: filled with ``{bucket index: digest}`` of every bucket sent.
+
+    Raises:
+        CollectiveError: a broadcast failed.
+    """
+    flags = np.array(send, np.uint8)
+    api.broadcast(flags, 0, group, timeout=timeout)
+    staging = _Staging(_largest_fused(buckets))
+    in_flight: Deque[Tuple[object, int]] = deque()
+    slot = 0
+    try:
+        for bucket, goes in zip(buckets, send):
+            if not goes:
+                continue
+            views = segment_views(plan, bucket, bytes_of)
+            if len(in_flight) == IN_FLIGHT:
+                in_flight.popleft()[0].wait()
+            if bucket.in_place:
+                payload = views[0]
+            else:
+                payload = staging.buffer(slot, bucket.nbytes)
+                _pack(views, payload)
+                slot = (slot + 1) % IN_FLIGHT
+            in_flight.append((api.broadcast(payload, 0, group, async_op=True, timeout=timeout),
+                              bucket.index))
+            known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
+        while in_flight:
+            in_flight.popleft()[0].wait()
+    finally:
+        _drain(in_flight)
+
+
+def receive_buckets(plan: SyncPlan, buckets: Sequence[Bucket],
+                    bytes_of: Dict[str, np.ndarray], group: str,
+                    timeout: Optional[float]) -> int:
+    """Receive what one publisher sends this sync into this subscriber's tensors.
+
+    Args:
+        plan: the sync's plan.
+        buckets: that publisher's buckets, in order.
+        bytes_of: this subscriber's tensors as uint8 views, by name.
+        group: the publisher's data group.
+        timeout: each broadcast's deadline.
+
+    Returns:
+        The bytes received.
+
+    Raises:
+        CollectiveError: a broadcast failed (the tensors then hold a mix of versions).
+    """
+    flags = np.zeros(len(buckets), np.uint8)
+    api.broadcast(flags, 0, group, timeout=timeout)
+    staging = _Staging(_largest_fused(buckets))
+    in_flight: Deque[Tuple[object, Callable[[], None]]] = deque()
+    slot = 0
+    received = 0
+    try:
+        for bucket, goes in zip(buckets, flags):
+            if not goes:
+                continue
+            views = segment_views(plan, bucket, bytes_of)
+            if len(in_flight) == IN_FLIGHT:
+                work, unpack = in_flight.popleft()
+                work.wait()
+                unpack()
+            if bucket.in_place:
+                payload, unpack = views[0], _nothing
+            else:
+                payload = staging.buffer(slot, bucket.nbytes)
+                unpack = _unpacker(payload, views)
+                slot = (slot + 1) % IN_FLIGHT
+            in_flight.append((api.broadcast(payload, 0, group, async_op=True, timeout=timeout),
+                              unpack))
+            received += bucket.nbytes
+        while in_flight:
+            work, unpack = in_flight.popleft()
+            work.wait()
+            unpack()
+    finally:
+        _drain(in_flight)
+    return received
+
+
+def _pack(views: Sequence[np.ndarray], payload: np.ndarray) -> None:
+    offset = 0
+    for view in views:
+        payload[offset:offset + view.nbytes] = view
+        offset += view.nbytes
+
+
+def _unpacker(payload: np.ndarray, views: Sequence[np.ndarray]) -> Callable[[], None]:
+    def unpack() -> None:
+        offset = 0
+        for view in views:
+            view[...] = payload[offset:offset + view.nbytes]
+            offset += view.nbytes
+    return unpack
+
+
+def _nothing() -> None:
+    return None
+
+
+def _drain(in_flight: Deque) -> None:
+    """Wait out what is still in flight after a failure, so that no broadcast writes into a
+    buffer the caller has taken back; its errors are the group's, raised already."""
+    while in_flight:
+        try:
+            in_flight.popleft()[0].wait()
+        except Exception:  # the first failure is the one raised; the group is broken
+            pass
