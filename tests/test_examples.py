@@ -103,3 +103,14 @@ def test_elastic_training_loses_a_worker_takes_a_fresh_one_and_learns_as_if_undi
     reference = float(_after(lines, "accuracy, undisturbed run:"))
     assert abs(elastic - reference) <= 0.01 and reference > 0.9, (elastic, reference)
     assert _after(lines, "the workers' parameters are identical:") == "True"
+
+
+@pytest.mark.ray
+def test_weight_sync_delivers_every_version_to_every_engine_including_a_newcomer():
+    lines = _run("weight_sync.py")
+    versions = [line for line in lines if line.startswith("version ")]
+    assert len(versions) == 6
+    for version, line in enumerate(versions, start=1):
+        engines = 4 if version < 4 else 5
+        assert line == (f"version {version}: delivered {[version] * engines} to {engines} "
+                        f"engines, answers match the trainer's: True")

@@ -207,7 +207,8 @@ def weight_sync_report(name: str = "weights") -> Optional[SyncReport]:
         name: the weight sync.
 
     Returns:
-        The :class:`SyncReport`: version, bytes moved, the model's bytes, whether it was full.
+        The :class:`~ray_collective.weight_sync.SyncReport`: version, bytes moved, the
+        model's bytes, whether it was full.
 
     Raises:
         WeightSyncNotInitializedError: this process is no member of the sync.

@@ -265,8 +265,9 @@ class WeightSyncMember:
         try:
             if config.role == PUBLISHER:
                 mine = plan.buckets_of(config.index)
-                send = self._what_to_send(verdict, mine, bytes_of, unchanged, use_digest)
                 known: Dict[int, int] = {}
+                send = self._what_to_send(verdict, mine, bytes_of, unchanged, use_digest,
+                                          known)
                 self._moved = sum(b.nbytes for b, goes in zip(mine, send) if goes)
                 send_buckets(plan, mine, send, bytes_of,
                              data_group(config.name, config.index, config.publishers),
@@ -279,10 +280,12 @@ class WeightSyncMember:
         return None
 
     def _what_to_send(self, verdict: Verdict, buckets, bytes_of: Dict[str, np.ndarray],
-                      unchanged: Optional[Collection[str]], use_digest: bool) -> List[bool]:
+                      unchanged: Optional[Collection[str]], use_digest: bool,
+                      known: Dict[int, int]) -> List[bool]:
         """Which of this publisher's buckets go: all of them in a full sync; otherwise, with
         the digest, those the caller does not claim unchanged and those whose digest moved;
-        without it, those the caller does not claim unchanged."""
+        without it, those the caller does not claim unchanged. The digests it computes go
+        into ``known``, so that the sending does not compute them again."""
         if verdict.full:
             self._digests = {}
             return [True] * len(buckets)
@@ -296,8 +299,8 @@ class WeightSyncMember:
             elif bucket.index not in self._digests:
                 send.append(True)
             else:
-                send.append(bucket_digest(verdict.plan, bucket, bytes_of)
-                            != self._digests[bucket.index])
+                known[bucket.index] = bucket_digest(verdict.plan, bucket, bytes_of)
+                send.append(known[bucket.index] != self._digests[bucket.index])
         return send
 
     def _receive_all(self, plan: SyncPlan, bytes_of: Dict[str, np.ndarray],

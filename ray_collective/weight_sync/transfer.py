@@ -70,7 +70,7 @@ def send_buckets(plan: SyncPlan, buckets: Sequence[Bucket], send: Sequence[bool]
         bytes_of: the publisher's tensors as uint8 views, by name.
         group: the data group (this publisher is its rank 0).
         timeout: each broadcast's deadline.
-        known: filled with ``{bucket index: digest}`` of every bucket sent.
+        known: ``{bucket index: digest}`` computed already; filled in for every bucket sent.
 
     Raises:
         CollectiveError: a broadcast failed.
@@ -95,7 +95,8 @@ def send_buckets(plan: SyncPlan, buckets: Sequence[Bucket], send: Sequence[bool]
                 slot = (slot + 1) % IN_FLIGHT
             in_flight.append((api.broadcast(payload, 0, group, async_op=True, timeout=timeout),
                               bucket.index))
-            known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
+            if bucket.index not in known:
+                known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
         while in_flight:
             in_flight.popleft()[0].wait()
     finally:
