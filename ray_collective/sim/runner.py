@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -45,6 +45,8 @@ class SimReport:
         total_messages, total_bytes: messages and bytes sent by all ranks together.
         inter_node_messages: messages that crossed nodes, over all ranks.
         inter_node_senders: how many ranks sent anything to another node.
+        node_bytes_sent, node_bytes_received: per node, the bytes its ranks sent to and
+            received from ranks on other nodes (what each node's link carries each way).
         checked: whether results were compared with numpy (False in zero-memory mode).
         seconds: wall time of the simulation.
     """
@@ -65,6 +67,8 @@ class SimReport:
     inter_node_senders: int
     checked: bool
     seconds: float
+    node_bytes_sent: Tuple[int, ...] = ()
+    node_bytes_received: Tuple[int, ...] = ()
 
 
 def _phantom(count: int, dtype: np.dtype) -> np.ndarray:
@@ -86,7 +90,8 @@ def _buffer_length(collective: str, ranks: int, count: int) -> int:
 
 def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str] = None,
              dtype: str = "int64", op: ReduceOp = ReduceOp.SUM, root: int = 0,
-             ranks_per_node: int = 0, check: bool = True, seed: int = 0) -> SimReport:
+             ranks_per_node: int = 0, check: bool = True, seed: int = 0,
+             node_of: Optional[Sequence[int]] = None) -> SimReport:
     """Run ``collective`` for ``ranks`` virtual ranks and report what it cost.
 
     Args:
@@ -101,6 +106,7 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
         check: move real data and compare every rank's result with numpy; False moves only
             sizes (zero memory) and checks nothing.
         seed: seed of the random inputs.
+        node_of: each rank's pretend node (0, 1, ...), instead of ``ranks_per_node``.
 
     Returns:
         A :class:`SimReport`.
@@ -119,7 +125,12 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
         raise ValueError("the simulator checks SUM, PRODUCT, MIN and MAX; AVG is SUM followed "
                          "by a local division")
     wire = np.dtype(dtype)
-    node_of = tuple(r // ranks_per_node for r in range(ranks)) if ranks_per_node else None
+    if node_of is not None:
+        node_of = tuple(int(n) for n in node_of)
+        if len(node_of) != ranks:
+            raise ValueError(f"node_of has {len(node_of)} entries for {ranks} ranks")
+    elif ranks_per_node:
+        node_of = tuple(r // ranks_per_node for r in range(ranks))
     chosen = select(collective, count, wire.itemsize, ranks, node_of,
                     forced=algorithm or forced_algorithms().get(collective))
     combine = combiner(op, wire.name) if check else _noop
@@ -153,7 +164,22 @@ def simulate(collective: str, ranks: int, count: int, *, algorithm: Optional[str
         max(fabric.elements_sent) * wire.itemsize, sum(fabric.messages_sent),
         sum(fabric.elements_sent) * wire.itemsize,
         sum(fabric.inter_node_messages), sum(1 for m in fabric.inter_node_messages if m), check,
-        seconds)
+        seconds, *_node_bytes(fabric, node_of, wire.itemsize))
+
+
+def _node_bytes(fabric: LocalFabric, node_of: Optional[Tuple[int, ...]], itemsize: int
+                ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Per node, the bytes sent to and received from other nodes (empty on one node)."""
+    if node_of is None:
+        return (), ()
+    nodes = max(node_of) + 1
+    sent = [0] * nodes
+    for rank, elements in enumerate(fabric.inter_node_elements):
+        sent[node_of[rank]] += elements * itemsize
+    received = [0] * nodes
+    for rank, elements in enumerate(fabric.inter_node_received):
+        received[node_of[rank]] += elements * itemsize
+    return tuple(sent), tuple(received)
 
 
 def _inputs(collective: str, ranks: int, length: int, wire: np.dtype, op: ReduceOp,

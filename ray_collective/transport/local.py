@@ -49,8 +49,9 @@ class LocalFabric:
         node_of: an optional pretend node of every rank, for counting inter-node messages.
 
     Attributes:
-        messages_sent, elements_sent, inter_node_messages: per-rank counters of what each rank
-            sent.
+        messages_sent, elements_sent, inter_node_messages, inter_node_elements: per-rank
+            counters of what each rank sent (the last two: to ranks on other nodes).
+        inter_node_received: per rank, the elements it was sent from other nodes.
     """
 
     def __init__(self, world_size: int, group_name: str = "local", deferred: bool = False,
@@ -62,6 +63,8 @@ class LocalFabric:
         self.messages_sent = [0] * world_size
         self.elements_sent = [0] * world_size
         self.inter_node_messages = [0] * world_size
+        self.inter_node_elements = [0] * world_size
+        self.inter_node_received = [0] * world_size
         self.node_of = tuple(node_of) if node_of is not None else None
         self.inboxes = [Inbox(rank, _no_segments, _nothing_to_release)
                         for rank in range(world_size)]
@@ -124,6 +127,8 @@ class LocalTransport(Transport):
         fabric.elements_sent[self.rank] += len(data)
         if fabric.node_of is not None and fabric.node_of[peer] != fabric.node_of[self.rank]:
             fabric.inter_node_messages[self.rank] += 1
+            fabric.inter_node_elements[self.rank] += len(data)
+            fabric.inter_node_received[peer] += len(data)
         part = Part(step, len(data), nbytes, 0, nbytes, segment, 0, stamp.packed, payload, None)
         fabric._post(peer, (self.rank, tag), part)
         return SendRequest(peer, done=True)
