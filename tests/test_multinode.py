@@ -1,7 +1,7 @@
 """A ``ray`` group across three Ray nodes on one machine (``ray.cluster_utils.Cluster``), two
 ranks per node: every collective correct on small and large tensors, the hierarchical path taken
 (only one rank per node, or the root, talks across nodes, its rounds between nodes in the native
-core once its streams are known), one post office per node while the
+core), streams to other nodes open right after the join, one post office per node while the
 group lives and nothing left after it is destroyed (keys, post offices, stream sockets); for a
 declared group over streams and over the object store, and an imperative group over streams.
 Over streams: a stranger with a wrong key refused by a live listener, a rank SIGKILLed on
@@ -75,13 +75,22 @@ def test_hierarchical_path_is_taken(summary, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_rounds_between_nodes_run_in_the_native_core_over_streams(summary, scenario):
     """Every rank that crosses nodes runs some of its rounds between nodes in the core
-    (``native.streams``) once its peers' first messages came; none over the object store."""
+    (``native.streams``); none over the object store."""
     seen = summary[scenario]
     rounds = seen["stream_rounds_in_core"]
     if scenario == "declared_object_store":
         assert rounds == [0] * WORLD_SIZE
     else:
         assert all(rounds[r] > 0 for r in seen["ranks_that_crossed_nodes"]), rounds
+
+
+def test_streams_to_other_nodes_are_open_and_known_right_after_the_join(summary):
+    """The join opens and authenticates them (a group this small: every pair across nodes),
+    so that no call pays a connection and the first round with a peer may run in the core."""
+    nodes = [r // RANKS_PER_NODE for r in range(WORLD_SIZE)]
+    expected = [[[peer, True] for peer in range(WORLD_SIZE) if nodes[peer] != nodes[rank]]
+                for rank in range(WORLD_SIZE)]
+    assert summary["imperative"]["streams_after_join"] == expected
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -12,7 +12,8 @@ released, on the very streams the stream carrier opened and authenticated
 A round goes to the core only where every stream it uses is *quiet*
 (``StreamCarrier.quiet_streams``): open, nothing queued to send, nothing read ahead, no part
 of the call's channel from that peer waiting in the inbox, and the stream a peer sends on
-known (its first message came over the Python engine). Then every byte of the round's
+known (from the join, which opened the pair's one stream, or else from the peer's first
+message, which came over the Python engine). Then every byte of the round's
 messages is still ahead in the kernel, in order, and the core reads no further than the
 round's last frame; otherwise the round runs on the Python engine as before. Both ends decide
 alone: the frames are the same either way.

@@ -16,6 +16,7 @@ how each part works.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -29,7 +30,7 @@ from .link import Carrier, Link
 from .node_carrier import CROWDED_PART_BYTES, NodeCarrier
 from .node_state import NodeState, RankWords
 from .post_office_carrier import PostOfficeCarrier, PostOffices
-from .stream_carrier import StreamCarrier, Streams
+from .stream_carrier import StreamCarrier, Streams, open_at_join, peers_at_join
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,23 @@ class LinkTransport(Transport):
         rank that has no business connecting)."""
         return self.node_carrier.refused + (self.stream_carrier.refused
                                             if self.stream_carrier else 0)
+
+    def open_streams(self, timeout: float) -> None:
+        """Open and authenticate this rank's streams to other nodes now (the join), those
+        ``stream_carrier.peers_at_join`` names, so that the group's first calls pay no
+        connection; nothing where other nodes are reached through post offices.
+
+        Args:
+            timeout: seconds the streams may take to open.
+
+        Raises:
+            PeerDiedError: a peer refused a connection or failed the handshake.
+            CollectiveTimeoutError: a stream was still not open after ``timeout``.
+        """
+        if self.stream_carrier is not None:
+            open_at_join(self.stream_carrier,
+                         peers_at_join([peer.node for peer in self.peers], self.rank),
+                         time.monotonic() + timeout)
 
     # ------------------------------------------------------------------ Transport
 

@@ -1,8 +1,10 @@
 """The stream carrier: a rank's peers on other nodes, over authenticated TCP streams.
 
-A stream between two ranks (``transport.tcp``) is opened on a rank's first send to, or receive
-from, a peer on another node, by whichever end needs it first, and read in the same poll loop
-as the node's sockets. Both ends prove the group's key before any frame is read
+A stream between two ranks (``transport.tcp``) is opened at the join for the peers the backend
+names (:func:`open_at_join`: the lower rank connects, one stream per pair, known from
+the start as the one both send on), else on a rank's first send to, or receive from, a peer
+on another node, by whichever end needs it first; all are read in the same poll loop as the
+node's sockets. Both ends prove the group's key before any frame is read
 (``transport.handshake``). Messages to a peer all take one stream, the first opened between the
 two, to keep their order; when both connected at once, the second only brings the other's
 messages. A stream ending means the peer died (a rank closes its streams only when it dies or
@@ -15,17 +17,50 @@ from __future__ import annotations
 import functools
 import select
 import struct
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import PeerDiedError
+from ..errors import CollectiveTimeoutError, PeerDiedError
 from . import tcp, wire
 from .base import Request, SendRequest
-from .engine import Engine
+from .engine import POLL_INTERVAL_S, Engine
 from .failures import FailureWatch
 from .handshake import HandshakeError
 from .link import Carrier
+
+
+JOIN_ALL_PAIRS_MAX = 8
+"""A group of at most this many ranks opens a stream between every two of its ranks on different
+nodes at the join (:func:`peers_at_join`); a larger one only between the ranks of the same
+index on their nodes (the lowest rank of each node among them), which keeps a rank's streams
+to one per other node, and opens the others on first use."""
+
+
+def peers_at_join(nodes: Sequence[str], rank: int) -> List[int]:
+    """The ranks on other nodes that ``rank`` opens a stream with at the join: all of them in
+    a group of at most ``JOIN_ALL_PAIRS_MAX`` ranks, else those whose index among their node's
+    ranks (in rank order) is this rank's on its own. Every rank of the list names ``rank`` in
+    its own.
+
+    Args:
+        nodes: every rank's node, by rank.
+        rank: this rank.
+
+    Returns:
+        Ranks, ascending.
+    """
+    here = nodes[rank]
+    if len(nodes) <= JOIN_ALL_PAIRS_MAX:
+        return [peer for peer, node in enumerate(nodes) if node != here]
+    index: Dict[int, int] = {}
+    seen: Dict[str, int] = {}
+    for peer, node in enumerate(nodes):
+        index[peer] = seen.get(node, 0)
+        seen[node] = index[peer] + 1
+    return [peer for peer, node in enumerate(nodes)
+            if node != here and index[peer] == index[rank]]
 
 
 class Streams:
@@ -119,6 +154,11 @@ class StreamCarrier(Carrier):
             self._to[peer] = stream
             self._add(stream)
         return stream
+
+    def sends_on_its_stream(self, peer: int) -> None:
+        """Take the one stream with ``peer`` as the one it sends on, before any message came
+        (``open_at_join``: the pair has no other)."""
+        self._from.setdefault(peer, self._to[peer])
 
     def send_abort(self, frame: bytes) -> None:
         """Tell every peer this rank has a stream with that the group broke (they publish it
@@ -283,7 +323,7 @@ class StreamCarrier(Carrier):
         their next frames on (``native.streams``); one of the two stands for the other where
         it is not needed. Quiet: open and whole, nothing queued to send, nothing read ahead,
         no receive posted or part waiting on (``peer``, ``tag``), and which of two streams
-        the peer sends on known (from its first message). None otherwise."""
+        the peer sends on known (from the join, or its first message). None otherwise."""
         sending = self._to.get(peer) if sends else None
         receiving = self._from.get(peer) if receives else None
         if sends and (sending is None or not sending.quiet):
@@ -329,3 +369,47 @@ class StreamCarrier(Carrier):
 def _as_is(payload: memoryview) -> memoryview:
     """Keeps a payload that lies in a frame no one reuses (``StreamCarrier.deliver``)."""
     return payload
+
+
+def open_at_join(carrier: StreamCarrier, peers: Sequence[int], deadline: float) -> None:
+    """Open and authenticate ``carrier``'s streams with ``peers`` now, all at once (the join),
+    so that no call pays a connection and its handshake: the rank connects to those of higher
+    rank and accepts those of lower rank, one stream per pair, which then carries both ways;
+    each peer's stream is known as the one it sends on before its first message, so the
+    first round with it may already run in the native core.
+
+    Args:
+        carrier: the rank's stream carrier.
+        peers: ranks on other nodes (every rank of ``peers`` names this rank in its own).
+        deadline: when to give up (``time.monotonic()``).
+
+    Raises:
+        PeerDiedError: a peer refused the connection, ended its stream or failed the
+            handshake.
+        CollectiveTimeoutError: a stream was still not open at ``deadline``.
+    """
+    wanted = sorted(set(peers))
+    for peer in wanted:
+        if peer > carrier.rank:
+            carrier.stream_to(peer, "init_collective_group")
+    failures = carrier.failures
+    while True:
+        dead = [peer for peer in wanted if peer in failures.dead]
+        if dead:
+            raise failures.peer_died(dead, "init_collective_group")
+        waiting = [peer for peer in wanted if not _is_open(carrier.sending_stream(peer))]
+        if not waiting:
+            break
+        now = time.monotonic()
+        if now >= deadline:
+            raise CollectiveTimeoutError(failures.group_name, carrier.rank,
+                                         "init_collective_group (opening streams)", -1,
+                                         waiting, carrier.connect_timeout)
+        carrier.engine.progress(min(deadline - now, POLL_INTERVAL_S))
+        carrier.tick(time.monotonic())
+    for peer in wanted:
+        carrier.sends_on_its_stream(peer)
+
+
+def _is_open(stream: Optional[tcp.Stream]) -> bool:
+    return stream is not None and stream.open

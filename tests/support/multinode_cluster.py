@@ -9,10 +9,11 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
 
 - the members' real nodes, the rank→node map each member's backend holds, and what the
   selector picks for that map;
-- which ranks sent anything to another node, after a phase of only the collectives that have a
-  hierarchical variant: streams open lazily, on a rank's first send to or receive from a rank
-  there, and (over the object store) a rank reaches a node's post office lazily, on a
-  rank's first send there, so a rank that never talked across nodes holds neither;
+- which ranks talked to another node, after a phase of only the collectives that have a
+  hierarchical variant: the peers of every call shape's plan, as the flight recorder has
+  them (streams are opened at the join, whether or not a rank's calls use them: for an
+  imperative group, the streams each member holds open right after its join, before any
+  call, are recorded too);
 - every collective (and send/recv, barrier) on small and large (> 64 KiB) tensors, checked
   against numpy; failures are recorded as text;
 - the post-office actors while the group lives (one per node, checked by asking each where it
@@ -114,10 +115,11 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
         outputs[f"reduce-{length}"] = tensor
     backend = current_registry().get(group).membership
     transport = backend.transport
-    post_offices = transport.failures.post_offices
     carrier = transport.stream_carrier
     streams = carrier.streams if carrier is not None else None
-    stream_nodes = {transport.peers[peer].node for peer in transport.failures.streamed}
+    talked = {peer for shape in col.get_collective_trace(group) for peer in shape["peers"]}
+    stream_nodes = {transport.peers[peer].node for peer in talked
+                    if transport.peers[peer].node != transport.node}
     runner = backend.native
     return {"outputs": outputs, "membership": type(backend).__name__,
             "stream_rounds_in_core": (runner.streams.rounds_run if runner is not None
@@ -128,9 +130,18 @@ def hierarchical_phase(rank: int, group: str, root: int) -> dict:
             "stream_sockets": [] if streams is None else sorted(
                 [_inode(streams.listener.fileno())]
                 + [_inode(stream.fd) for stream in carrier.open_streams()]),
-            "sent_to_nodes": sorted(stream_nodes if streams is not None
-                                    else set(post_offices._handles) if post_offices is not None
-                                    else ())}
+            "sent_to_nodes": sorted(stream_nodes)}
+
+
+def open_streams_of(_rank: int, group: str) -> list:
+    """The ranks this member holds an open stream with, each with whether the stream its
+    peer sends on is known (what lets the first round with it run in the native core)."""
+    from ray_collective.group import current_registry
+    from ray_collective.transport.base import COLLECTIVE_TAG
+    carrier = current_registry().get(group).membership.transport.stream_carrier
+    return sorted([stream.peer,
+                   carrier.quiet_streams(stream.peer, COLLECTIVE_TAG, True, True) is not None]
+                  for stream in carrier.open_streams() if stream.open)
 
 
 def _inode(fd: int) -> int:
@@ -295,9 +306,11 @@ def imperative_group(members: list) -> dict:
     group = "multinode-imperative"
     run_in(ray, members, set_environment, CROSS_NODE_VARIABLE, "streams")
     joined = run_in(ray, members, join, group, WORLD_SIZE)
+    streams_after_join = run_in(ray, members, open_streams_of, group)
     root = 0
     summary = observe_hierarchy(run_in(ray, members, hierarchical_phase, group, root), root)
     summary["joined"] = joined
+    summary["streams_after_join"] = streams_after_join
     summary["post_office_nodes"] = post_office_nodes()
     summary["still_initialized_after_leave"] = run_in(ray, members, leave, group)
     summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)

@@ -43,7 +43,8 @@ from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, 
                           ray_module, runtime)
 from .machines import ranks_over_cores, ranks_per_core
 from .membership import RayMembership
-from .post_offices import RayPostOffices, shut_post_office, start_post_office
+from .post_offices import (RayPostOffices, shut_post_office, start_post_office,
+                           wait_until_started)
 
 
 def sweep_finished_jobs(session_dir: str) -> None:
@@ -176,6 +177,16 @@ class RayBackendFactory(BackendFactory):
         transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)
+        try:
+            # Made now, not by the first calls: a connection and its handshake per peer, and
+            # the post office's worker process starting (a second of CPU on a loaded
+            # machine), cost the calls that met them tens of milliseconds each.
+            transport.open_streams(timeout)
+            if post_office is not None:
+                wait_until_started(post_office, timeout)
+        except BaseException:
+            transport.close()
+            raise
         runner = None
         if all(m.engine == NATIVE for m in members):
             slice_s = slice_s_for(ranks_per_core(members)[node])

@@ -178,3 +178,28 @@ def start_post_office(directory: str, group_name: str, group_key: bytes, world_s
         max_concurrency=1, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
     return actor.remote(directory, group_name, group_key, world_size, local_pids, timeout)
+
+
+def wait_until_started(handle, timeout: float) -> bool:
+    """Wait until the post office ``handle`` names runs (its worker process started and its
+    constructor ran), at most ``timeout`` seconds: the join pays for its start rather than
+    the group's first calls, whose ranks would share the cores with it.
+
+    Args:
+        handle: what ``start_post_office`` returned.
+        timeout: seconds to wait.
+
+    Returns:
+        Whether it runs. One that does not yet is looked for by name later, and counted as
+        lost if it never appears (``RayPostOffices``); one that failed to start raises nothing
+        here, for the same reason.
+    """
+    ray = ray_module()
+    ready, _ = ray.wait([handle.__ray_ready__.remote()], timeout=timeout)
+    if not ready:
+        return False
+    try:
+        ray.get(ready[0])
+    except ray.exceptions.RayError:
+        return False
+    return True
