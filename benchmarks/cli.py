@@ -16,7 +16,7 @@ from .harness import run_sweep
 from .sweep import SweepOptions, count_points
 from .peers import PEERS
 from .report import ProgressBar, format_progress, format_table, to_json
-from .worker import BACK_TO_BACK, BARRIER, TIMINGS
+from .worker import BACK_TO_BACK, BARRIER, PACE_S, PACED
 
 DEFAULT_BACKENDS = ("ray", "torch", "gloo", "ray-plain", "mpi4py")
 """Every CPU backend, this library first."""
@@ -31,7 +31,8 @@ DEFAULT_WORLD_SIZES = (2, 4, 8)
 DEFAULT_RANKS_PER_NODE = (2,)
 """``--ranks-per-node`` with ``--nodes``."""
 
-TIMING_CHOICES = {BACK_TO_BACK: (BACK_TO_BACK,), BARRIER: (BARRIER,), "both": TIMINGS}
+TIMING_CHOICES = {BACK_TO_BACK: (BACK_TO_BACK,), BARRIER: (BARRIER,), PACED: (PACED,),
+                  "both": (BACK_TO_BACK, BARRIER)}
 """``--timing``'s values and the timing modes each one runs."""
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -178,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="back-to-back: one barrier per block, then the calls in a loop, "
                              "each timed from the previous call's return to its own; barrier: "
                              "the backend's barrier before every call, the call alone timed; "
-                             "both: each, as rows of their own (default: back-to-back)")
+                             f"paced: one barrier, then {PACE_S * 1e3:g} ms of sleep before "
+                             "every call (a training step's compute), the call alone timed; "
+                             "both: back-to-back and barrier, as rows of their own (default: "
+                             "back-to-back)")
     parser.add_argument("--blocks", type=positive_int, default=4,
                         help="interleaved blocks the timed iterations are split into "
                              "(default: 4)")

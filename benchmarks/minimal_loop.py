@@ -43,6 +43,12 @@ disagreed (the results page, benchmarks/README.md, "Across nodes"):
   (Ray's ``"default"`` name: torch's world group itself);
 - ``--libraries ray,gloo`` (default; the order the groups are joined in and the first
   block's order), or one library alone, or ``ray@ALGORITHM`` beside them.
+
+The modes of a user's history: ``--block-warmup N`` untimed calls at the start of every block,
+after its barrier (``--warmup 0 --block-warmup 1 --barrier block --libraries gloo,ray``: one
+warm-up per block, Gloo joined first); ``--pause-ms MS`` of sleep before each timed call (a
+training step's compute). The first ``--first-calls`` calls of each new group, right after the
+joins, are timed apart (every rank's first at one instant): the first and the median of ten.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -62,7 +69,8 @@ import numpy as np
 from ray_collective.algorithms import catalog
 from ray_collective.algorithms.selector import ENVIRONMENT_VARIABLE as ALGORITHM_VARIABLE
 
-from .cli import choice, comma_list, non_negative_int, one_value, parse_size, positive_int
+from .cli import (at_least, choice, comma_list, non_negative_int, one_value, parse_size,
+                  positive_int)
 from .collectives import message_layout
 from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 from .stats import iteration_latencies, percentiles
@@ -86,6 +94,9 @@ GLOO_GROUPS = ("named", "default")
 ITEMSIZE = 4
 """Every buffer is float32."""
 
+FIRST_CALL_DELAY_S = 0.5
+"""How long after the driver asks for a new group's first calls every rank makes the first."""
+
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -107,6 +118,9 @@ class LoopOptions:
         cluster: ``bench`` or ``user``.
         placement: ``blocks``, ``alternate`` or ``unpinned``.
         gloo_group: ``named`` or ``default``.
+        block_warmup: untimed calls at the start of every block, after its barrier.
+        pause_s: seconds of sleep before each timed call.
+        first_calls: calls of each new group timed one by one right after the joins.
     """
 
     layouts: Tuple[Tuple[int, int], ...] = ((2, 2), (1, 2), (1, 4))
@@ -123,10 +137,19 @@ class LoopOptions:
     cluster: str = "bench"
     placement: str = "blocks"
     gloo_group: str = "named"
+    block_warmup: int = 0
+    pause_s: float = 0.0
+    first_calls: int = 10
 
 
 def _nothing() -> None:
     """No barrier: the loop's barriers are placed by ``--barrier``."""
+
+
+def _after_pause(pause_s: float, call) -> None:
+    """``call`` after ``pause_s`` seconds of sleep (``--pause-ms``, back to back)."""
+    time.sleep(pause_s)
+    call()
 
 
 def split_library(library: str) -> Tuple[str, str]:
@@ -225,8 +248,18 @@ class LoopRank:
         for _ in range(calls):
             call()
 
-    def run_block(self, library: str, iterations: int, timing: str, barrier_first: bool) -> dict:
-        """Time ``iterations`` calls of ``library``.
+    def run_block(self, library: str, iterations: int, timing: str, barrier_first: bool,
+                  warmup: int = 0, pause_s: float = 0.0) -> dict:
+        """Time ``iterations`` calls of ``library``, after ``warmup`` untimed ones.
+
+        Args:
+            library: the library whose group the calls are made on.
+            iterations: calls timed.
+            timing: ``per-call`` or ``back-to-back``.
+            barrier_first: the library's barrier first.
+            warmup: untimed calls after the barrier.
+            pause_s: seconds of sleep before each call (a ``per-call`` timing times the call
+                alone; ``back-to-back`` the sleep too).
 
         Returns:
             ``{"durations": seconds per call, "cpu_s": this process's CPU seconds over them}``.
@@ -236,10 +269,26 @@ class LoopRank:
             module.barrier(group)
         call = self._call(library, self.buffers)
         # The CLI's two timers, without their barriers: "per-call" is perf_counter around
-        # each call alone, "back-to-back" completion to completion.
-        timer = time_with_barriers if timing == "per-call" else time_back_to_back
-        timed = timer(_nothing, call, 0, iterations)
+        # each call alone (the pause in the timer's barrier's place), "back-to-back"
+        # completion to completion (the pause timed too).
+        if timing == "per-call":
+            pause = functools.partial(time.sleep, pause_s) if pause_s else _nothing
+            timed = time_with_barriers(pause, call, warmup, iterations)
+        else:
+            if pause_s:
+                call = functools.partial(_after_pause, pause_s, call)
+            timed = time_back_to_back(_nothing, call, warmup, iterations)
         return {"durations": timed.durations, "cpu_s": timed.cpu_s}
+
+    def first_calls(self, library: str, calls: int, start_at: float = 0.0) -> List[float]:
+        """Seconds of each of the first ``calls`` calls of a new group, timed one by one, the
+        first at ``start_at`` (``time.time()``: the ranks share this machine's clock, so
+        that the first call does not time how far apart Ray started the ranks' methods)."""
+        delay = start_at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        return time_with_barriers(_nothing, self._call(library, self.buffers), 0,
+                                  calls).durations
 
     def leave(self, library: str) -> None:
         """Destroy this rank's membership of ``library``'s group."""
@@ -358,6 +407,10 @@ def measure_layout(options: LoopOptions, layout: Tuple[int, int],
         for library in options.libraries:
             everywhere("join", library, group_name(library, options, layout),
                        options.timeout_s)
+        for library in options.libraries:
+            if options.first_calls:
+                measured[library]["first_calls"] = everywhere(
+                    "first_calls", library, options.first_calls, time.time() + FIRST_CALL_DELAY_S)
         expected = float(len(ranks) * (len(ranks) + 1) // 2)
         for library in options.libraries:
             sums = everywhere("check_sum", library)
@@ -372,7 +425,8 @@ def measure_layout(options: LoopOptions, layout: Tuple[int, int],
             block_order.append(list(order))
             for library in order:
                 answers = everywhere("run_block", library, iterations, options.timing,
-                                     options.barrier == "block")
+                                     options.barrier == "block", options.block_warmup,
+                                     options.pause_s)
                 for rank, answer in enumerate(answers):
                     measured[library]["durations"][rank].extend(answer["durations"])
                     measured[library]["cpu_s"][rank] += answer["cpu_s"]
@@ -411,6 +465,20 @@ def summarize(durations_by_rank: Sequence[Sequence[float]], cpu_s_by_rank: Seque
                                in zip(cpu_s_by_rank, durations_by_rank)]}
 
 
+def summarize_first_calls(durations_by_rank: Sequence[Sequence[float]]) -> dict:
+    """The figures of a new group's first calls.
+
+    Args:
+        durations_by_rank: each rank's seconds of each of the first calls.
+
+    Returns:
+        ``{"first_call_s": the slowest rank's first call, "first_ten_p50_s": the median of
+        the slowest rank's time over the first ten calls (or as many as were timed)}``.
+    """
+    slowest = iteration_latencies(durations_by_rank)
+    return {"first_call_s": slowest[0], "first_ten_p50_s": float(np.median(slowest[:10]))}
+
+
 def run(options: LoopOptions) -> List[dict]:
     """Every layout in turn, each on a Ray (or local cluster) of its own.
 
@@ -424,6 +492,8 @@ def run(options: LoopOptions) -> List[dict]:
             measured = measure_layout(options, layout, node_ids)
         for figures in measured["libraries"].values():
             figures.update(summarize(figures["durations"], figures["cpu_s"]))
+            if "first_calls" in figures:
+                figures.update(summarize_first_calls(figures["first_calls"]))
         results.append(measured)
     return results
 
@@ -438,10 +508,14 @@ def format_results(results: Sequence[dict]) -> str:
             wrong = "" if figures["sum_right"] else "   WRONG SUM"
             ran = sorted({name for name in figures.get("algorithm", []) if name})
             algorithm = f" ({', '.join(ran)})" if ran else ""
+            first = ""
+            if "first_call_s" in figures:
+                first = (f"   first call {figures['first_call_s'] * 1e6:.0f} us, first ten "
+                         f"p50 {figures['first_ten_p50_s'] * 1e6:.0f} us")
             lines.append(f"{result['layout']:>4} {library:<5}{algorithm} nodes {result['nodes']} "
                          f"slowest rank p50 "
                          f"{figures['slowest_p50_s'] * 1e6:7.1f} us   per rank p50 [{ranks}] us"
-                         f"   CPU/call [{cpu}] us{wrong}")
+                         f"   CPU/call [{cpu}] us{first}{wrong}")
     return "\n".join(lines)
 
 
@@ -484,6 +558,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=one_value(non_negative_int), default=defaults.warmup)
     parser.add_argument("--blocks", type=one_value(positive_int), default=defaults.blocks)
     parser.add_argument("--timeout", type=one_value(positive_int), default=120)
+    parser.add_argument("--block-warmup", type=one_value(non_negative_int),
+                        default=defaults.block_warmup,
+                        help="untimed calls at the start of every block, after its barrier "
+                             "(default 0)")
+    parser.add_argument("--pause-ms", type=one_value(at_least(0)), default=0,
+                        help="milliseconds of sleep before each timed call (default 0)")
+    parser.add_argument("--first-calls", type=one_value(non_negative_int),
+                        default=defaults.first_calls,
+                        help="calls of each new group timed right after the joins (default 10)")
     for flag, values in (("--timing", TIMINGS), ("--barrier", BARRIERS), ("--actor", ACTORS),
                          ("--cluster", CLUSTERS), ("--placement", PLACEMENTS),
                          ("--gloo-group", GLOO_GROUPS)):
@@ -508,7 +591,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           blocks=arguments.blocks, timeout_s=float(arguments.timeout),
                           timing=arguments.timing, barrier=arguments.barrier,
                           actor=arguments.actor, cluster=arguments.cluster,
-                          placement=arguments.placement, gloo_group=arguments.gloo_group)
+                          placement=arguments.placement, gloo_group=arguments.gloo_group,
+                          block_warmup=arguments.block_warmup,
+                          pause_s=arguments.pause_ms / 1000.0,
+                          first_calls=arguments.first_calls)
     results = run(options)
     print(format_results(results))
     if arguments.json:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import List, Optional, Sequence, TextIO
 
 from .rows import Row, SweepResult
-from .worker import BACK_TO_BACK, BARRIER
+from .worker import BACK_TO_BACK, BARRIER, PACED
 
 _BINARY_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
@@ -21,6 +21,8 @@ TIMING_MEANINGS = {
     BACK_TO_BACK: "back-to-back: one barrier, then the calls in a loop; an iteration is the "
                   "time from one call's return to the next's",
     BARRIER: "barrier: the backend's barrier before every call; an iteration is the call alone",
+    PACED: "paced: one barrier, then a sleep before every call (a training step's compute); "
+           "an iteration is the call alone",
 }
 """What each timing mode measures, in one line (the table's legend, the results page)."""
 

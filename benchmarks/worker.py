@@ -10,6 +10,9 @@ Timing happens here, inside the rank, with ``time.perf_counter``, in one of two 
   call early waits for the others inside the next one.
 - ``barrier`` (``BARRIER``): the peer's barrier before every call, warm-up and timed alike,
   and ``perf_counter`` around the call alone: one isolated collective started together.
+- ``paced`` (``PACED``): one barrier at the start of the block, then ``PACE_S`` of sleep
+  before every call, warm-up and timed alike, and ``perf_counter`` around the call alone: a
+  training step's compute between collectives, the rank idle meanwhile.
 
 The driver takes, per iteration, the slowest rank's time (``stats.iteration_latencies``).
 
@@ -62,7 +65,14 @@ def spread_over_cores() -> None:
     while monotonic() < end:
         pass
 
-TIMINGS = (BACK_TO_BACK, BARRIER)
+PACED = "paced"
+"""Timing mode: one barrier per block, then ``PACE_S`` of sleep before every call, which alone
+is timed."""
+
+PACE_S = 0.005
+"""The sleep before every call of a ``paced`` block."""
+
+TIMINGS = (BACK_TO_BACK, BARRIER, PACED)
 """Every timing mode, the headline first."""
 
 
@@ -196,6 +206,11 @@ def time_with_barriers(barrier: Callable[[], Any], call: Callable[[], Any], warm
     return TimedCalls(durations, cpu_s)
 
 
+def _pause() -> None:
+    """A ``paced`` block's sleep before each call."""
+    time.sleep(PACE_S)
+
+
 class RankWorker:
     """A rank's actor body (wrapped with ``ray.remote`` by the harness, ``num_cpus=0``).
 
@@ -263,8 +278,12 @@ class RankWorker:
             raise ValueError(f"unknown timing {block.timing!r}, expected one of {TIMINGS}")
         peer = self._peers[backend]
         call = self._bind(backend, peer, block).call
-        timer = time_with_barriers if block.timing == BARRIER else time_back_to_back
-        timed = timer(peer.barrier, call, block.warmup, block.iterations)
+        if block.timing == PACED:
+            peer.barrier()
+            timed = time_with_barriers(_pause, call, block.warmup, block.iterations)
+        else:
+            timer = time_with_barriers if block.timing == BARRIER else time_back_to_back
+            timed = timer(peer.barrier, call, block.warmup, block.iterations)
         return {"durations": timed.durations, "cpu_s": timed.cpu_s,
                 "peak_rss_bytes": peak_resident_bytes()}
 

@@ -33,7 +33,7 @@ from benchmarks.report_page import main as page_main
 from benchmarks.rows import Footprint, Row, SweepResult, summarize_point, unmeasured_rows
 from benchmarks.sweep import SweepOptions, block_order, count_points, split_iterations
 from benchmarks import worker
-from benchmarks.worker import BACK_TO_BACK, BARRIER, BlockSpec, RankWorker
+from benchmarks.worker import BACK_TO_BACK, BARRIER, PACED, BlockSpec, RankWorker
 from support import extras
 from support.helpers import run_benchmark, run_in, start_members
 from benchmarks.stats import (algorithm_bandwidth, bus_bandwidth, cpu_per_call,
@@ -159,6 +159,29 @@ def test_barrier_mode_times_each_call_alone_after_its_own_barrier(monkeypatch):
     assert clock.events == ["barrier", "call"] * 3
     assert timed.durations == [2.0, 3.0]
     assert timed.cpu_s == 2.5                      # (2 + 3) / 2: the barriers' 21 s left out
+
+
+def test_paced_mode_sleeps_before_each_call_after_one_barrier_and_times_the_call_alone(
+        monkeypatch):
+    clock = _RecordedClock()
+    monkeypatch.setattr(worker, "time", clock)
+
+    class Peer:
+        def barrier(self):
+            clock.barrier()
+
+    rank = RankWorker(2, 0)
+    rank._peers["ray"] = Peer()
+    monkeypatch.setattr(rank, "_bind", lambda backend, peer, block: worker._BoundPoint(
+        block.point(), clock.call))
+    monkeypatch.setattr(worker, "_pause", lambda: clock.events.append("pause"))
+    answer = rank.time_block("ray", BlockSpec("allreduce", 8, "float32", warmup=1,
+                                              iterations=2, timing=PACED))
+    assert clock.events == ["barrier"] + ["pause", "call"] * 3
+    assert answer["durations"] == [2.0, 3.0]       # the calls alone, the warm-up left out
+    parser = build_parser()
+    assert options_from_arguments(parser.parse_args(["--timing", "paced"]),
+                                  parser).timings == (PACED,)
 
 
 def test_cpu_time_per_call_is_each_ranks_mean_then_the_busiest_and_the_median():

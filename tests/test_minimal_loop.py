@@ -86,6 +86,55 @@ def test_figures_are_the_slowest_rank_per_iteration_and_each_ranks_own():
     assert minimal_loop._split(10, 4) == [3, 3, 2, 2] and minimal_loop._split(2, 4) == [1, 1]
 
 
+def test_the_modes_of_a_users_history_parse_into_the_options():
+    arguments = minimal_loop.build_parser().parse_args(
+        ["--block-warmup", "1", "--pause-ms", "5", "--first-calls", "3", "--warmup", "0"])
+    assert (arguments.block_warmup, arguments.pause_ms, arguments.first_calls,
+            arguments.warmup) == (1, 5, 3, 0)
+    defaults = minimal_loop.build_parser().parse_args([])
+    assert (defaults.block_warmup, defaults.pause_ms, defaults.first_calls) == (0, 0, 10)
+    for bad in (["--block-warmup", "-1"], ["--pause-ms", "-2"], ["--first-calls", "x"]):
+        with pytest.raises(SystemExit) as exited:
+            minimal_loop.build_parser().parse_args(bad)
+        assert exited.value.code == 2
+
+
+class _Library:
+    """A stand-in for a library's module that logs its barriers and calls."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def barrier(self, group):
+        self.events.append("barrier")
+
+    def allreduce(self, tensor, group):
+        self.events.append("call")
+
+
+@pytest.mark.parametrize("timing", ["per-call", "back-to-back"])
+def test_a_block_warms_up_after_its_barrier_and_sleeps_before_each_call(monkeypatch, timing):
+    events = []
+    rank = minimal_loop.LoopRank(0, 2)
+    rank.groups["ray"] = "g"
+    monkeypatch.setattr(rank, "_module", lambda library: _Library(events))
+    monkeypatch.setattr(minimal_loop.time, "sleep", lambda seconds: events.append(seconds))
+    answer = rank.run_block("ray", 2, timing, True, warmup=1, pause_s=0.005)
+    assert events == ["barrier"] + [0.005, "call"] * 3
+    assert len(answer["durations"]) == 2
+    events.clear()
+    assert len(rank.first_calls("ray", 3)) == 3 and events == ["call"] * 3
+
+
+def test_a_new_groups_first_calls_give_the_first_and_the_median_of_ten_of_the_slowest():
+    # slowest per call: 9, 2, 3, 4, 5, 6, 7, 8, 1, 10, 50: the eleventh is left out.
+    ranks = [[9.0, 2.0, 1.0, 4.0, 5.0, 6.0, 7.0, 8.0, 1.0, 10.0, 50.0],
+             [1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0]]
+    figures = minimal_loop.summarize_first_calls(ranks)
+    assert figures["first_call_s"] == 9.0
+    assert figures["first_ten_p50_s"] == pytest.approx(5.5)
+
+
 def test_group_names_differ_per_library_unless_gloo_takes_rays_default():
     options = minimal_loop.LoopOptions()
     assert minimal_loop.group_name("ray", options, (2, 2)) == "minimal-loop-ray-2x2"
@@ -100,6 +149,7 @@ def test_a_tiny_loop_across_two_nodes_times_both_libraries_in_alternating_blocks
     pytest.importorskip("torch", reason="Ray's gloo group needs torch (pip install '.[bench]')")
     out = tmp_path / "loop.json"
     arguments = ["--layouts", "2x1", "--iters", "4", "--warmup", "1", "--blocks", "2",
+                 "--block-warmup", "1", "--pause-ms", "1", "--first-calls", "3",
                  "--timeout", "60", "--json", str(out)]
     completed = run_benchmark("benchmarks.minimal_loop", *arguments)
     written = json.loads(out.read_text())
@@ -114,6 +164,8 @@ def test_a_tiny_loop_across_two_nodes_times_both_libraries_in_alternating_blocks
         assert min(min(durations) for durations in figures["durations"]) > 0
         assert figures["slowest_p50_s"] >= max(figures["rank_p50_s"]) > 0
         assert min(figures["cpu_per_call_s"]) > 0
+        assert [len(durations) for durations in figures["first_calls"]] == [3, 3]
+        assert figures["first_call_s"] > 0 and figures["first_ten_p50_s"] > 0
     lines = [line for line in completed.stdout.splitlines() if "slowest rank p50" in line]
     assert [line.split()[:2] for line in lines] == [["2x1", "ray"], ["2x1", "gloo"]]
     assert "WRONG SUM" not in completed.stdout
