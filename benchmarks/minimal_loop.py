@@ -94,7 +94,7 @@ GLOO_GROUPS = ("named", "default")
 ITEMSIZE = 4
 """Every buffer is float32."""
 
-FIRST_CALL_DELAY_S = 0.5
+FIRST_CALL_DELAY_S = 0.05
 """How long after the driver asks for a new group's first calls every rank makes the first."""
 
 
