@@ -43,8 +43,8 @@ from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, 
                           ray_module, runtime)
 from .machines import ranks_over_cores, ranks_per_core
 from .membership import RayMembership
-from .post_offices import (RayPostOffices, shut_post_office, start_post_office,
-                           wait_until_started)
+from .post_offices import (POST_OFFICE_JOIN_WAIT_S, RayPostOffices, shut_post_office,
+                           start_post_office, wait_until_started)
 
 
 def sweep_finished_jobs(session_dir: str) -> None:
@@ -183,7 +183,7 @@ class RayBackendFactory(BackendFactory):
             # machine), cost the calls that met them tens of milliseconds each.
             transport.open_streams(timeout)
             if post_office is not None:
-                wait_until_started(post_office, timeout)
+                wait_until_started(post_office, min(timeout, POST_OFFICE_JOIN_WAIT_S))
         except BaseException:
             transport.close()
             raise

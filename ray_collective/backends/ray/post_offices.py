@@ -28,6 +28,12 @@ def post_office_name(group_key: bytes, node: str) -> str:
     return f"{POST_OFFICE_NAME_PREFIX}{group_key.hex()}-{node[:16]}"
 
 
+POST_OFFICE_JOIN_WAIT_S = 5.0
+"""The longest a join waits for its node's post office to start (``wait_until_started``): on 2
+to 4 nodes of a 2-core machine it runs 1.5-2.5 s after it was started, and the group's first
+calls would share the cores with its start; over 8 nodes of 256 ranks it took 13.5 s, which a
+join should not add to its own time (the first calls then share the cores instead)."""
+
 POST_OFFICE_LOOKUP_S = 10.0
 """How long a rank looks for another node's post office by name before it counts it as gone."""
 
