@@ -66,6 +66,7 @@ class FailureWatch:
         self.state = state
         self.post_offices = post_offices
         self.dead: Dict[int, str] = {}
+        self._unreachable: Dict[int, Tuple[int, ...]] = {}
         self.current: Optional[wire.CallStamp] = None
         self.streamed: Container[int] = frozenset()
         self._protocol_error: Optional[CollectiveError] = None
@@ -82,6 +83,14 @@ class FailureWatch:
     def mark_dead(self, peer: int, reason: str) -> None:
         """Record that ``peer`` is dead (the first reason stays)."""
         self.dead.setdefault(peer, reason)
+
+    def mark_unreachable(self, node: str, reason: str) -> None:
+        """Record that every rank on ``node`` is out of reach (its link is gone): each is dead
+        to this rank, and an error naming one names them all."""
+        ranks = tuple(r for r, where in enumerate(self.peers) if where.node == node)
+        for rank in ranks:
+            self.mark_dead(rank, reason)
+            self._unreachable.setdefault(rank, ranks)
 
     def protocol_failed(self, peer: int, err: Exception, carrier: str) -> None:
         """Record that ``peer`` sent a frame this rank could not read on ``carrier`` (which the
@@ -135,9 +144,11 @@ class FailureWatch:
         return (stamp.template.collective, stamp.seq) if stamp else (what or "call", -1)
 
     def peer_died(self, dead: List[int], what: str = "") -> PeerDiedError:
-        """The error of a call whose peers ``dead`` are dead (why: from :attr:`dead`)."""
-        return PeerDiedError(self.group_name, self.rank, *self.call(what), dead,
-                             "; ".join(self.dead[r] for r in dead))
+        """The error of a call whose peers ``dead`` are dead (why: from :attr:`dead`); with a
+        rank of an unreachable node it names all of that node's ranks, each reason once."""
+        named = sorted(set(dead).union(*(self._unreachable.get(r, ()) for r in dead)))
+        return PeerDiedError(self.group_name, self.rank, *self.call(what), named,
+                             "; ".join(dict.fromkeys(self.dead[r] for r in named)))
 
     def post_office_died(self, node: str) -> PostOfficeDiedError:
         """The error of a call that needs ``node``'s post office, which is gone."""

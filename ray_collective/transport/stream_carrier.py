@@ -309,7 +309,15 @@ class StreamCarrier(Carrier):
                 if other.open:
                     self._to[peer] = other
                     break
-        if ended and peer >= 0 and (stream.open or ours) and not others:
+        if ended and peer >= 0 and stream.unreachable():
+            # No acknowledgment for tcp.LINK_TIMEOUT_S: the node's link, not one process, is
+            # gone, and every rank there is as far out of reach.
+            node = self.peers[peer].node
+            reason = (f"node {node[:8]} is unreachable: its stream with rank {peer} timed out "
+                      f"(nothing acknowledged within {tcp.LINK_TIMEOUT_S} s: a cut link, or the "
+                      f"node cut off from the network)")
+            self.failures.mark_unreachable(node, reason)
+        elif ended and peer >= 0 and (stream.open or ours) and not others:
             self.failures.mark_dead(peer, f"its stream from node {self.peers[peer].node[:8]} "
                                           f"ended (its process exited or left the group)")
         stream.close()

@@ -83,9 +83,27 @@ def listen(host: str, backlog: int) -> socket.socket:
     return server
 
 
+LINK_TIMEOUT_S = 3
+"""A stream fails (``ETIMEDOUT``, read as its end: the peer is named dead) once its peer's
+kernel has acknowledged nothing for this long, while data waits to be acknowledged
+(``TCP_USER_TIMEOUT``) or while the stream is idle, probed every :data:`KEEPALIVE_S`
+(keepalive). A cut cable or a node cut off shows no end of its streams: without this, a rank
+waits for it until the call's deadline. A live peer's kernel acknowledges at once, however busy
+its process (a full receive window is probed and answered, which resets the clock)."""
+KEEPALIVE_S = 1
+"""An idle stream is probed after this long without traffic, and again this often."""
+_TCP_CLOSE = 7
+"""``tcp_info``'s state of a connection the kernel gave up (``TCP_CLOSE``; a peer's orderly
+end leaves ``CLOSE_WAIT``)."""
+
+
 def _tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LINK_TIMEOUT_S * 1000)
     uds.enlarge_buffers(sock, SOCKET_BUFFER)
 
 
@@ -150,6 +168,13 @@ def frame_pieces(step: int, tag: int, count: int, header: bytes, payload: np.nda
             return frames
 
 
+_PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ETIMEDOUT,
+                        errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN})
+"""What a write to a stream raises once its peer is out of reach: it died, reset the
+connection, or its link timed out (an unreachable network or host, when this end's own link
+is the one cut)."""
+
+
 def write_frames(sock: socket.socket, outbox: Deque[Tuple[list, object]]) -> bool:
     """Write the frames of ``outbox`` (each a list of pieces, with its request) to ``sock`` until
     the kernel is full; a frame the kernel took in part keeps its rest at the front, and a
@@ -165,7 +190,7 @@ def write_frames(sock: socket.socket, outbox: Deque[Tuple[list, object]]) -> boo
         except BlockingIOError:
             return True
         except OSError as err:
-            if err.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ETIMEDOUT):
+            if err.errno in _PEER_GONE:
                 outbox.clear()
                 return False
             raise
@@ -465,6 +490,17 @@ class Stream:
             sent = 0
         if sent != len(message):
             self.closed = True
+
+    def unreachable(self) -> bool:
+        """Whether the stream failed because its peer's kernel stopped acknowledging (after
+        retransmissions or keepalive probes: :data:`LINK_TIMEOUT_S`), not because the peer
+        closed or reset it; False for a socket that is not TCP."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        except OSError:
+            return False
+        state, _, retransmits, probes = info[:4]
+        return state == _TCP_CLOSE and (retransmits > 0 or probes > 0)
 
     def close(self) -> None:
         """Close the socket; queued frames are dropped."""
