@@ -17,6 +17,8 @@ plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and it
 rank's memory goes and what Ray's settings change of it. ``minimal_loop`` is the loop a user writes (this library beside Ray's
 Gloo group, call by call, in the same plain actors); ``agent_observer`` (with
 ``agent_observer_rpc``) serves a policy to observers over this library, plain actor calls and
-``torch.distributed.rpc``. ``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call
+``torch.distributed.rpc``. ``netbed`` is the network bed (Ray nodes in network namespaces of their own behind
+rate-limited links), ``netbed_bench`` the sweep on it and ``netbed_faults`` its cut cables.
+``nccl_overhead`` is a separate tool: the ``nccl`` backend's per-call
 cost against raw ``cupy.cuda.nccl``, one GPU per rank, without Ray.
 """

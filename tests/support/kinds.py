@@ -3,6 +3,8 @@
 - ``gpu``: needs CuPy with NCCL and a GPU; marked by hand (``tests/test_nccl_gpu.py``).
 - ``multinode``: starts a Ray cluster of several nodes on this machine (in a subprocess of its
   own); marked by hand.
+- ``netbed``: needs root, ``ip`` and ``tc``: builds a network bed of namespaces and links
+  (``benchmarks.netbed``); skipped with the reason where it cannot; marked by hand.
 - ``ray``: needs Ray: given to every test that uses the ``ray_session`` fixture (directly or
   through ``members`` and the like), and marked by hand on a test that starts Ray itself (a
   benchmark or an example in a subprocess).
@@ -19,7 +21,7 @@ import os
 from typing import FrozenSet, Iterable
 
 RAY_FIXTURE = "ray_session"
-MARKED_BY_HAND = frozenset({"gpu", "multinode", "ray", "slow"})
+MARKED_BY_HAND = frozenset({"gpu", "multinode", "netbed", "ray", "slow"})
 KINDS = MARKED_BY_HAND | {"unit"}
 UNIT_TEST_VARIABLE = "RAY_COLLECTIVE_UNIT_TEST"
 """Set (to the test's id) while a ``unit`` test runs."""

@@ -1,0 +1,94 @@
+"""The driver of the network-bed tests (tests/test_netbed.py), run inside the head node's
+namespace of a bed (``benchmarks.netbed``): two nodes of two ranks each, rank r on node r // 2;
+prints one ``SUMMARY {json}`` line.
+
+``python -m support.netbed_job BED NODES``. What it records (the cut scenarios are
+``benchmarks.netbed_faults``'s, which runs them many times in a row):
+
+- ``crossing``: one allreduce of 64 MiB float32, checked against numpy, and how many bytes each
+  node's link (``eth0`` in its namespace) and its token bucket carried meanwhile;
+- ``cut_8B`` / ``cut_64MiB``: every rank loops on allreduce of that size; once every rank has
+  finished a call (each writes a marker file), node 1's cable is cut (``eth0`` down in its
+  namespace): what each rank raises, the ranks it names, and how many seconds after the cut;
+  the cable is plugged back once node 0's ranks have raised;
+- ``cut_before``: the cable cut between calls, then every rank calls allreduce 8 B;
+- ``regroup``: after the cable is back, a new group of the same members, one allreduce checked
+  against numpy.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import ray
+
+import ray_collective as col
+from benchmarks import netbed, netbed_faults
+from benchmarks.netbed_faults import CALL_TIMEOUT_S, OUTCOME_TIMEOUT_S, RANKS_PER_NODE
+from support.helpers import Member, numpy_reduce, rank_data
+
+CROSSING_BYTES = 64 << 20
+SIZES = {"cut_8B": 8, "cut_64MiB": 64 << 20}
+
+
+def _checked_allreduce(rank: int, group: str, world_size: int, count: int) -> bool:
+    tensor = rank_data(rank, count, "float32")
+    col.allreduce(tensor, group, timeout=CALL_TIMEOUT_S)
+    expected = numpy_reduce([rank_data(r, count, "float32") for r in range(world_size)],
+                            col.ReduceOp.SUM)
+    return bool(np.allclose(tensor, expected, rtol=1e-5, atol=1e-3))
+
+
+def _all_checked(members: list, group: str, count: int) -> list:
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    return ray.get([m.__ray_call__.remote(
+        lambda _self, r=r: _checked_allreduce(r, group, len(members), count))
+        for r, m in enumerate(members)], timeout=OUTCOME_TIMEOUT_S)
+
+
+def cut_before(members: list, layout) -> dict:
+    group = "netbed-cut-before"
+    assert all(_all_checked(members, group, 2))
+    cut_at = time.time()
+    netbed.set_link(layout, 1, up=False)
+    refs = [m.__ray_call__.remote(lambda _self: netbed_faults.one_call(group)) for m in members]
+    result = netbed_faults.collect(refs, cut_at, layout)
+    col.destroy_collective_group(group)
+    netbed_faults.wait_for_members(members)
+    return result
+
+
+def crossing(members: list, layout) -> dict:
+    group = "netbed-crossing"
+    before = [netbed.link_bytes(layout, node) for node in range(layout.nodes)]
+    correct = _all_checked(members, group, CROSSING_BYTES // 4)
+    after = [netbed.link_bytes(layout, node) for node in range(layout.nodes)]
+    col.destroy_collective_group(group)
+    return {"correct": correct,
+            "delta": [{key: a[key] - b[key] for key in a} for a, b in zip(after, before)]}
+
+
+def regroup(members: list) -> dict:
+    group = "netbed-regroup"
+    correct = _all_checked(members, group, 1000)
+    col.destroy_collective_group(group)
+    return {"correct": correct}
+
+
+def main(name: str, nodes: int, rate: str) -> dict:
+    layout = netbed.Layout(name, nodes, (rate,) * nodes)
+    ray.init(address=layout.head_address, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    members = netbed_faults.start_members(nodes, Member)
+    summary = {"crossing": crossing(members, layout)}
+    for scenario, nbytes in SIZES.items():
+        summary[scenario] = netbed_faults.cut_during(members, layout, nbytes, scenario)
+    summary["cut_before"] = cut_before(members, layout)
+    summary["regroup"] = regroup(members)
+    return summary
+
+
+if __name__ == "__main__":
+    print("SUMMARY " + json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])), flush=True)
