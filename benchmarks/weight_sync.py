@@ -68,8 +68,8 @@ class SyncMember:
         import ray
         return ray.get_runtime_context().get_node_id()
 
-    def join(self, rank: Optional[int], world: int, name: str, role: str, index: int,
-             publishers: int, subscribers: int) -> None:
+    def join(self, rank: Optional[int], world: int) -> None:
+        """Join the per-tensor peers' groups (the weight sync is declared by the driver)."""
         import datetime
 
         import ray.util.collective as ray_col
@@ -77,7 +77,6 @@ class SyncMember:
 
         import ray_collective as col
         self.rank = rank
-        col.init_weight_sync(name, role, index, publishers, subscribers, timeout=600)
         if rank is None:
             return
         col.init_collective_group(world, rank, backend="ray", group_name="per-tensor",
@@ -174,6 +173,33 @@ class SyncMember:
             c.copy_(v)
         return time.perf_counter() - start
 
+    def die_at_bucket(self, bucket: int, path: str) -> None:
+        """SIGKILL this process as it comes to its ``bucket``-th bucket of the next sync,
+        writing the wall-clock time of its death to ``path`` first."""
+        import os
+        import signal
+
+        from ray_collective.weight_sync import transfer
+        original, seen = transfer.segment_views, [0]
+
+        def views(*args):
+            seen[0] += 1
+            if seen[0] > bucket:
+                with open(path, "w") as out:
+                    out.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args)
+
+        transfer.segment_views = views
+
+    def sync_until_failure(self, role: str, version: int) -> tuple:
+        """A sync that is expected to fail: (the error's type, wall-clock time it returned)."""
+        try:
+            self.weight_sync(role, version)
+            return "delivered", time.time()
+        except Exception as err:  # the sync's error is the measurement
+            return type(err).__name__, time.time()
+
     def fingerprint(self) -> str:
         import hashlib
         h = hashlib.sha256()
@@ -193,6 +219,7 @@ def measure(options: argparse.Namespace, nodes: int, subscribers: int) -> dict:
     """One configuration: every peer, ``options.trials`` interleaved trials."""
     import ray
 
+    import ray_collective as col
     shapes = model_shapes(options.model_mib << 20, options.tensors,
                           2 if options.dtype == "bfloat16" else 4)
     publishers = options.publishers
@@ -207,14 +234,9 @@ def measure(options: argparse.Namespace, nodes: int, subscribers: int) -> dict:
     pubs, subs = actors[:publishers], actors[publishers:]
     # The per-tensor peers' groups: the first publisher and every subscriber.
     world = 1 + subscribers
-    refs = []
-    for i, a in enumerate(actors):
-        role = "publisher" if i < publishers else "subscriber"
-        index = i if i < publishers else i - publishers
-        rank = 0 if i == 0 else (None if i < publishers else 1 + index)
-        refs.append(a.join.remote(rank, world, "bench", role, index, publishers,
-                                  subscribers))
-    ray.get(refs)
+    ray.get([a.join.remote(0 if i == 0 else (None if i < publishers else i - publishers + 1),
+                           world) for i, a in enumerate(actors)])
+    col.declare_weight_sync(pubs, subs, name="bench", timeout=600)
     version = [0]
 
     def sync_all():
@@ -239,25 +261,75 @@ def measure(options: argparse.Namespace, nodes: int, subscribers: int) -> dict:
             ray.get([a.step.remote(1.0) for a in pubs])
             ray.get([a.align.remote() for a in [pubs[0]] + subs])
             times[peer].append(_timed(runs[peer]))
-        if options.changed:
-            ray.get([a.step.remote(options.changed) for a in pubs])
-            changed.append(_timed(sync_all))
+            if peer == "weight_sync" and options.changed:
+                # The next version, right after this one: only ``changed`` of it differs.
+                ray.get([a.step.remote(options.changed) for a in pubs])
+                changed.append(_timed(sync_all))
+    if options.membership:
+        result_extra = membership_costs(pubs, subs, version, shapes, options)
+    else:
+        result_extra = {}
     truth = ray.get(pubs[0].fingerprint.remote())
     correct = all(f == truth for f in ray.get([s.fingerprint.remote() for s in subs]))
     copy_s = statistics.median(ray.get([subs[0].copy_seconds.remote() for _ in range(3)]))
     model_bytes = sum(int(np.prod(s)) for s in shapes.values()) * (
         2 if options.dtype == "bfloat16" else 4)
+    col.destroy_weight_sync("bench")
     for a in actors:
         ray.kill(a)
     medians = {p: statistics.median(t) for p, t in times.items()}
     result = {"nodes": nodes, "publishers": publishers, "subscribers": subscribers,
               "model_bytes": model_bytes, "tensors": len(shapes), "dtype": options.dtype,
               "trials": options.trials, "seconds": times, "median_s": medians,
-              "copy_bound_s": copy_s * subscribers, "subscribers_hold_the_model": correct}
+              "copy_bound_s": copy_s * subscribers, "subscribers_hold_the_model": correct,
+              **result_extra}
     if changed:
         result["changed_fraction"] = options.changed
         result["changed_median_s"] = statistics.median(changed)
     return result
+
+
+def membership_costs(pubs: list, subs: list, version: list, shapes: dict,
+                     options: argparse.Namespace) -> dict:
+    """Seconds to add one subscriber between versions, and how long after a subscriber's
+    SIGKILL mid-sync every other member returns (then the next version to the survivors)."""
+    import os
+    import tempfile
+
+    import ray
+
+    import ray_collective as col
+    node = ray.get(subs[-1].node.remote())
+    newcomer = ray.remote(num_cpus=0)(SyncMember).options(**pinned(
+        node if options.nodes > 1 else None)).remote(shapes, options.dtype, 99)
+    subs.append(newcomer)       # killed with the others at the end
+    ray.get(newcomer.node.remote())
+    start = time.perf_counter()
+    col.add_weight_subscribers("bench", [newcomer])
+    add_s = time.perf_counter() - start
+    members = list(subs)
+    version[0] += 1
+    ray.get([p.weight_sync.remote("publisher", version[0]) for p in pubs]
+            + [s.weight_sync.remote("subscriber", 0) for s in members])
+    victim, survivors = members[0], members[1:]
+    path = os.path.join(tempfile.mkdtemp(), "death")
+    ray.get(victim.die_at_bucket.remote(2, path))
+    ray.get([a.step.remote(1.0) for a in pubs])
+    version[0] += 1
+    refs = ([p.sync_until_failure.remote("publisher", version[0]) for p in pubs]
+            + [s.sync_until_failure.remote("subscriber", 0) for s in survivors])
+    victim.weight_sync.remote("subscriber", 0)
+    outcomes = ray.get(refs, timeout=300)
+    with open(path) as source:
+        died = float(source.read())
+    version[0] += 1
+    start = time.perf_counter()
+    ray.get([p.weight_sync.remote("publisher", version[0]) for p in pubs]
+            + [s.weight_sync.remote("subscriber", 0) for s in survivors])
+    return {"add_subscriber_s": add_s,
+            "after_death": [kind for kind, _ in outcomes],
+            "returned_after_death_s": max(t for _, t in outcomes) - died,
+            "next_version_to_survivors_s": time.perf_counter() - start}
 
 
 def format_result(r: dict) -> str:
@@ -278,6 +350,11 @@ def format_result(r: dict) -> str:
         lines.append(f"a version with {r['changed_fraction']:.0%} of the tensors changed: "
                      f"{r['changed_median_s']:.3f} s ({r['changed_median_s'] / ours:.1%} of a "
                      f"full sync)")
+    if "add_subscriber_s" in r:
+        lines.append(f"adding a subscriber: {r['add_subscriber_s']:.3f} s; a subscriber killed "
+                     f"mid-sync: every other member returned {r['returned_after_death_s']:.3f} s "
+                     f"after its death ({', '.join(sorted(set(r['after_death'])))}); the next "
+                     f"version to the survivors {r['next_version_to_survivors_s']:.3f} s")
     return "\n".join(lines)
 
 
@@ -295,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--changed", type=float, default=0.02,
                         help="also time a version where this fraction changed (0: not)")
+    parser.add_argument("--membership", action="store_true",
+                        help="also time adding a subscriber and a subscriber's death mid-sync")
     parser.add_argument("--json", help="write the results here")
     return parser
 

@@ -7,8 +7,9 @@ import pytest
 from ray_collective import native
 from ray_collective.weight_sync.digest import combine, digest, reference_digest
 from ray_collective.weight_sync.layout import Layout, TensorSpec, difference, read_state_dict
-from ray_collective.weight_sync.plan import (MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, PlanError,
-                                             bucket_size, make_plan)
+from ray_collective.weight_sync.plan import (IN_PLACE_MIN_BYTES, MAX_BUCKET_BYTES,
+                                             MIN_BUCKET_BYTES, PlanError, bucket_size,
+                                             make_plan)
 
 MiB = 1 << 20
 
@@ -72,6 +73,10 @@ def test_buckets_fuse_small_tensors_and_cut_large_ones_into_pieces():
     fused = make_plan([Layout((spec("x", 10), spec("y", 20), spec("z", 30)))], bucket_bytes=64)
     assert len(fused.buckets) == 1 and not fused.buckets[0].in_place
     assert fused.tensors_of(fused.buckets[0]) == ("x", "y", "z")
+    # A tensor of IN_PLACE_MIN_BYTES or more is never packed, even into a bucket with room.
+    mixed = make_plan([Layout((spec("a", 10), spec("b", IN_PLACE_MIN_BYTES), spec("c", 20)))],
+                      bucket_bytes=32 * MiB)
+    assert [mixed.tensors_of(b) for b in mixed.buckets] == [("b",), ("a", "c")]
 
 
 def test_every_byte_of_the_model_is_in_exactly_one_bucket():

@@ -8,7 +8,8 @@ a second allgather carries every member's full description (:class:`~.layout.Lay
 every member computes the same verdict from the same bytes: a new plan, or one error that
 names the member, the tensor and both sides, raised on every member before any byte moved.
 
-After: one allgather of a status byte and the control ranks each member knows dead, so that
+After: one allgather of a status byte and a byte per control rank that this member knows
+dead, so that
 every member ends the sync the same way (delivered, or the same members named) even where only
 some of them saw the failure.
 """

@@ -32,13 +32,12 @@ from .. import api
 from ..elastic import grow_member, shrink_member
 from ..errors import (ArgumentValueError, CollectiveError, PeerDiedError, RankExcludedError,
                       WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError)
-from ..group import current_registry
-from ..group import use_registry
+from ..group import current_registry, use_registry
 from .agreement import (H_PLAN, PUBLISHER, ROLE_NAMES, SUBSCRIBER, Roster, Verdict, agree,
                         allgather_words, header, member_name)
 from .layout import Layout, read_state_dict
 from .plan import SyncPlan
-from .transfer import bucket_digest, receive_buckets, send_buckets
+from .transfer import choose_buckets, receive_buckets, send_buckets
 
 
 def control_group(name: str) -> str:
@@ -231,7 +230,7 @@ class WeightSyncMember:
         try:
             headers = self._allgather(words, deadline)
         except CollectiveError as err:
-            dead = self._dead(err, None)
+            dead = dead_members(self.config, err, None)
             if not dead:
                 self._repair = True
                 raise self._error(WeightSyncError, f"{err}; the next sync shrinks the groups "
@@ -266,8 +265,12 @@ class WeightSyncMember:
             if config.role == PUBLISHER:
                 mine = plan.buckets_of(config.index)
                 known: Dict[int, int] = {}
-                send = self._what_to_send(verdict, mine, bytes_of, unchanged, use_digest,
-                                          known)
+                if verdict.full:
+                    self._digests = {}
+                    send = [True] * len(mine)
+                else:
+                    send = choose_buckets(plan, mine, bytes_of, unchanged, use_digest,
+                                          self._digests, known)
                 self._moved = sum(b.nbytes for b, goes in zip(mine, send) if goes)
                 send_buckets(plan, mine, send, bytes_of,
                              data_group(config.name, config.index, config.publishers),
@@ -278,30 +281,6 @@ class WeightSyncMember:
         except CollectiveError as err:
             return err
         return None
-
-    def _what_to_send(self, verdict: Verdict, buckets, bytes_of: Dict[str, np.ndarray],
-                      unchanged: Optional[Collection[str]], use_digest: bool,
-                      known: Dict[int, int]) -> List[bool]:
-        """Which of this publisher's buckets go: all of them in a full sync; otherwise, with
-        the digest, those the caller does not claim unchanged and those whose digest moved;
-        without it, those the caller does not claim unchanged. The digests it computes go
-        into ``known``, so that the sending does not compute them again."""
-        if verdict.full:
-            self._digests = {}
-            return [True] * len(buckets)
-        claimed = None if unchanged is None else set(unchanged)
-        send = []
-        for bucket in buckets:
-            said_unchanged = claimed is not None and all(
-                n in claimed for n in verdict.plan.tensors_of(bucket))
-            if not use_digest or (claimed is not None and not said_unchanged):
-                send.append(not said_unchanged)
-            elif bucket.index not in self._digests:
-                send.append(True)
-            else:
-                known[bucket.index] = bucket_digest(verdict.plan, bucket, bytes_of)
-                send.append(known[bucket.index] != self._digests[bucket.index])
-        return send
 
     def _receive_all(self, plan: SyncPlan, bytes_of: Dict[str, np.ndarray],
                      deadline: float) -> int:
@@ -326,14 +305,14 @@ class WeightSyncMember:
                deadline: float) -> None:
         roster = verdict.roster
         world = len(roster.members)
-        words = np.zeros(world + 1, np.int64)
-        dead = self._dead(failure, roster) if failure is not None else set()
+        words = np.zeros(world + 1, np.uint8)
+        dead = dead_members(self.config, failure, roster) if failure is not None else set()
         words[0] = failure is not None
         words[[1 + r for r in dead]] = 1
         try:
             rows = allgather_words(words, control_group(self.config.name), world, deadline)
         except CollectiveError as err:
-            dead |= self._dead(err, roster)
+            dead |= dead_members(self.config, err, roster)
             failure = failure or err
         else:
             dead |= {r for r in range(world) if rows[:, 1 + r].any()}
@@ -386,7 +365,7 @@ class WeightSyncMember:
         try:
             api.barrier(control, timeout=timeout)
         except CollectiveError as err:
-            dead = self._dead(err, None)
+            dead = dead_members(self.config, err, None)
             if not dead:
                 raise
             self._shrink(timeout)
@@ -406,26 +385,6 @@ class WeightSyncMember:
         :attr:`lock` held, after :meth:`settle`."""
         self._shrink(timeout)
 
-    def _dead(self, error: Optional[BaseException], roster: Optional[Roster]) -> Set[int]:
-        """The control ranks ``error`` names dead (empty without a roster to map them)."""
-        found: Set[int] = set()
-        seen = set()
-        while error is not None and id(error) not in seen:
-            seen.add(id(error))
-            if isinstance(error, PeerDiedError):
-                found |= self._to_control(error.group_name, error.dead_ranks, roster)
-            error = getattr(error, "cause", None) or error.__cause__
-        return found
-
-    def _to_control(self, group: str, ranks, roster: Optional[Roster]) -> Set[int]:
-        name, publishers = self.config.name, self.config.publishers
-        if group == control_group(name) or roster is None:
-            return set(ranks) if group == control_group(name) else set()
-        for p in range(publishers):
-            if group == data_group(name, p, publishers):
-                return {roster.control_rank(p, r) for r in ranks}
-        return set()
-
     def _shrink(self, deadline: float) -> None:
         """Shrink every group of this member, leaving out the members that failed."""
         registry = current_registry()
@@ -441,6 +400,26 @@ class WeightSyncMember:
                                                f"{err}; call again") from err
         self._repair = False
         self._key = 0
+
+
+def dead_members(config: SyncConfig, error: Optional[BaseException],
+                 roster: Optional[Roster]) -> Set[int]:
+    """The control ranks ``error`` (or an error it wraps) names dead; ranks of a data group
+    only with a roster to map them."""
+    found: Set[int] = set()
+    seen = set()
+    control = control_group(config.name)
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, PeerDiedError):
+            if error.group_name == control:
+                found |= set(error.dead_ranks)
+            elif roster is not None:
+                for p in range(config.publishers):
+                    if error.group_name == data_group(config.name, p, config.publishers):
+                        found |= {roster.control_rank(p, r) for r in error.dead_ranks}
+        error = getattr(error, "cause", None) or error.__cause__
+    return found
 
 
 def _in_registry(registry, run, *args):

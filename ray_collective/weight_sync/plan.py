@@ -9,11 +9,12 @@ subscribers.
   sends about 1/P of the bytes. Publishers whose sets are disjoint are *shards*: each cuts its
   own tensors into buckets and sends them. Anything in between is refused, naming a tensor two
   publishers share and one that only one of them has.
-- **Buckets** fuse tensors in name order up to ``bucket_bytes``; a tensor larger than that is cut
-  into pieces of ``bucket_bytes``, one per bucket. A bucket that is one piece of one tensor is
-  sent from and received into the tensor's own memory; a fused one goes through a staging
-  buffer on both sides (at most two per member and publisher, so that the next bucket can be
-  packed while the last one is in flight).
+- **Buckets** fuse the small tensors (below ``IN_PLACE_MIN_BYTES``) in name order up to
+  ``bucket_bytes``; a larger tensor has buckets of its own, cut into pieces of
+  ``bucket_bytes``. A bucket that is one piece of one tensor is sent from and received into
+  the tensor's own memory; a fused one goes through a staging buffer on both sides (at most two
+  per member and publisher, so that the next bucket can be packed while the last one is in
+  flight).
 - **Bucket size** (:func:`bucket_size`): about 1/``BUCKETS_PER_MODEL`` of the model, between
   ``MIN_BUCKET_BYTES`` and ``MAX_BUCKET_BYTES``: large enough that a bucket's fixed cost (a
   broadcast's rounds) is small against its bytes, small enough that a pipeline of buckets fills
@@ -31,6 +32,9 @@ MIN_BUCKET_BYTES = 4 << 20
 MAX_BUCKET_BYTES = 32 << 20
 BUCKETS_PER_MODEL = 32
 """A model is cut into about this many buckets, within the bounds above."""
+IN_PLACE_MIN_BYTES = 1 << 20
+"""A tensor this large goes in buckets of its own, moved from and into its memory: packing it
+would cost two copies, more than a broadcast's fixed cost."""
 
 
 class PlanError(ValueError):
@@ -105,18 +109,15 @@ def bucket_size(model_bytes: int) -> int:
     return max(MIN_BUCKET_BYTES, min(MAX_BUCKET_BYTES, rounded))
 
 
-def _cut(tensors: Sequence[int], specs: Sequence[TensorSpec], bucket_bytes: int
-         ) -> List[Tuple[Segment, ...]]:
+def _cut(tensors: Sequence[int], specs: Sequence[TensorSpec], bucket_bytes: int,
+         in_place_min: int) -> List[Tuple[Segment, ...]]:
     """The buckets' segments for ``tensors`` (indices into ``specs``), in order."""
     buckets: List[Tuple[Segment, ...]] = []
     fused: List[Segment] = []
     fused_bytes = 0
     for index in tensors:
         size = specs[index].nbytes
-        if size > bucket_bytes:
-            if fused:
-                buckets.append(tuple(fused))
-                fused, fused_bytes = [], 0
+        if size >= min(in_place_min, bucket_bytes):
             buckets.extend((Segment(index, offset, min(bucket_bytes, size - offset)),)
                            for offset in range(0, size, bucket_bytes))
             continue
@@ -176,7 +177,7 @@ def make_plan(publishers: Sequence[Layout], bucket_bytes: Optional[int] = None) 
     buckets: List[Bucket] = []
     if replicas:
         load = [0] * count
-        for segments in _cut(range(len(specs)), specs, size):
+        for segments in _cut(range(len(specs)), specs, size, IN_PLACE_MIN_BYTES):
             nbytes = sum(s.nbytes for s in segments)
             owner = min(range(count), key=lambda p: (load[p], p))
             load[owner] += nbytes
@@ -184,7 +185,7 @@ def make_plan(publishers: Sequence[Layout], bucket_bytes: Optional[int] = None) 
     else:
         for p in range(count):
             mine = [i for i, h in enumerate(holders) if h == [p]]
-            for segments in _cut(mine, specs, size):
+            for segments in _cut(mine, specs, size, IN_PLACE_MIN_BYTES):
                 buckets.append(Bucket(len(buckets), p, segments,
                                       sum(s.nbytes for s in segments)))
     return SyncPlan(specs, tuple(tuple(h) for h in holders), replicas, tuple(buckets), size)

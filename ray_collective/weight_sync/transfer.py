@@ -16,7 +16,7 @@ without the GIL), so that the next sync can skip what did not change.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,6 +38,40 @@ def segment_views(plan: SyncPlan, bucket: Bucket, bytes_of: Dict[str, np.ndarray
 def bucket_digest(plan: SyncPlan, bucket: Bucket, bytes_of: Dict[str, np.ndarray]) -> int:
     """The digest of the bytes ``bucket`` carries, read from the caller's tensors."""
     return combine(digest(view) for view in segment_views(plan, bucket, bytes_of))
+
+
+def choose_buckets(plan: SyncPlan, buckets: Sequence[Bucket], bytes_of: Dict[str, np.ndarray],
+                   unchanged: Optional[Collection[str]], use_digest: bool,
+                   last: Dict[int, int], known: Dict[int, int]) -> List[bool]:
+    """Which of a publisher's buckets go in a sync that is not full: with the digest, those
+    the caller does not claim unchanged and those whose digest moved since ``last``; without
+    it, those the caller does not claim unchanged.
+
+    Args:
+        plan, buckets: the sync's plan and this publisher's buckets.
+        bytes_of: the publisher's tensors as uint8 views.
+        unchanged: the names the caller claims unchanged, or None.
+        use_digest: whether to check the digest.
+        last: ``{bucket index: digest}`` of what the subscribers hold.
+        known: filled with the digests computed here, so that sending does not compute them
+            again.
+
+    Returns:
+        For each bucket, whether it goes.
+    """
+    claimed = None if unchanged is None else set(unchanged)
+    send = []
+    for bucket in buckets:
+        said_unchanged = claimed is not None and all(
+            name in claimed for name in plan.tensors_of(bucket))
+        if not use_digest or (claimed is not None and not said_unchanged):
+            send.append(not said_unchanged)
+        elif bucket.index not in last:
+            send.append(True)
+        else:
+            known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
+            send.append(known[bucket.index] != last[bucket.index])
+    return send
 
 
 class _Staging:
