@@ -37,7 +37,7 @@ BLOCKS = python_blocks(README.read_text())
 def test_the_readme_has_a_quickstart_for_each_pattern():
     assert len(BLOCKS) >= 5, "the import line and four quickstart snippets"
     patterns = {"init_collective_group", "declare_collective_group", "allreduce_refs",
-                "ray_util_collective_runtime_env"}
+                "ray_util_collective_runtime_env", "declare_weight_sync"}
     assert all(any(pattern in block for block in BLOCKS) for pattern in patterns)
     assert sum(expected_output(block) is not None for block in BLOCKS) >= 4
 
