@@ -9,6 +9,8 @@ behind a 1 Gbit/s link, two ranks each; its driver (tests/support/netbed_job.py)
 - A cable cut (``eth0`` down in node 1's namespace) during an allreduce of 8 B and of 64 MiB,
   and between calls: every rank on node 0 raises ``PeerDiedError`` naming node 1's ranks
   within ``DETECTION_BOUND_S``, long before the call's deadline; node 1's ranks raise too.
+- A cable out for 2 s during a loop of 64 MiB allreduces: every rank ends with right results,
+  or with ``PeerDiedError`` naming ranks; none hangs.
 - With the cable back, a new group of the same members works; once the bed is closed nothing
   of it is left (namespaces, directory, processes).
 """
@@ -21,7 +23,7 @@ import sys
 
 import pytest
 
-from benchmarks import netbed
+from benchmarks import netbed, netbed_faults
 from ray_collective.transport import tcp
 from support import netbed_job
 from support.paths import python_path
@@ -117,6 +119,16 @@ def test_the_cut_nodes_ranks_raise_too(summary, scenario):
     far = slice(netbed_job.RANKS_PER_NODE, None)
     assert all(error is not None for error in seen["errors"][far]), seen["messages"]
     assert max(seen["seconds_after_cut"][far]) < netbed_job.CALL_TIMEOUT_S, seen
+
+
+@pytest.mark.multinode
+def test_a_flapping_link_gives_right_results_or_names_the_cut_node(summary):
+    for outcome in summary["flap"]["outcomes"]:
+        kind, detail = outcome
+        if kind == "ok":
+            assert detail is True, summary["flap"]
+        elif not kind.startswith(netbed_faults.RAY_LOST_PREFIX):
+            assert kind == "PeerDiedError" and detail, summary["flap"]
 
 
 @pytest.mark.multinode

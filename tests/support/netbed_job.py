@@ -12,6 +12,8 @@ prints one ``SUMMARY {json}`` line.
   namespace): what each rank raises, the ranks it names, and how many seconds after the cut;
   the cable is plugged back once node 0's ranks have raised;
 - ``cut_before``: the cable cut between calls, then every rank calls allreduce 8 B;
+- ``flap``: node 1's cable out for 2 s while every rank loops on checked allreduces of 64 MiB:
+  each rank's outcome, every result right or the error and the ranks it names;
 - ``regroup``: after the cable is back, a new group of the same members, one allreduce checked
   against numpy.
 """
@@ -31,6 +33,10 @@ from support.helpers import Member, numpy_reduce, rank_data
 
 CROSSING_BYTES = 64 << 20
 SIZES = {"cut_8B": 8, "cut_64MiB": 64 << 20}
+FLAP_S = 2.0
+FLAP_CALLS = 8
+"""At 1 Gbit/s a 64 MiB allreduce between two nodes takes about 0.6 s: the flap falls inside
+the loop."""
 
 
 def _checked_allreduce(rank: int, group: str, world_size: int, count: int) -> bool:
@@ -77,6 +83,50 @@ def regroup(members: list) -> dict:
     return {"correct": correct}
 
 
+def _checked_loop(rank: int, group: str, world_size: int, count: int, calls: int,
+                  marker: str) -> tuple:
+    """Inside a member: ``calls`` allreduces of ``count`` float32, each checked against numpy,
+    ``marker`` created once the first has returned: ("ok", every result right) or the first
+    error's (class, ranks named)."""
+    expected = numpy_reduce([rank_data(r, count, "float32") for r in range(world_size)],
+                            col.ReduceOp.SUM)
+    right = True
+    for call in range(calls):
+        tensor = rank_data(rank, count, "float32")
+        try:
+            col.allreduce(tensor, group, timeout=CALL_TIMEOUT_S)
+        except col.CollectiveError as err:
+            return type(err).__name__, list(getattr(err, "dead_ranks", ()) or ())
+        right = right and bool(np.allclose(tensor, expected, rtol=1e-5, atol=1e-3))
+        if call == 0:
+            open(marker, "w").close()
+    return "ok", right
+
+
+def flap(members: list, layout) -> dict:
+    """Node 1's cable out for FLAP_S while every rank runs FLAP_CALLS checked allreduces of
+    64 MiB: what each rank ends with."""
+    group = "netbed-flap"
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    markers = [f"{layout.directory}/flap-{r}.started" for r in range(len(members))]
+    refs = [m.__ray_call__.remote(lambda _self, r=r: _checked_loop(
+        r, group, len(members), CROSSING_BYTES // 4, FLAP_CALLS, markers[r]))
+        for r, m in enumerate(members)]
+    netbed_faults.wait_for_files(markers, OUTCOME_TIMEOUT_S)
+    netbed.set_link(layout, 1, up=False)
+    time.sleep(FLAP_S)  # the flap's length is the scenario, not a wait for an event
+    netbed.set_link(layout, 1, up=True)
+    outcomes = []
+    for ref in refs:
+        try:
+            outcomes.append(list(ray.get(ref, timeout=OUTCOME_TIMEOUT_S)))
+        except ray.exceptions.ActorUnavailableError as err:
+            outcomes.append([f"{netbed_faults.RAY_LOST_PREFIX}{type(err).__name__}", []])
+    col.destroy_collective_group(group)
+    netbed_faults.wait_for_members(members)
+    return {"outcomes": outcomes}
+
+
 def main(name: str, nodes: int, rate: str) -> dict:
     layout = netbed.Layout(name, nodes, (rate,) * nodes)
     ray.init(address=layout.head_address, logging_level="ERROR",
@@ -86,6 +136,7 @@ def main(name: str, nodes: int, rate: str) -> dict:
     for scenario, nbytes in SIZES.items():
         summary[scenario] = netbed_faults.cut_during(members, layout, nbytes, scenario)
     summary["cut_before"] = cut_before(members, layout)
+    summary["flap"] = flap(members, layout)
     summary["regroup"] = regroup(members)
     return summary
 
