@@ -65,13 +65,15 @@ def link_bound_s(collective: str, nbytes: int, nodes: int, rate: Optional[str]) 
     return LINK_BYTES[collective](nbytes, nodes) * 8 / bits
 
 
-def annotate(rows: List[dict], nodes: int, rate: Optional[str]) -> List[dict]:
+def annotate(rows: List[dict], nodes: int, rate: Optional[str],
+             label: Optional[str] = None) -> List[dict]:
     """The rows with their link's rate, link bound and ratio to it.
 
     Args:
         rows: ``python -m benchmarks --json``'s rows.
         nodes: the bed's nodes.
-        rate: the links' rate, or None for unlimited.
+        rate: the rate of the slowest link (it sets the bound), or None for unlimited.
+        label: what the rows' ``link`` says (default: ``rate``).
 
     Returns:
         New rows with ``link``, ``link_bound_s``, ``ratio_to_bound`` and ``bound_fraction``.
@@ -81,7 +83,7 @@ def annotate(rows: List[dict], nodes: int, rate: Optional[str]) -> List[dict]:
         bound = link_bound_s(row["collective"], row["nbytes"], nodes, rate)
         p50 = row.get("p50_s")
         ratio = p50 / bound if bound and p50 else None
-        annotated.append(dict(row, link=rate or "unlimited", link_bound_s=bound,
+        annotated.append(dict(row, link=label or rate or "unlimited", link_bound_s=bound,
                               ratio_to_bound=ratio,
                               bound_fraction=1 / ratio if ratio else None))
     return annotated
@@ -122,17 +124,24 @@ def run(arguments: argparse.Namespace) -> dict:
         for rate in rates:
             for node in range(arguments.nodes):
                 netbed.set_rate(bed.layout, node, rate)
+            label, bound_rate = rate, rate
+            if arguments.slow_node is not None:
+                netbed.set_rate(bed.layout, arguments.slow_node, arguments.slow_link)
+                label = f"{rate or 'unlimited'}, node {arguments.slow_node} {arguments.slow_link}"
+                bound_rate = arguments.slow_link
             for part, iterations in ((small, []), (large, [
                     "--iters", str(arguments.large_iters), "--warmup", "1", "--blocks", "2"])):
                 if not part:
                     continue
                 result = _sweep(bed, arguments, part, iterations)
-                rows += annotate(result["rows"], arguments.nodes, rate)
+                rows += annotate(result["rows"], arguments.nodes, bound_rate, label)
                 notes += result.get("notes", [])
                 metadata = result["metadata"]
     metadata = dict(metadata, netbed={"nodes": arguments.nodes,
                                       "ranks_per_node": arguments.ranks_per_node,
                                       "links": arguments.links, "pin_cores": True,
+                                      "slow_node": arguments.slow_node,
+                                      "slow_link": arguments.slow_link,
                                       "command": " ".join(["python -m benchmarks.netbed_bench",
                                                            *sys.argv[1:]])})
     return {"metadata": metadata, "rows": rows, "notes": notes}
@@ -259,6 +268,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bytes", default="8,64M,256M")
     parser.add_argument("--large-iters", type=int, default=6,
                         help=f"timed iterations of a point of {LARGE_BYTES >> 20} MiB or more")
+    parser.add_argument("--slow-node", type=int, default=None,
+                        help="give this node --slow-link instead (its link sets the bound)")
+    parser.add_argument("--slow-link", default="1gbit")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", dest="json_path", type=pathlib.Path, default=None)
     parser.add_argument("--page", default=None, metavar="JSON[,JSON...]",
