@@ -109,32 +109,17 @@ def send_buckets(plan: SyncPlan, buckets: Sequence[Bucket], send: Sequence[bool]
     Raises:
         CollectiveError: a broadcast failed.
     """
-    flags = np.array(send, np.uint8)
-    api.broadcast(flags, 0, group, timeout=timeout)
-    staging = _Staging(_largest_fused(buckets))
-    in_flight: Deque[Tuple[object, int]] = deque()
-    slot = 0
-    try:
-        for bucket, goes in zip(buckets, send):
-            if not goes:
-                continue
-            views = segment_views(plan, bucket, bytes_of)
-            if len(in_flight) == IN_FLIGHT:
-                in_flight.popleft()[0].wait()
-            if bucket.in_place:
-                payload = views[0]
-            else:
-                payload = staging.buffer(slot, bucket.nbytes)
-                _pack(views, payload)
-                slot = (slot + 1) % IN_FLIGHT
-            in_flight.append((api.broadcast(payload, 0, group, async_op=True, timeout=timeout),
-                              bucket.index))
-            if bucket.index not in known:
-                known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
-        while in_flight:
-            in_flight.popleft()[0].wait()
-    finally:
-        _drain(in_flight)
+    api.broadcast(np.array(send, np.uint8), 0, group, timeout=timeout)
+
+    def pack(views: Sequence[np.ndarray], payload: np.ndarray) -> Callable[[], None]:
+        _pack(views, payload)
+        return _nothing
+
+    def issued(bucket: Bucket) -> None:
+        if bucket.index not in known:          # while the bucket is in flight
+            known[bucket.index] = bucket_digest(plan, bucket, bytes_of)
+
+    _broadcast_all(plan, buckets, send, bytes_of, group, timeout, pack, issued)
 
 
 def receive_buckets(plan: SyncPlan, buckets: Sequence[Bucket],
@@ -157,35 +142,45 @@ def receive_buckets(plan: SyncPlan, buckets: Sequence[Bucket],
     """
     flags = np.zeros(len(buckets), np.uint8)
     api.broadcast(flags, 0, group, timeout=timeout)
+    _broadcast_all(plan, buckets, flags, bytes_of, group, timeout, _unpacker, _ignore)
+    return sum(b.nbytes for b, goes in zip(buckets, flags) if goes)
+
+
+def _broadcast_all(plan: SyncPlan, buckets: Sequence[Bucket], goes: Sequence,
+                   bytes_of: Dict[str, np.ndarray], group: str, timeout: Optional[float],
+                   stage: Callable[[Sequence[np.ndarray], np.ndarray], Callable[[], None]],
+                   issued: Callable[[Bucket], None]) -> None:
+    """Broadcast every bucket that goes from rank 0 of ``group``, at most ``IN_FLIGHT`` at
+    once. A fused bucket goes through a staging buffer: ``stage(views, buffer)`` runs before
+    its broadcast is issued and returns what to run once it is done (the publisher packs
+    before, a subscriber unpacks after); ``issued(bucket)`` runs once it is in flight."""
     staging = _Staging(_largest_fused(buckets))
     in_flight: Deque[Tuple[object, Callable[[], None]]] = deque()
     slot = 0
-    received = 0
     try:
-        for bucket, goes in zip(buckets, flags):
-            if not goes:
+        for bucket, go in zip(buckets, goes):
+            if not go:
                 continue
             views = segment_views(plan, bucket, bytes_of)
             if len(in_flight) == IN_FLIGHT:
-                work, unpack = in_flight.popleft()
+                work, done = in_flight.popleft()
                 work.wait()
-                unpack()
+                done()
             if bucket.in_place:
-                payload, unpack = views[0], _nothing
+                payload, done = views[0], _nothing
             else:
                 payload = staging.buffer(slot, bucket.nbytes)
-                unpack = _unpacker(payload, views)
+                done = stage(views, payload)
                 slot = (slot + 1) % IN_FLIGHT
             in_flight.append((api.broadcast(payload, 0, group, async_op=True, timeout=timeout),
-                              unpack))
-            received += bucket.nbytes
+                              done))
+            issued(bucket)
         while in_flight:
-            work, unpack = in_flight.popleft()
+            work, done = in_flight.popleft()
             work.wait()
-            unpack()
+            done()
     finally:
         _drain(in_flight)
-    return received
 
 
 def _pack(views: Sequence[np.ndarray], payload: np.ndarray) -> None:
@@ -195,7 +190,7 @@ def _pack(views: Sequence[np.ndarray], payload: np.ndarray) -> None:
         offset += view.nbytes
 
 
-def _unpacker(payload: np.ndarray, views: Sequence[np.ndarray]) -> Callable[[], None]:
+def _unpacker(views: Sequence[np.ndarray], payload: np.ndarray) -> Callable[[], None]:
     def unpack() -> None:
         offset = 0
         for view in views:
@@ -205,6 +200,10 @@ def _unpacker(payload: np.ndarray, views: Sequence[np.ndarray]) -> Callable[[], 
 
 
 def _nothing() -> None:
+    return None
+
+
+def _ignore(_bucket: Bucket) -> None:
     return None
 
 

@@ -90,7 +90,7 @@ def receive(actor, name: str) -> int:
     return col.receive_weights(actor.weights, name)
 
 
-def try_sync(actor, role: str, name: str, version: int):
+def try_sync(actor, role: str, name: str, version: int, timeout=None):
     """A publisher's step and publish, or a receive: ``(version or the error's type, its
     message, the members it names dead, seconds taken)``."""
     import time
@@ -99,9 +99,9 @@ def try_sync(actor, role: str, name: str, version: int):
     start = time.monotonic()
     try:
         if role == "publisher":
-            result = step_and_publish(actor, name, version)
+            result = step_and_publish(actor, name, version, timeout=timeout)
         else:
-            result = col.receive_weights(actor.weights, name)
+            result = col.receive_weights(actor.weights, name, timeout=timeout)
     except col.WeightSyncError as err:
         return (type(err).__name__, str(err), getattr(err, "dead", ()),
                 time.monotonic() - start)
