@@ -94,7 +94,6 @@ class SyncMember:
         import torch.distributed as dist
 
         import ray_collective as col
-        col.barrier("weight-sync:bench")
         if self.rank is not None:
             col.barrier("per-tensor")
             ray_col.barrier("gloo")
@@ -231,7 +230,9 @@ def measure(options: argparse.Namespace, nodes: int, subscribers: int) -> dict:
     # Publishers on the first nodes, one each where there are enough; the subscribers after.
     placement = [node_ids[i % len(node_ids)] for i in range(members)]
     actor = ray.remote(num_cpus=0)(SyncMember)
-    actors = [actor.options(**pinned(node)).remote(shapes, options.dtype, i)
+    # Publishers are replicas of one model (one seed); each subscriber starts from its own.
+    actors = [actor.options(**pinned(node)).remote(shapes, options.dtype,
+                                                   0 if i < publishers else i)
               for i, node in enumerate(placement)]
     ray.get([a.node.remote() for a in actors])
     pubs, subs = actors[:publishers], actors[publishers:]
@@ -384,7 +385,7 @@ def page_lines(documents: Sequence[dict]) -> List[str]:
             else:
                 bound = f"{ours / r['copy_bound_s']:.2f} (copy)" if r["nodes"] == 1 else "–"
             where = f"{r['nodes']}" + (f", {r['link']} links" if "link" in r else "")
-            cells = [where, f"{r['model_bytes'] >> 20} MiB {r['dtype']}",
+            cells = [where, f"{round(r['model_bytes'] / (1 << 20))} MiB {r['dtype']}",
                      f"{r['publishers']} → {r['subscribers']}", f"{ours:.3f} s",
                      f"{r['model_bytes'] / ours / 1e9:.2f}", bound]
             cells += [f"{r['median_s'][p] / ours:.2f}×" if p in r["median_s"] else "–"
