@@ -28,13 +28,14 @@ from typing import Any, Collection, Optional, Union
 
 from ..backends.base import BackendFactory
 from ..errors import ArgumentTypeError, ArgumentValueError, WeightSyncNotInitializedError
-from ..group import current_registry, use_registry
+from ..group import current_registry
 from ..types import Backend
 from ..validation import check_call_timeout, check_group_name, group_timeout
 from .agreement import PUBLISHER, ROLE_NAMES, SUBSCRIBER
 from .driver import (add_weight_subscribers, declare_weight_sync, destroy_declared,
                      join_member, leave_member, remove_weight_subscribers)
-from .member import SyncConfig, SyncReport, WeightSyncMember, check_bucket_bytes
+from .member import (SyncConfig, SyncReport, WeightSyncMember, check_bucket_bytes,
+                     in_registry)
 
 __all__ = ["declare_weight_sync", "add_weight_subscribers", "remove_weight_subscribers",
            "destroy_weight_sync", "init_weight_sync", "publish_weights", "receive_weights",
@@ -191,13 +192,9 @@ def _run(member: WeightSyncMember, async_op: bool, role: int, *args):
         raise ArgumentTypeError(f"async_op must be True or False, not {async_op!r}")
     if async_op:
         registry = current_registry()
-        return WeightSyncWork(member.submit(_sync_in, registry, member, role, *args))
+        return WeightSyncWork(member.submit(in_registry, registry, member.sync, role, *args))
     return member.sync(role, *args)
 
-
-def _sync_in(registry, member: WeightSyncMember, role: int, *args) -> int:
-    with use_registry(registry):
-        return member.sync(role, *args)
 
 
 def weight_sync_report(name: str = "weights") -> Optional[SyncReport]:

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import api
 from ..backends.base import BackendFactory
+from ..elastic import DRIVER_MARGIN_S
 from ..errors import (ArgumentTypeError, ArgumentValueError, CollectiveTimeoutError,
                       GroupAlreadyInitializedError, WeightSyncError,
                       WeightSyncNotInitializedError)
@@ -30,10 +31,6 @@ from ..types import Backend
 from ..validation import check_call_timeout, check_group_name, group_timeout
 from .agreement import PUBLISHER, SUBSCRIBER
 from .member import SyncConfig, WeightSyncMember, check_bucket_bytes, control_group
-
-DRIVER_MARGIN_S = 5.0
-"""How much longer than the members' own deadline the driver waits for their answers."""
-
 
 # --------------------------------------------------------------------- in a member
 

@@ -292,7 +292,7 @@ class WeightSyncMember:
             self._receivers = ThreadPoolExecutor(len(groups),
                                                  thread_name_prefix=f"weight-sync[{self.me}]")
         registry = current_registry()
-        futures = [self._receivers.submit(_in_registry, registry, receive_buckets, plan,
+        futures = [self._receivers.submit(in_registry, registry, receive_buckets, plan,
                                           plan.buckets_of(p), bytes_of, group, deadline)
                    for p, group in enumerate(groups)]
         errors = [f.exception() for f in futures]
@@ -422,6 +422,7 @@ def dead_members(config: SyncConfig, error: Optional[BaseException],
     return found
 
 
-def _in_registry(registry, run, *args):
+def in_registry(registry, run, *args):
+    """``run(*args)`` with ``registry`` as this thread's groups (a worker thread's call)."""
     with use_registry(registry):
         return run(*args)
