@@ -23,7 +23,8 @@ REQUIRE_VARIABLE = "RAY_COLLECTIVE_REQUIRE_EXTRAS"
 INSTALL = "pip install -e '.[test]'"
 MODULES = {"torch": "torch", "mpi4py": "mpi4py", "matplotlib": "matplotlib", "thinc": "thinc",
            "sklearn": "scikit-learn", "prometheus_client": "ray[default]", "spacy": "spacy",
-           "faker": "faker", "sphinx": "sphinx", "myst_parser": "myst-parser"}
+           "faker": "faker", "sphinx": "sphinx", "myst_parser": "myst-parser",
+           "ray.train": "ray[train]", "jax": "jax[cpu]"}
 """Each module of the test extras, and the package that brings it."""
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 """MPICH's launcher, installed next to the interpreter by the ``mpich`` package."""
