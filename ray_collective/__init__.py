@@ -27,10 +27,10 @@ from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      BackendNotAvailableError, CollectiveError, CollectiveMismatchError,
                      CollectiveTimeoutError, GroupAlreadyInitializedError, GroupBrokenError,
                      GroupError, GroupNotInitializedError, InsecureDirectoryError,
-                     PeerDiedError, PostOfficeDiedError, RankExcludedError, RankFailedError,
-                     ReadOnlyTensorWarning, TensorRefError, UnsupportedOperationError,
-                     WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError,
-                     WeightSyncNotInitializedError)
+                     JoinMismatchError, PeerDiedError, PostOfficeDiedError, RankExcludedError,
+                     RankFailedError, ReadOnlyTensorWarning, TensorRefError,
+                     UnsupportedOperationError, WeightSyncError, WeightSyncMemberDiedError,
+                     WeightSyncMismatchError, WeightSyncNotInitializedError)
 from .group import GroupRegistry, Work, use_registry
 from .interop import install as _install_ray_util_collective_backend
 from .interop import ray_util_collective_runtime_env
@@ -55,7 +55,7 @@ __all__ = [
     "CollectiveMismatchError",
     "GroupBrokenError", "GroupError", "GroupNotInitializedError", "GroupAlreadyInitializedError",
     "BackendNotAvailableError", "InsecureDirectoryError", "UnsupportedOperationError",
-    "RankFailedError", "RankExcludedError",
+    "RankFailedError", "RankExcludedError", "JoinMismatchError",
     "TensorRefError", "ArgumentError", "ArgumentValueError", "ArgumentTypeError",
     "ReadOnlyTensorWarning", "ray_util_collective_runtime_env",
     "allreduce_refs", "reduce_refs", "broadcast_refs", "allgather_refs", "reducescatter_refs",

@@ -224,7 +224,8 @@ def init_collective_group(world_size: int, rank: int,
             factory (``ray_collective.testing`` uses an in-process one).
         group_name: the group's name, unique within this process.
         gloo_timeout: accepted for compatibility with ``ray.util.collective``: the default
-            deadline in milliseconds, used when ``timeout`` is not given.
+            deadline in milliseconds, used when ``timeout`` is not given; given with
+            ``timeout``, the two must say the same deadline.
         timeout: the default deadline of every call on this group, in seconds (default 1800;
             one past a year, ``types.MAX_TIMEOUT_S``, is taken as a year).
 
@@ -234,7 +235,10 @@ def init_collective_group(world_size: int, rank: int,
     Raises:
         ValueError: world_size not in 1..65536 (``types.MAX_WORLD_SIZE``), rank out of range,
             a group name that is empty, longer than 256 bytes of UTF-8 or holds a control
-            character, a timeout that is not a positive number.
+            character, a timeout that is not a positive number, ``gloo_timeout`` and
+            ``timeout`` that disagree.
+        JoinMismatchError: (``ray`` backend) the ranks that came brought another world size,
+            backend or forced algorithm, or claimed one rank twice; raised on each of them.
         GroupAlreadyInitializedError: this process already has a group of that name.
         BackendNotAvailableError: the backend cannot run in this process.
         CollectiveTimeoutError: the other ranks did not join in time.

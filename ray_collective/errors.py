@@ -98,6 +98,14 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         self.reported_by = reported_by
         who = "" if reported_by is None else f" (reported by rank {reported_by}, whose call " \
                                                f"timed out first)"
+        if seq < 0:
+            # A join has no sequence number; the ranks it names never called.
+            super().__init__(
+                f"rank {rank} of group '{group_name}': {collective} timed out after "
+                f"{timeout:g}s; ranks {_ranks(self.missing_ranks)} never called it. Start "
+                f"every rank of the group (each calls init_collective_group with its own "
+                f"rank and the same world_size), or pass a longer timeout=.")
+            return
         super().__init__(
             f"rank {rank} of group '{group_name}': {collective} #{seq} timed out after "
             f"{timeout:g}s waiting for ranks {_ranks(self.missing_ranks)}{who}. Those ranks "
@@ -238,8 +246,16 @@ class GroupError(CollectiveError):
 class GroupNotInitializedError(GroupError):
     """The named group does not exist in this process."""
 
-    def __init__(self, group_name: str):
+    def __init__(self, group_name: str, declared_here: bool = False):
         self.group_name = group_name
+        if declared_here:
+            super().__init__(
+                f"the collective group '{group_name}' was declared from this process, which is "
+                f"not one of its members: call the collective inside the member actors, or "
+                f"from here with the driver's calls on object refs (allreduce_refs, "
+                f"reduce_refs, broadcast_refs, allgather_refs, reducescatter_refs, send_ref; "
+                f"see docs/refs.md).")
+            return
         super().__init__(
             f"the collective group '{group_name}' is not initialized in this process. Call "
             f"init_collective_group(world_size, rank, group_name='{group_name}') in every member, "
@@ -262,6 +278,12 @@ class GroupAlreadyInitializedError(GroupError):
         super().__init__(
             f"the collective group '{group_name}' is already initialized in this process. "
             f"Destroy it first, or use another group_name.")
+
+
+class JoinMismatchError(GroupError, ValueError):
+    """The ranks joining a group brought terms that cannot form one group (another world
+    size, backend or forced algorithm, or one rank claimed twice); raised on every rank that
+    came (``backends.arrivals``)."""
 
 
 class RankExcludedError(GroupError):

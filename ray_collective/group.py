@@ -510,7 +510,8 @@ class GroupRegistry:
         """
         group = self._groups.get(name)
         if group is None:
-            raise GroupNotInitializedError(name)
+            raise GroupNotInitializedError(name, declared_here=self._declared.get(name)
+                                           is not None)
         return group
 
     def find(self, name: str) -> Optional[Group]:

@@ -81,12 +81,20 @@ def group_timeout(timeout: Any, gloo_timeout: Any) -> float:
     ``MAX_TIMEOUT_S`` beyond it.
 
     Raises:
-        ArgumentValueError: either is not a positive number.
+        ArgumentValueError: either is not a positive number, or both are given and say
+            different deadlines (``gloo_timeout`` counts milliseconds, ``timeout`` seconds).
     """
     if gloo_timeout is not None:
         milliseconds = _positive_number(gloo_timeout, "gloo_timeout", "milliseconds")
     if timeout is not None:
-        return check_timeout(timeout)
+        seconds = check_timeout(timeout)
+        in_seconds = None if gloo_timeout is None else min(milliseconds / 1000.0, MAX_TIMEOUT_S)
+        if in_seconds is not None and abs(in_seconds - seconds) > 1e-9 * seconds:
+            raise ArgumentValueError(
+                f"gloo_timeout={gloo_timeout!r} (milliseconds, kept for ray.util.collective) "
+                f"and timeout={timeout!r} (seconds) say different deadlines; pass only "
+                f"timeout= (in seconds)")
+        return seconds
     return DEFAULT_TIMEOUT_S if gloo_timeout is None else min(milliseconds / 1000.0,
                                                               MAX_TIMEOUT_S)
 

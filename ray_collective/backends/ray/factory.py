@@ -34,6 +34,7 @@ from ...transport.engine import SPIN_S
 from ...transport.link_transport import LinkTransport, Peer
 from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
+from ..arrivals import Arrivals, Terms
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
 from ... import native
@@ -111,6 +112,13 @@ class RayBackendFactory(BackendFactory):
         job_id, node, session = runtime()
         kv = rendezvous.KeyValue()
         prefix = rendezvous.group_prefix(job_id, group_name)
+        # Before rank 0 opens an incarnation: a second process claiming rank 0 must be
+        # refused, not replace the first one's token.
+        arrivals = Arrivals(kv, job_id, group_name, rank,
+                            Terms(world_size, self.name, ",".join(
+                                f"{name}={algorithm}" for name, algorithm in sorted(
+                                    forced.items()))), node, os.getpid())
+        arrivals.announce()
         token = self.token
         if token is None and rank == 0:
             token = rendezvous.open_incarnation(kv, prefix, world_size)
@@ -146,11 +154,13 @@ class RayBackendFactory(BackendFactory):
         try:
             token, members = rendezvous.join(
                 kv, prefix, group_name, world_size, me, timeout, listen_under, token, self.watch,
-                rendezvous.Waiting(nap, completed, self.longest_pause))
+                rendezvous.Waiting(nap, completed, self.longest_pause), arrivals)
         except BaseException:
             if "listener" in endpoint:
                 endpoint["listener"].close()
             raise
+        finally:
+            arrivals.withdraw()
         directory = endpoint["directory"]
         group_key = bytes.fromhex(token)
         peers = [Peer(m.node, m.pid, os.path.join(directory, f"{m.rank}.sock"))

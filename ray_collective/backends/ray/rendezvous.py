@@ -72,6 +72,7 @@ from urllib.parse import quote
 from ...errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError,
                        error_from_record)
 from ...transport.processes import process_alive
+from ..arrivals import Arrivals
 from ..key_value import KeyValue
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def open_incarnation(kv: KeyValue, prefix: str, world_size: Optional[int] = None
 def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member,
          timeout: float, on_token: Callable[[str], None], token: Optional[str] = None,
          watch: Optional[Callable[[], None]] = None,
-         waiting: Waiting = Waiting()) -> Tuple[str, List[Member]]:
+         waiting: Waiting = Waiting(),
+         arrivals: Optional[Arrivals] = None) -> Tuple[str, List[Member]]:
     """Register ``me`` and wait until all ``world_size`` ranks have.
 
     Args:
@@ -168,6 +170,9 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
             ends the join, the rank's key withdrawn first (a shrink's watch raises when a rank
             it waits for is dead).
         waiting: how the rank waits between two looks at the store.
+        arrivals: this rank's announced terms (``backends.arrivals``), looked at every
+            ``RECHECK_S`` whether it waits registered or not; the ranks it saw arrive are not
+            named as missing.
 
     Returns:
         The token joined and every member, by rank.
@@ -176,6 +181,7 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
         CollectiveTimeoutError: some ranks did not register in time (it names them).
         GroupBrokenError: ``token``'s incarnation was marked broken (its recorded failure is
             the cause).
+        JoinMismatchError: a rank that came later brought terms that disagree.
         ValueError: another live process registered as the same rank, or ``token``'s
             incarnation has another world size.
     """
@@ -189,8 +195,17 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
     # deadline passed first withdrew its key, but it came, and is not named as missing.
     seen: Set[int] = set()
     next_recheck = 0.0
+    next_look = time.monotonic() + recheck_s
     woken = False
     while True:
+        if arrivals is not None and time.monotonic() >= next_look:
+            next_look = time.monotonic() + recheck_s
+            try:
+                arrivals.look()
+            except BaseException:
+                if registered is not None:
+                    kv.delete_prefix(_member_key(prefix, registered, me))
+                raise
         # A registered rank polls one key; whether its incarnation was replaced or broken
         # is looked at only every recheck_s (each look is a request to Ray's control store,
         # which 400 waiting ranks would otherwise keep busy).
@@ -248,6 +263,8 @@ def join(kv: KeyValue, prefix: str, group_name: str, world_size: int, me: Member
         if time.monotonic() >= deadline:
             present = seen | {m.rank for m in (registered_members(kv, prefix, registered)
                                                if registered else members)}
+            if arrivals is not None:
+                present |= arrivals.present()
             if registered is not None:
                 # Withdraw, so that a rank joining this incarnation later waits for a live
                 # member instead of counting this failed one.
