@@ -27,6 +27,7 @@ LAZY_MODULES = {
     "ray_collective.sim": "the simulator, for benchmarks and the command line",
     "ray_collective.testing": "in-process groups for tests",
     "ray_collective.weight_sync": "weight sync, loaded when a process first uses it",
+    "ray_collective.torch": "the torch.distributed backend, loaded by import ray_collective.torch",
 }
 """Our modules that may be imported inside functions (with their subpackages): a rank needs
 none of them until it uses it, and each costs every rank process its memory (400 of them on
@@ -223,7 +224,7 @@ LAYERS = (
     ("group",),
     ("declared", "elastic"),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
-     "status", "__main__", "weight_sync"),
+     "status", "__main__", "weight_sync", "torch"),
     ("integrations",),
 )
 """The layers of docs/architecture.md, bottom first: a module imports only from its own layer
