@@ -5,7 +5,8 @@
 elastic groups (``shrink_collective_group``, ``grow_collective_group``), the declarative
 ``*_refs`` collectives, ``batch_remote`` / ``ActorPool`` for calling one
 method on many actors at once, and weight sync (``declare_weight_sync``, ``publish_weights``,
-``receive_weights``: a model from trainers to inference actors).
+``receive_weights``: a model from trainers to inference actors), and ``functional``: the
+collectives that return their result as a new array (for JAX's immutable arrays).
 Importing it needs only numpy (and Ray for the Ray backend); torch and cupy are optional.
 
 What a rank does not need until it uses it is imported on first use, since every rank process
@@ -13,6 +14,8 @@ pays for every module it holds (docs/running-at-scale.md): the driver's ``batch_
 ``ActorPool`` and ``*_refs``, weight sync (through this module's ``__getattr__``), and the ``nccl``
 backend (``backends``).
 """
+
+import importlib
 
 from .api import (allgather, allgather_multigpu, allreduce, allreduce_multigpu, alltoall, barrier,
                   broadcast, broadcast_multigpu, create_collective_group,
@@ -90,6 +93,8 @@ def __getattr__(name: str):
     if name in _REFS_NAMES:
         from . import refs
         return getattr(refs, name)
+    if name == "functional":  # a submodule: ``from . import`` would ask this function again
+        return importlib.import_module(".functional", __name__)
     if name in _WEIGHT_SYNC_NAMES:
         from . import weight_sync
         return getattr(weight_sync, name)

@@ -70,8 +70,10 @@ SUPPORTED_DTYPES = (
 """dtype names a collective accepts (torch and numpy spell them the same way)."""
 
 _SUPPORTED_SET = frozenset(SUPPORTED_DTYPES)
-_SUPPORTED_TEXT = ", ".join(SUPPORTED_DTYPES) + " (bfloat16 with torch only)"
-_SUPPORTED_TYPES_TEXT = ("numpy.ndarray, torch.Tensor (CPU or CUDA) or cupy.ndarray")
+_SUPPORTED_TEXT = ", ".join(SUPPORTED_DTYPES) + (" (bfloat16 from torch, DLPack or ml_dtypes' "
+                                                   "numpy dtype)")
+_SUPPORTED_TYPES_TEXT = ("numpy.ndarray, torch.Tensor (CPU or CUDA), cupy.ndarray, or an array "
+                         "with __dlpack__, __cuda_array_interface__ or the buffer protocol")
 
 _BF16_WIRE = np.dtype(np.uint16)
 
@@ -225,6 +227,8 @@ def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
         flat = _write_through(arr, what)
     else:
         flat = arr.view(np.ndarray).reshape(-1)  # np.matrix and such stay 2-D otherwise
+    if name == "bfloat16":
+        flat, dtype = flat.view(_BF16_WIRE), _BF16_WIRE
     return TensorView(arr, flat, name, dtype, arr.shape, "cpu", "numpy")
 
 
@@ -236,6 +240,8 @@ def _check_unusual_numpy(arr: np.ndarray, what: str) -> str:
             f"{what.split('[')[0]}.filled(value) (a plain ndarray) instead.")
     dtype = arr.dtype
     name = dtype.name
+    if name == "bfloat16" and _is_ml_dtypes_bfloat16(dtype):
+        return name
     if name not in _SUPPORTED_SET or name == "bfloat16" or dtype.fields is not None:
         raise _unsupported_dtype(what, f"'{dtype}'")
     if not dtype.isnative:
@@ -243,6 +249,11 @@ def _check_unusual_numpy(arr: np.ndarray, what: str) -> str:
             f"{what} has the non-native byte order dtype '{dtype.str}'. Convert it with "
             f"arr.astype(arr.dtype.newbyteorder('=')) first.")
     return name
+
+
+def _is_ml_dtypes_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is the bfloat16 of ml_dtypes (JAX's numpy arrays of bfloat16)."""
+    return dtype.itemsize == 2 and type(dtype).__module__.split(".")[0] == "ml_dtypes"
 
 
 def _torch_view(t: Any, torch: Any, writable: bool, what: str) -> TensorView:
@@ -387,6 +398,12 @@ def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
         hint = (f"A Python {type(tensor).__name__} is not a tensor: convert it with "
                 f"np.array(...) or torch.tensor(...) and pass that object.")
     else:
+        # Known types first, the protocols after: a numpy array or torch tensor never pays
+        # for this import or for the protocol checks.
+        from ray_collective.array_protocols import view_of_protocol
+        view = view_of_protocol(tensor, writable, what)
+        if view is not None:
+            return view
         hint = "Convert it to one of those first."
     raise ArgumentTypeError(
         f"{what} must be a {_SUPPORTED_TYPES_TEXT}, not {_type_name(tensor)}. {hint}")

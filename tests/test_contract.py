@@ -86,6 +86,15 @@ def test_every_collective_matches_numpy(binding, world_size):
         check_every_collective(results, world_size, dtype, op_name, length)
 
 
+@pytest.mark.parametrize("kind", ["dlpack", "memoryview"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_every_collective_matches_numpy_on_arrays_known_only_by_their_protocol(kind, world_size):
+    for dtype, op_name, length in CASES:
+        results = _local(world_size, lambda rank: every_collective(
+            rank, GROUP, world_size, dtype, op_name, length, kind))
+        check_every_collective(results, world_size, dtype, op_name, length)
+
+
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_every_collective_matches_numpy_on_the_nccl_stand_in(world_size):
     gpus = StandInGpus(device_count=world_size)

@@ -15,12 +15,14 @@ import sys
 import pytest
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "ray_collective"
-OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy", "spacy", "thinc", "faker")
+OPTIONAL_DEPENDENCIES = ("ray", "torch", "cupy", "spacy", "thinc", "faker", "jax", "ml_dtypes")
 """Imported inside functions, so that ``import ray_collective`` needs none of them (the last
 three only by ``ray_collective.integrations``, which nothing below it imports)."""
 
 LAZY_MODULES = {
     "ray_collective.backends.nccl": "the nccl backend, loaded when a group first names it",
+    "ray_collective.array_protocols": "arrays taken through DLPack or a buffer, loaded when "
+                                      "the first one arrives",
     "ray_collective.batch": "the driver's batch_remote, loaded on first use",
     "ray_collective.refs": "the driver's *_refs collectives, loaded on first use",
     "ray_collective.actor_pool": "ActorPool, loaded on first use (it imports Ray)",
@@ -217,14 +219,14 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 
 
 LAYERS = (
-    ("types", "errors", "tensors", "validation", "recorder", "metrics"),
+    ("types", "errors", "tensors", "array_protocols", "validation", "recorder", "metrics"),
     ("algorithms", "transport"),
     ("plan", "executor", "sim", "native"),
     ("backends",),
     ("group",),
     ("declared", "elastic"),
     ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
-     "status", "__main__", "weight_sync", "torch"),
+     "status", "__main__", "weight_sync", "functional", "torch", "objects"),
     ("integrations",),
 )
 """The layers of docs/architecture.md, bottom first: a module imports only from its own layer

@@ -33,6 +33,21 @@ def test_declared_group_every_collective(ray_session, members, world_size):
         col.destroy_collective_group(group)
 
 
+@pytest.mark.parametrize("kind", ["dlpack", "memoryview"])
+def test_declared_group_every_collective_on_arrays_known_only_by_their_protocol(
+        ray_session, members, kind):
+    actors = members[:3]
+    group = f"declared-{kind}"
+    col.declare_collective_group(actors, backend="ray", group_name=group)
+    try:
+        for dtype, op_name, length in CASES + LARGE_CASES:
+            results = run_in(ray_session, actors, every_collective, group, 3, dtype,
+                             op_name, length, kind)
+            check_every_collective(results, 3, dtype, op_name, length)
+    finally:
+        col.destroy_collective_group(group)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_imperative_group_torch_tensors_large_messages(ray_session, members, world_size):
     actors = members[-world_size:]

@@ -84,7 +84,41 @@ class TorchKind(TensorKind):
         return torch.from_numpy(array)
 
 
-_NAMED_KINDS = {"numpy": TensorKind(), "torch": TorchKind()}
+class DLPackOnly:
+    """An array that exposes its memory through DLPack and nothing else (no buffer, no numpy
+    type, no array interface): what a library the collectives do not know by type hands them.
+    It exports versioned capsules, which say the memory is writable."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        return self._array.__dlpack__(stream=stream, max_version=max_version,
+                                      dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+class DLPackKind(TensorKind):
+    """:class:`DLPackOnly` arrays over the numpy inputs' memory."""
+
+    def tensor(self, array: np.ndarray, rank: int):
+        return DLPackOnly(array)
+
+    def array(self, tensor) -> np.ndarray:
+        return np.from_dlpack(tensor)
+
+
+class MemoryviewKind(TensorKind):
+    """``memoryview``s of the numpy inputs (the buffer protocol)."""
+
+    def tensor(self, array: np.ndarray, rank: int):
+        return memoryview(array)
+
+
+_NAMED_KINDS = {"numpy": TensorKind(), "torch": TorchKind(), "dlpack": DLPackKind(),
+                "memoryview": MemoryviewKind()}
 
 
 def every_collective(rank, group, world_size, dtype, op_name, length, kind="numpy"):
@@ -93,7 +127,8 @@ def every_collective(rank, group, world_size, dtype, op_name, length, kind="nump
     Args:
         rank, group, world_size: the rank, its group's name and size.
         dtype, op_name, length: the case (a key of :data:`OPS` for the op).
-        kind: ``"numpy"``, ``"torch"`` or a :class:`TensorKind`.
+        kind: ``"numpy"``, ``"torch"``, ``"dlpack"``, ``"memoryview"`` or a
+            :class:`TensorKind`.
 
     Returns:
         Per collective, the rank's output as numpy (a list for the list collectives).
