@@ -3,12 +3,15 @@
 A rank that waits for peers which can never form its group (another ``world_size``, a rank
 claimed twice, another backend, another forced algorithm) would otherwise wait out the whole
 deadline and then name ranks that did call. So every joining rank first announces its
-*terms* in Ray's key-value store, under ``<job id>/#arrivals/<group>/<rank>/<nonce>`` (``#``
-is percent-encoded in group names, so no group's keys start so), and lists those already
-there:
+*terms* in Ray's key-value store, under ``<job id>/#arrivals/<group>/<scope>/<rank>/<nonce>``
+(``#`` is percent-encoded in group names, so no group's keys start so), and lists those
+already there. The scope is the incarnation a rank was given (a declared group's, a shrink's
+or a grow's), or ``open`` for the ranks that follow the group's current one: a grow's new
+rank waits, following, while the members still shrink the incarnation they were given with
+another world size, and neither is the other's mistake.
 
 - The rank whose announcement meets a disagreement raises at once, and marks every live
-  arrival with a ``<job id>/#conflicts/<group>/<nonce>`` key holding the same message.
+  arrival of its scope with a ``<job id>/#conflicts/<group>/<nonce>`` key holding the same message.
 - A rank already waiting looks for its own conflict key (one read, at the rendezvous's
   recheck interval, half a second in groups up to 100 ranks) and raises that message.
 
@@ -67,14 +70,15 @@ class Arrivals:
         terms: what it brings.
         node: its node id (an arrival of a dead process on this node is ignored).
         pid: its process id.
+        scope: the incarnation it was given, or ``open`` (see the module).
     """
 
     def __init__(self, kv: KeyValue, job_id: str, group_name: str, rank: int, terms: Terms,
-                 node: str, pid: int):
+                 node: str, pid: int, scope: str = "open"):
         self.kv = kv
         self.group_name = group_name
         self.me = _Arrival(rank, uuid.uuid4().hex, node, pid, terms)
-        self._arrivals = f"{job_id}/#arrivals/{quote(group_name, safe='')}/"
+        self._arrivals = f"{job_id}/#arrivals/{quote(group_name, safe='')}/{scope}/"
         self._conflicts = f"{job_id}/#conflicts/{quote(group_name, safe='')}/"
         self.seen: Set[int] = set()
 

@@ -117,7 +117,8 @@ class RayBackendFactory(BackendFactory):
         arrivals = Arrivals(kv, job_id, group_name, rank,
                             Terms(world_size, self.name, ",".join(
                                 f"{name}={algorithm}" for name, algorithm in sorted(
-                                    forced.items()))), node, os.getpid())
+                                    forced.items()))), node, os.getpid(),
+                            self.token or "open")
         arrivals.announce()
         token = self.token
         if token is None and rank == 0:
