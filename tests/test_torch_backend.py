@@ -11,17 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from support.helpers import start_members  # noqa: E402
 from support.paths import REPO_DIR  # noqa: E402
-from support.torch_ranks import run_torch_ranks  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def four(ray_session):
-    actors = start_members(ray_session, 4)
-    yield actors
-    for actor in actors:
-        ray_session.kill(actor)
+from support.torch_ranks import four, run_torch_ranks  # noqa: E402,F401 - four: a fixture
 
 
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")

@@ -5,7 +5,18 @@ and leaves, so the actor stays usable whatever the body did."""
 import socket
 from datetime import timedelta
 
-from support.helpers import run_in
+import pytest
+
+from support.helpers import run_in, start_members
+
+
+@pytest.fixture(scope="module")
+def four(ray_session):
+    """Four member actors for a test module's torch groups (its first 2 or all 4)."""
+    actors = start_members(ray_session, 4)
+    yield actors
+    for actor in actors:
+        ray_session.kill(actor)
 
 
 def free_port() -> int:
