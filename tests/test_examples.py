@@ -117,6 +117,19 @@ def test_weight_sync_delivers_every_version_to_every_engine_including_a_newcomer
 
 
 @pytest.mark.ray
+def test_jax_collectives_average_and_gather_immutable_arrays_as_new_ones():
+    lines = _run("jax_collectives.py")
+    assert ast.literal_eval(_after(lines, "joined ranks:")) == [0, 1, 2, 3]
+    results = [ast.literal_eval(line) for line in lines if line.startswith("{")]
+    assert results == [{"rank": rank, "in-place refused": "yes",
+                        "mean gradient": np.mean([1.0, 2.0, 3.0, 4.0]),
+                        "input unchanged": rank + 1.0,
+                        "allgather": [[r, 10 * r] for r in range(4)],
+                        "result type": "ArrayImpl"}
+                       for rank in range(4)]
+
+
+@pytest.mark.ray
 def test_torch_ddp_trains_on_two_actors_with_the_ray_collective_backend():
     lines = _run("torch_ddp.py")
     for rank in range(2):
