@@ -22,6 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
+import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -53,16 +56,77 @@ class _ControlStore:
         return self._gcs.internal_kv_keys(prefix, namespace.encode())
 
 
+CONNECT_S = 2.0
+"""How long the command waits for the cluster's control store to accept a connection (Ray's
+own client would retry for most of a minute at an address where nothing listens)."""
+
+
 def _control_store_client(address: Optional[str]):
-    """A client of the cluster's control store: ``address``, else ``RAY_ADDRESS``, else the
-    cluster last started on this machine (as ``ray status`` finds it).
+    """A client of the cluster's control store, found as ``ray status`` finds it: ``address``,
+    else ``RAY_ADDRESS``, else the one cluster running on this machine. A cluster with token
+    authentication is joined with the token where it was found on this machine (as
+    ``ray.init`` does); one named by address only with ``RAY_AUTH_MODE=token`` set.
 
     Raises:
-        ConnectionError: no cluster was found.
+        ConnectionError: no cluster, several, nothing listening at the address, or a
+            cluster that wants a token this process does not send; the message says what
+            to do.
     """
     import ray._raylet
     from ray._private.services import canonicalize_bootstrap_address_or_die
-    return ray._raylet.GcsClient(address=canonicalize_bootstrap_address_or_die(address))
+    from ray.exceptions import AuthenticationError, RpcError
+    found_here = (address or os.environ.get("RAY_ADDRESS")) in (None, "", "auto")
+    try:
+        bootstrap = canonicalize_bootstrap_address_or_die(address)
+    except ConnectionError as err:
+        if "multiple" in str(err).lower():
+            raise
+        raise ConnectionError(f"{err} (start a cluster with `ray start --head`, or run a "
+                              f"script that calls ray.init() and leave it running)") from None
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(f"no Ray cluster answers at {bootstrap} ({err}); pass "
+                              f"--address HOST:PORT of a running cluster (what ray.init() "
+                              f"printed, or `ray status` shows)") from None
+    try:
+        try:
+            return _quietly(ray._raylet.GcsClient, bootstrap)
+        except AuthenticationError:
+            if not found_here or "RAY_AUTH_MODE" in os.environ:
+                raise
+            from ray._private.authentication.authentication_token_setup import \
+                maybe_enable_token_auth_if_token_available
+            # Its warning speaks of starting a cluster; this command only reads one.
+            logging.getLogger(maybe_enable_token_auth_if_token_available.__module__).setLevel(
+                logging.ERROR)
+            if not maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+                raise
+            return _quietly(ray._raylet.GcsClient, bootstrap)
+    except AuthenticationError:
+        raise ConnectionError(
+            f"the cluster at {bootstrap} uses token authentication: set RAY_AUTH_MODE=token "
+            f"and give its token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN "
+            f"(`ray get-auth-token` prints it on the head node)") from None
+    except RpcError as err:
+        raise ConnectionError(f"the cluster at {bootstrap} did not answer: "
+                              f"{str(err).splitlines()[0]}") from None
+
+
+def _quietly(connect, address: str):
+    """``connect(address=address)`` with this process's stderr closed meanwhile: Ray's client
+    logs each refused attempt there in lines of its own, and the command says in one line
+    what went wrong."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        return connect(address=address)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _actors(gcs) -> Dict[Tuple[str, int], Tuple[str, str]]:
@@ -270,23 +334,29 @@ def format_table(answer: Dict[str, Any]) -> str:
     return "\n\n".join(blocks)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m ray_collective status [GROUP] [--address ADDRESS] [--json]``.
-
-    Returns:
-        0 once printed; 1 when no cluster was found.
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m ray_collective status",
-        description="Show the ray_collective groups of a running Ray cluster: their members, "
-                    "the call each rank is in, and the ranks a call waits for.")
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``status`` to ``parser``; returns it."""
     parser.add_argument("group", nargs="?", help="only this group")
-    parser.add_argument("--address", help="the cluster's address (default: RAY_ADDRESS, else "
-                                           "the cluster started on this machine)")
+    parser.add_argument("--address", help="the cluster's address, HOST:PORT (default: "
+                                           "RAY_ADDRESS, else the one cluster running on this "
+                                           "machine, as `ray status` finds it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--local-only", action="store_true",
                         help="read only the state pages on this machine (no Ray driver)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+DESCRIPTION = ("Show the ray_collective groups of a running Ray cluster: their members, the "
+               "call each rank is in, and the ranks a call waits for.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``status`` with the options ``add_arguments`` parsed.
+
+    Returns:
+        0 once printed; 1 when no cluster could be read (one line on stderr says why and
+        what to do).
+    """
     started = time.monotonic()
     try:
         answer = collect(args.address, args.group, remote=not args.local_only)
@@ -297,3 +367,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(json.dumps(answer) if args.json else format_table(answer))
     return 0
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m ray_collective status [GROUP] [--address ADDRESS] [--json] [--local-only]``.
+
+    Returns:
+        0 once printed (or on ``--help``); 1 when no cluster could be read; 2 for options
+        it does not take.
+    """
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m ray_collective status",
+                                                   description=DESCRIPTION))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return run(args)
