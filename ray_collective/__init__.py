@@ -35,6 +35,8 @@ from .errors import (ArgumentError, ArgumentTypeError, ArgumentValueError,
                      UnsupportedOperationError, WeightSyncError, WeightSyncMemberDiedError,
                      WeightSyncMismatchError, WeightSyncNotInitializedError)
 from .group import GroupRegistry, Work, use_registry
+from .objects import (all_gather_object, broadcast_object_list, gather_object,
+                      scatter_object_list)
 from .interop import install as _install_ray_util_collective_backend
 from .interop import ray_util_collective_runtime_env
 from .types import Backend, ReduceOp
@@ -50,6 +52,7 @@ __all__ = [
     "get_collective_trace",
     "allreduce", "barrier", "reduce", "broadcast", "allgather", "reducescatter", "send", "recv",
     "gather", "scatter", "alltoall",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
     "allreduce_multigpu", "reduce_multigpu", "broadcast_multigpu", "allgather_multigpu",
     "reducescatter_multigpu", "send_multigpu", "recv_multigpu", "synchronize",
     "nccl_available", "gloo_available", "is_backend_available", "register_backend",
