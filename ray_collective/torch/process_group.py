@@ -105,6 +105,7 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, group_name: str, timeout: timedelta):
         super().__init__(rank, size)
         self._group_name = group_name
+        self._torch_group_name = ""
         self._timeout = timeout.total_seconds()
         self._queue = CallQueue(group_name)
         self._p2p = PointToPoint(group_name, rank, self._timeout)
@@ -113,6 +114,17 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
     def library_group(self) -> str:
         """The name of the library group this process group runs on."""
         return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        # torch's own getter reads the name from a C++ backend, which a Python group has none
+        # of, so destroy_process_group(subgroup) would fail without this copy.
+        self._torch_group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group (``"0"`` for the default one)."""
+        return self._torch_group_name
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """``"ray_collective"``."""

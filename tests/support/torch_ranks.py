@@ -26,7 +26,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank_body(rank, size, port, backend, timeout_s, body, args):
+def rank_body(rank, size, port, backend, timeout_s, body, args):
+    """Inside a member: join a torch group of ``size`` at ``port``, run ``body``, leave."""
     import torch.distributed as dist
 
     import ray_collective.torch  # noqa: F401 - registers the backend
@@ -46,5 +47,5 @@ def run_torch_ranks(ray, actors, body, *args, backend="ray_collective", timeout_
         Each rank's result, by rank.
     """
     port = free_port()
-    return run_in(ray, actors, _rank_body, len(actors), port, backend, timeout_s, body, args,
+    return run_in(ray, actors, rank_body, len(actors), port, backend, timeout_s, body, args,
                   timeout=timeout)
