@@ -39,11 +39,13 @@ from .objects import (all_gather_object, broadcast_object_list, gather_object,
                       scatter_object_list)
 from .interop import install as _install_ray_util_collective_backend
 from .interop import ray_util_collective_runtime_env
+from .settings import configure_logging as _configure_logging
 from .types import Backend, ReduceOp
 
 __version__ = "0.1.0"
 
 _install_ray_util_collective_backend()
+_configure_logging()
 
 __all__ = [
     "init_collective_group", "declare_collective_group", "create_collective_group",

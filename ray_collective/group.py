@@ -326,6 +326,8 @@ class Group:
         if isinstance(err, (TypeError, ValueError)):
             raise err
         self._broken = err
+        _log.debug("group %r rank %d: call #%d broke the group: %s: %s", self.name, self.rank,
+                   seq, type(err).__name__, err)
         self._record_failure(shape, seq, start, err)
         self.membership.abort(err)
         raise err

@@ -13,6 +13,7 @@ transport they give it.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -30,6 +31,8 @@ from ..native.streams import StreamPlan
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
 from .base import GroupCall, Membership, node_map_or_none
+
+_log = logging.getLogger(__name__)
 
 _REDUCING = (Collective.ALLREDUCE, Collective.REDUCE, Collective.REDUCESCATTER)
 _GATHERING = (Collective.ALLGATHER, Collective.GATHER)
@@ -416,6 +419,9 @@ class TransportMembership(Membership):
                            forced=self.forced.get(collective.value),
                            oversubscribed=self.oversubscribed, topology=self.topology,
                            nodes_in_core=self.native is not None)
+        _log.debug("group %r rank %d: %s of %d %s on %d ranks (root %s): algorithm %s%s",
+                   self.group_name, rank, collective.value, count, dtype_name, p, options.root,
+                   algorithm.name, " (forced)" if collective.value in self.forced else "")
         ctx = Context(dtype, combine, node_of=self.node_of,
                       choose=flat_choice(dtype.itemsize, self.oversubscribed),
                       topology=self.topology, oversubscribed=self.oversubscribed)

@@ -22,6 +22,7 @@ the token its members agreed on.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import time
@@ -30,7 +31,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ...algorithms.selector import forced_algorithms
 from ...errors import BackendNotAvailableError
 from ...transport import tcp, uds
-from ...transport.engine import SPIN_S
+from ...transport.engine import ENGINE_SPIN_S
 from ...transport.link_transport import LinkTransport, Peer
 from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
@@ -46,6 +47,9 @@ from .machines import ranks_over_cores, ranks_per_core
 from .membership import RayMembership
 from .post_offices import (POST_OFFICE_JOIN_WAIT_S, RayPostOffices, shut_post_office,
                            start_post_office, wait_until_started)
+
+
+_log = logging.getLogger(__name__)
 
 
 def sweep_finished_jobs(session_dir: str) -> None:
@@ -112,20 +116,6 @@ class RayBackendFactory(BackendFactory):
         job_id, node, session = runtime()
         kv = rendezvous.KeyValue()
         prefix = rendezvous.group_prefix(job_id, group_name)
-        # Before rank 0 opens an incarnation: a second process claiming rank 0 must be
-        # refused, not replace the first one's token.
-        arrivals = Arrivals(kv, job_id, group_name, rank,
-                            Terms(world_size, self.name, ",".join(
-                                f"{name}={algorithm}" for name, algorithm in sorted(
-                                    forced.items()))), node, os.getpid(),
-                            self.token or "open")
-        arrivals.announce()
-        token = self.token
-        if token is None and rank == 0:
-            token = rendezvous.open_incarnation(kv, prefix, world_size)
-            # After the token is out: every other rank is waiting for it, and the sweep
-            # touches no key of a live job (0.18 s of rank 0's time at 400 ranks).
-            sweep_finished_jobs(session)
         endpoint: Dict[str, object] = {}
 
         def listen_under(current: str) -> None:
@@ -149,14 +139,36 @@ class RayBackendFactory(BackendFactory):
                 if member.node == node and member.rank != rank:
                     uds.knock(os.path.join(endpoint["directory"], f"{member.rank}.sock"))
 
+        _log.debug("group %r rank %d of %d: joining (job %s, node %s, pid %d, %s, timeout "
+                   "%g s)", group_name, rank, world_size, job_id, node[:12], os.getpid(),
+                   f"incarnation {self.token[:12]}" if self.token else "following the group",
+                   timeout)
+        started = time.monotonic()
         me = rendezvous.Member(rank, node, os.getpid(), len(os.sched_getaffinity(0)),
                                cross_node, ray_module().util.get_node_ip_address(),
                                engine_wanted(group_name, rank))
+        arrivals = Arrivals(kv, job_id, group_name, rank,
+                            Terms(world_size, self.name, ",".join(
+                                f"{name}={algorithm}" for name, algorithm in sorted(
+                                    forced.items()))), node, os.getpid(),
+                            self.token or "open")
+        token = self.token
         try:
+            # Before rank 0 opens an incarnation: a second process claiming rank 0 must be
+            # refused, not replace the first one's token.
+            arrivals.announce()
+            if token is None and rank == 0:
+                token = rendezvous.open_incarnation(kv, prefix, world_size)
+                # After the token is out: every other rank is waiting for it, and the sweep
+                # touches no key of a live job (0.18 s of rank 0's time at 400 ranks).
+                sweep_finished_jobs(session)
             token, members = rendezvous.join(
                 kv, prefix, group_name, world_size, me, timeout, listen_under, token, self.watch,
                 rendezvous.Waiting(nap, completed, self.longest_pause), arrivals)
-        except BaseException:
+        except BaseException as err:
+            _log.debug("group %r rank %d of %d: the join failed after %.3f s: %s: %s",
+                       group_name, rank, world_size, time.monotonic() - started,
+                       type(err).__name__, err)
             if "listener" in endpoint:
                 endpoint["listener"].close()
             raise
@@ -184,7 +196,7 @@ class RayBackendFactory(BackendFactory):
                                                  node, local, timeout)
         # Polling without sleep answers small messages fastest, but only a rank with a core of
         # its own may do it: on a crowded machine it would take the core a peer needs.
-        spin_s = 0.0 if ranks_over_cores(members)[node] else SPIN_S
+        spin_s = 0.0 if ranks_over_cores(members)[node] else ENGINE_SPIN_S
         transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)
@@ -207,6 +219,12 @@ class RayBackendFactory(BackendFactory):
                                           slice_s)
             runner = NativeRunner(native_node(directory, rank, world_size), transport,
                                   slice_s, spans_nodes=len(nodes) > 1, streams=on_streams)
+        _log.debug("group %r rank %d of %d: joined incarnation %s in %.3f s: %d node(s), "
+                   "engine %s, between nodes %s, directory %s", group_name, rank, world_size,
+                   token[:12], time.monotonic() - started, len(nodes),
+                   "native" if runner is not None else "python",
+                   "-" if len(nodes) == 1 else "streams" if streams else "object_store",
+                   directory)
         return RayMembership(group_name, transport, token, prefix, directory, members,
                              post_office, forced, runner, self, timeout)
 
