@@ -1,7 +1,7 @@
 """The groups' metrics, handed to Ray's own metrics API (``ray.util.metrics``) in batches.
 
 Ray exports them wherever its metrics go (each node's Prometheus endpoint, the dashboard,
-Grafana), with its own labels (node, worker) beside ours (``group``, ``collective``,
+Grafana), with its own labels (node, worker) beside ours (``group``, ``rank``, ``collective``,
 ``backend``, and ``kind`` for errors). Ray names them with its ``ray_`` prefix:
 
 - ``ray_collective_calls_total``: calls, failed ones included;
@@ -20,6 +20,13 @@ thread every ``flush_interval_s`` and hands the differences to Ray. The thread i
 with the last; with ``RAY_COLLECTIVE_METRICS=0``, or where Ray cannot export metrics (not
 initialized in the process, or installed without its metrics agent: ``ray[default]``), there is
 neither thread nor counting.
+
+The labels are bounded: a process is one rank of each of its groups (``rank`` adds no series
+beyond the ``WorkerId`` Ray puts on each already, save one per shrink or grow that renumbers
+it), ``collective`` and ``kind`` take a fixed set of values, and ``group`` takes the names of
+at most ``MAX_GROUP_LABELS`` groups per process: a process that makes groups of ever new
+names (one per step) labels those beyond as ``OTHER_GROUPS``, rather than growing the
+cluster's metrics without end.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ LATENCY_BOUNDARIES_S = [1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e
 CALLS, BYTES, ERRORS, SECONDS = ("collective_calls", "collective_bytes", "collective_errors",
                                  "collective_call_seconds")
 """The names handed to Ray (which adds ``ray_`` and, to counters, ``_total``)."""
+
+MAX_GROUP_LABELS = 64
+"""How many group names one process's metrics carry; the groups named after them share
+``OTHER_GROUPS``."""
+
+OTHER_GROUPS = "_other"
 
 
 AGENT_PACKAGES = ("aiohttp", "aiohttp_cors", "prometheus_client")
@@ -72,6 +85,19 @@ class MetricsFlush:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._ray_metrics = None
+        self._group_labels: Dict[str, str] = {}
+
+    def group_label(self, group_name: str) -> str:
+        """The ``group`` label of ``group_name``'s metrics: its name (as :func:`label` spells
+        it) for the first ``MAX_GROUP_LABELS`` names this process exports, else
+        ``OTHER_GROUPS``."""
+        with self._lock:
+            found = self._group_labels.get(group_name)
+            if found is None:
+                found = label(group_name) if len(self._group_labels) < MAX_GROUP_LABELS \
+                    else OTHER_GROUPS
+                self._group_labels[group_name] = found
+            return found
 
     def add(self, recorder: FlightRecorder) -> None:
         """Export ``recorder``'s counts from now on (starts the thread if it is not running)."""
@@ -126,7 +152,7 @@ class MetricsFlush:
 
     def _flush(self, recorder: FlightRecorder) -> None:
         calls, sent_bytes, errors, seconds = self._metrics()
-        tags_of = _Tags(recorder)
+        tags_of = _Tags(recorder, self.group_label(recorder.group_name))
         with recorder.lock:
             per_collective: Dict[str, List[int]] = {}
             for shape in recorder.shapes():
@@ -150,9 +176,7 @@ class MetricsFlush:
         if seen is not None:
             for kind, count in dict(recorder.errors).items():
                 if count > seen.get(kind, 0):
-                    errors.inc(count - seen.get(kind, 0), {"group": label(recorder.group_name),
-                                                           "backend": recorder.backend,
-                                                           "kind": kind})
+                    errors.inc(count - seen.get(kind, 0), dict(tags_of.common(), kind=kind))
                     seen[kind] = count
         if id(recorder) in self._read_up_to:
             entries = recorder.entries(self._read_up_to[id(recorder)])
@@ -166,12 +190,12 @@ class MetricsFlush:
         them)."""
         if self._ray_metrics is None:
             from ray.util.metrics import Counter, Histogram
-            keys = ("group", "collective", "backend")
+            keys = ("group", "rank", "collective", "backend")
             self._ray_metrics = (
                 Counter(CALLS, "collective calls (failed ones included)", keys),
                 Counter(BYTES, "bytes of the collective calls' tensors", keys),
                 Counter(ERRORS, "failed collective calls, by error class",
-                        ("group", "backend", "kind")),
+                        ("group", "rank", "backend", "kind")),
                 Histogram(SECONDS, "duration of collective calls, in seconds (sampled beyond "
                           "the flight recorder's size per flush)", LATENCY_BOUNDARIES_S, keys))
         return self._ray_metrics
@@ -184,16 +208,24 @@ def label(text: str) -> str:
 
 
 class _Tags:
-    """The labels of one recorder's metrics, one dict per collective (made once)."""
+    """The labels of one flush of one recorder's metrics, one dict per collective (made once).
 
-    def __init__(self, recorder: FlightRecorder):
-        self._recorder = recorder
+    Args:
+        recorder: the group's recorder (its rank is read now: a shrink or grow renumbers it).
+        group: the group's label (``MetricsFlush.group_label``).
+    """
+
+    def __init__(self, recorder: FlightRecorder, group: str):
+        self._common = {"group": group, "rank": str(recorder.rank),
+                        "backend": recorder.backend}
         self._made: Dict[str, Dict[str, str]] = {}
+
+    def common(self) -> Dict[str, str]:
+        """The labels every metric of the recorder carries."""
+        return dict(self._common)
 
     def __call__(self, collective: str) -> Dict[str, str]:
         tags = self._made.get(collective)
         if tags is None:
-            tags = self._made[collective] = {"group": label(self._recorder.group_name),
-                                             "collective": collective,
-                                             "backend": self._recorder.backend}
+            tags = self._made[collective] = dict(self._common, collective=collective)
         return tags

@@ -57,3 +57,12 @@ def test_the_latency_histogram_observes_every_call(scraped):
     # the timed-out call took its 0.5 s deadline: it is above the 0.3 s bucket
     assert scraped["ray_collective_call_seconds_bucket|allreduce|0.3"] <= 2 * ALLREDUCES
     assert scraped["ray_collective_call_seconds_sum|allreduce|"] >= 0.5
+
+
+def test_every_counter_is_labelled_by_rank(scraped):
+    """Rank 0 made every call rank 1 made, and the one that timed out."""
+    assert scraped["rank 0|ray_collective_calls_total|allreduce|"] == ALLREDUCES + 1
+    assert scraped["rank 1|ray_collective_calls_total|allreduce|"] == ALLREDUCES
+    assert scraped["rank 1|ray_collective_calls_total|broadcast|"] == BROADCASTS
+    assert scraped["rank 0|ray_collective_errors_total|CollectiveTimeoutError|"] == 1
+    assert not [key for key in scraped if key.startswith("rank None")]

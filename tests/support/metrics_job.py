@@ -45,7 +45,8 @@ class Member:
 
 
 def scrape(port):
-    """``{(metric, collective or kind): value summed over the workers}`` of our metrics."""
+    """``{"metric|collective or kind|le": value summed over the workers}`` of our metrics, and
+    the counters' by rank too (``"rank R|metric|..."``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     found = {}
     for line in text.splitlines():
@@ -58,6 +59,9 @@ def scrape(port):
         key = f"{match.group(1)}|{labels.get('collective', labels.get('kind', ''))}" \
               f"|{labels.get('le', '')}"
         found[key] = found.get(key, 0.0) + float(match.group(3))
+        if match.group(1).endswith("_total"):
+            by_rank = f"rank {labels.get('rank')}|{key}"
+            found[by_rank] = found.get(by_rank, 0.0) + float(match.group(3))
     return found
 
 
