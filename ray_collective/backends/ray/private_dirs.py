@@ -27,6 +27,17 @@ group's key and the shared memory passed with large messages. So:
   those checks passed, no path the members later use by name (to bind or connect a socket)
   can be redirected by another user.
 - **What is trusted**: root, and this user's own processes.
+- **A squatted default.** Any local user may make ``/dev/shm/ray_collective-<uid>`` before
+  this user does. Where ``RAY_COLLECTIVE_DIR`` is not set and the default base fails its
+  checks, the backend goes on in a base of its own: ``ray_collective-<uid>-<random>`` in the
+  same parent, made by ``tempfile.mkdtemp`` (0700; a name that exists already is never
+  taken, so no other user can have chosen it), and noted, for this user's other processes on
+  this machine, in ``~/.ray_collective/base-<host>-<parent digest>`` (a directory 0700 of
+  this user's, checked as the rest; the note is read and written under a lock, so the ranks
+  of one node always meet in one base). It says so once, with a ``RuntimeWarning`` in the
+  process that made it. The squatted directory is never used, nor any the note names that
+  fails the checks (a new base replaces it). A base named by ``RAY_COLLECTIVE_DIR`` that
+  fails is refused as before: the user chose it.
 
 ``node_directory`` gives a rank the group's checked directory on its node (made if missing,
 with a note of the job that made it, so that ``remove_finished_groups`` can sweep it once the
@@ -36,10 +47,14 @@ anything.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import stat
+import tempfile
+import warnings
 from typing import Iterable, Optional, Tuple
 
 from ...errors import ArgumentValueError, InsecureDirectoryError
@@ -261,10 +276,87 @@ def _open_base(create: bool) -> Tuple[str, int]:
     path = os.path.join(parent, _base_name())
     parent_fd = os.open(parent, _OPEN_DIRECTORY)
     try:
-        fd = _open_private(parent_fd, _base_name(), path, create)
+        try:
+            return path, _open_private(parent_fd, _base_name(), path, create)
+        except _Refused as refused:
+            if os.environ.get(DIRECTORY_VARIABLE, "").strip():
+                raise
+            return _open_own_base(parent, parent_fd, create, refused)
     finally:
         os.close(parent_fd)
+
+
+NOTES_DIRECTORY = ".ray_collective"
+"""In this user's home: the notes of the bases made where the default one was squatted."""
+
+
+def _open_own_base(parent: str, parent_fd: int, create: bool,
+                   squatted: _Refused) -> Tuple[str, int]:
+    """The base of this user's own in ``parent`` (open in ``parent_fd``), where the default
+    one was refused (``squatted``): the one the note names, else (``create``) a new one.
+
+    Raises:
+        _Refused: no home directory to keep the note in (the default's refusal, with a hint).
+        FileNotFoundError: none is noted and ``create`` is false.
+    """
+    note = _note_path(parent, squatted)
+    lock = os.open(note + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        name = _noted(note)
+        if name is not None:
+            try:
+                return os.path.join(parent, name), _open_private(
+                    parent_fd, name, os.path.join(parent, name), create=False)
+            except (FileNotFoundError, _Refused):
+                pass  # gone with a restart, or taken meanwhile: never used, replaced
+        if not create:
+            raise FileNotFoundError(note)
+        path = tempfile.mkdtemp(prefix=_base_name() + "-", dir=parent)
+        fd = _open_private(parent_fd, os.path.basename(path), path, create=False)
+        write_atomically(note, os.path.basename(path))
+    finally:
+        os.close(lock)
+    warnings.warn(f"ray_collective: {squatted.args[0]} {squatted.args[1]}, so another user may "
+                  f"have made it to stop this user's 'ray' groups; it is not used. This user's "
+                  f"groups on this machine go on in {path} (0700, made for them), noted in "
+                  f"{note}. Set {DIRECTORY_VARIABLE} to choose the directory yourself.",
+                  RuntimeWarning, stacklevel=2)
     return path, fd
+
+
+def _note_path(parent: str, squatted: _Refused) -> str:
+    """The note of this machine's own base in ``parent``, in ``~/.ray_collective`` (made 0700,
+    checked as a base is).
+
+    Raises:
+        _Refused: the home directory cannot hold it (``squatted``'s refusal, with a hint).
+    """
+    home = os.path.realpath(os.path.expanduser("~"))
+    problem = _problem_above(home) if os.path.isabs(home) else (home, "is not a path")
+    if problem is not None:
+        raise _Refused(squatted.args[0], f"{squatted.args[1]}, and no private directory can be "
+                                          f"noted in {problem[0]}, which {problem[1]}")
+    home_fd = os.open(home, _OPEN_DIRECTORY)
+    try:
+        os.close(_open_private(home_fd, NOTES_DIRECTORY,
+                               os.path.join(home, NOTES_DIRECTORY), create=True))
+    finally:
+        os.close(home_fd)
+    digest = hashlib.sha256(os.fsencode(parent)).hexdigest()[:_SESSION_DIGEST_CHARS]
+    return os.path.join(home, NOTES_DIRECTORY, f"base-{socket.gethostname()}-{digest}")
+
+
+def _noted(note: str) -> Optional[str]:
+    """The base's name in ``note``; None when there is none, or it is no name of ours."""
+    try:
+        with open(note, encoding="utf-8") as source:
+            name = source.read().strip()
+    except FileNotFoundError:
+        return None
+    prefix = _base_name() + "-"
+    return name if name.startswith(prefix) and os.sep not in name and len(name) < 80 \
+        else None
 
 
 def _parent() -> str:
