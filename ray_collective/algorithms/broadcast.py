@@ -65,7 +65,7 @@ PIPELINE_MAX_CHUNKS = 16
 CROWDED_PIPELINE_MAX_CHUNKS = 8
 """The most chunks where machines run more ranks than cores: there a chain longer than the
 cores gains nothing from more links busy at once, and every round costs each rank a wake-up.
-Measured on 2 cores, 4 nodes x 2 ranks, six runs each beside torch (p50 of ray, 2026-11-26):
+Measured on 2 cores, 4 nodes x 2 ranks, six runs each beside torch (p50 of ray):
 64 MiB 112-121 ms with 8 chunks against 111-134 ms with 16 (medians 116 and 126) and
 134-154 ms with 64; 16 MiB 32-41 ms against 36-41 ms (medians 36 and 38); 4 chunks level
 with 8."""

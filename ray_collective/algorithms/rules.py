@@ -41,8 +41,8 @@ OVERSUBSCRIBED_BETWEEN_NODES_TREE_MIN_RANKS = 3
 small allreduces above this many ranks go by reduce+broadcast: a message there costs a stream's
 send and receive besides the wake-up. Measured at 4 leaders (4 nodes x 2 ranks on 2 cores,
 8 B, p50 beside torch): 1.67-1.94 ms against recursive doubling's 1.95-2.27 ms (three runs
-each, 2026-11-25); 0.95-1.02 ms against 0.97-1.13 ms (four runs each, alternated, another
-host, 2026-11-26). At 3 leaders both send 4 messages, and recursive doubling is kept."""
+each); 0.95-1.02 ms against 0.97-1.13 ms (four runs each, alternated, another
+host). At 3 leaders both send 4 messages, and recursive doubling is kept."""
 
 BROADCAST_ROUND_BYTES = 512 * 1024
 """What one round of a broadcast is worth in bytes copied: the scale model's latency per round
@@ -56,7 +56,7 @@ LINEAR_BROADCAST_MAX_RANKS = 8
 """Up to this many ranks on one node, a broadcast that is not small goes from the root in one
 round (``broadcast.linear``): every receiver copies the buffer once, side by side. Measured
 on 2 cores against MPICH in the same run (ray / MPICH p50, medians of four runs at 4 ranks,
-two at 8, 2026-11-27, receivers then reading 256 KiB or more out of the root's memory): at 4
+two at 8, receivers then reading 256 KiB or more out of the root's memory): at 4
 ranks, 256 KiB 0.99 against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 0.91 (1.22,
 0.83), 4 MiB 0.74 (0.99, 0.77), 16 MiB 0.46 (0.61, 0.53); at 8 ranks, 1 MiB 0.58 (0.81,
 0.63), 16 MiB 0.64 (0.62, 0.60). Through the rings (``native.runner.REMOTE_MIN_BYTES``), 1 MiB
@@ -69,7 +69,7 @@ LINEAR_EXCHANGE_MAX_BLOCK_BYTES = 128 * 1024
 (of blocks not small) posts all its messages in one round (``alltoall.linear``,
 ``allgather.linear``) instead of one peer per round (pairwise, the ring): no rank waits for a
 slow peer before serving the next. Measured on 2 cores with the native core, ray p50, two
-alternated pairs of runs (2026-11-27), at 8 ranks: alltoall against pairwise (medians of
+alternated pairs of runs, at 8 ranks: alltoall against pairwise (medians of
 four runs) 256 KiB 213 against 280 us, 1 MiB (blocks of 128 KiB) 705 against 853, but 4 MiB
 (blocks of 512 KiB) 2.74 against 2.37 ms, where every pair's parts in flight at once crowd
 the cache; allgather against the ring, 256 KiB 175 and 202 against 231 and 329 us, 1 MiB 554
@@ -135,7 +135,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
             # on the native core, 4 ranks, 16 MiB, 8.0 ms against the ring's 12.2 (MPICH 8.5).
             return "pairwise"
         # Small blocks halve even on a crowded node: pairwise, tried there for 4 ranks on 2
-        # cores, won one morning's A/B runs and lost the afternoon's (2026-11-27; results page).
+        # cores, did not beat halving beyond the machine's noise, so the simpler rule stays.
         if is_power_of_two(p):
             return "recursive_halving" if small or p > RING_MAX_RANKS else "ring"
         return "ring" if not small and p <= RING_MAX_RANKS else "halving_fold"
@@ -146,7 +146,7 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
         return "linear" if one_node and not small and p <= RING_MAX_RANKS else "binomial"
     if collective == "gather":
         # Each sender's block goes to the root in one round instead of up a tree: on the
-        # native core against MPICH in the same run (ray / MPICH p50, 2026-11-27), 4 ranks
+        # native core against MPICH in the same run (ray / MPICH p50), 4 ranks
         # (medians of four runs) 1 MiB 0.66 against binomial's 0.84, 16 MiB 0.27 against
         # 0.66; 8 ranks (two runs) 1 MiB 0.67 against 0.97, 16 MiB 0.17 against 0.30.
         return "linear" if one_node and not small and p <= RING_MAX_RANKS else "binomial"

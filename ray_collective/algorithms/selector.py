@@ -43,7 +43,7 @@ same runs 4.3-6.0, 30-35 and 109-110 ms), p95 no worse; on 2 nodes it was level 
 against 19 ms at 16 MiB). A chain costs a round per rank: past a ring's size the leaders' tree
 is kept. Where the rounds within a node run on the native core (``select``'s
 ``nodes_in_core``), the leaders' tree, whose rounds within a node the core runs, won instead:
-4 nodes x 2 ranks, two alternated runs each (2026-11-27), p50 over torch's in the same run,
+4 nodes x 2 ranks, two alternated runs each, p50 over torch's in the same run,
 0.61-0.74 against the chain's 0.78-0.81 at 1 MiB, 0.92-0.95 against 1.06-1.10 at 16 MiB,
 0.94-0.95 against 1.02-1.06 at 64 MiB; 4 nodes x 4 ranks, 0.46-0.50 against 0.69-0.80 at
 1 MiB, 0.60-0.61 against 0.88 at 16 MiB. The chain mixes the two ways in its rounds, so it runs

@@ -84,14 +84,14 @@ def ring_bytes(world_size: int) -> int:
     return size - size % 128
 
 
-SPIN_S = 500e-6
+CORE_SPIN_S = 500e-6
 """How long a waiting rank polls the core's rings before it sleeps, yielding its core between
 polls (``sched_yield``), so that a peer that needs the core gets it: on a crowded machine too,
-unlike the Python engine's spin. Measured with ``python -m benchmarks --collective allreduce
---backends ray,mpi4py --bytes 8`` on the 2-core machine (p50, one run each, load average 6):
-at 4 ranks 104 us with no polling, 66 us with 20 us, 36-45 us with 100-500 us (MPICH 20-40
-us); at 8 ranks 312, 232, 139-192 us (MPICH 86-148 us); at 2 ranks 4.1-4.2 us either way
-(MPICH 2.2-5.9 us). Polling 2 ms made 2 ranks slower (12.6 us)."""
+unlike the Python engine's spin (``transport.engine.ENGINE_SPIN_S``). Long enough that a
+peer's answer to a small message usually arrives while the rank still polls (with no polling,
+or a few tens of microseconds, 4 and 8 ranks on 2 cores took 1.5-2.5x as long, each call
+paying for a wake-up), and short enough not to hold a core a peer needs (polling for
+milliseconds made 2 ranks on 2 cores slower)."""
 
 
 REMOTE_MIN_BYTES = 32 << 20
@@ -102,15 +102,11 @@ kernel refuses (another user's process, Yama's ptrace_scope above 0 without CAP_
 the messages go through the ring as below this size. Below 32 MiB the ring is faster: the
 kernel walks and pins the sender's pages one by one (``perf`` at 4 ranks, alltoall of 1 MiB:
 page-table walks and pinning took three times the samples of the copy itself), while the
-ring's two copies stay in the cache and run on both sides at once. Measured on 2 cores with
-``python -m benchmarks --collective alltoall,allgather,broadcast,gather,scatter --backends
-ray,mpi4py --bytes 1M,4M,16M,64M`` at 2, 4 and 8 ranks, alternated runs (2026-11-27): with
-the former threshold of 256 KiB, alltoall of 1 MiB at 4 ranks took 1.53x and 1.81x MPICH's
-time and allgather of 4 MiB 1.43x and 1.32x, through the ring 1.09x and 0.82x, 0.87x and
-1.00x; broadcast of 1 MiB 1.69x and 1.01x against 0.36x and 0.40x; an allreduce's ring, whose
-allgather phase reduces nothing, of 1 MiB at 4 ranks 469 and 320 us against 189 and 206 (MPICH
-410-613 us). At 2 ranks and 64 MiB (messages of 32 MiB or 64 MiB) the ring alone took
-1.13-1.36x the time of reading in place."""
+ring's two copies stay in the cache and run on both sides at once. With a threshold of 256 KiB,
+messages of 1-4 MiB read in place took up to twice as long as through the ring (alltoall,
+allgather, broadcast and the allgather phase of an allreduce's ring, at 4 ranks on 2 cores),
+while messages of 32 MiB and more took 1.1-1.4x as long through the ring as read in place
+(2 ranks, 64 MiB)."""
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,
@@ -267,7 +263,7 @@ def entries_overlap(written: Sequence[np.ndarray], read: Sequence[np.ndarray] = 
     return False
 
 
-def native_node(directory: str, rank: int, world_size: int, spin_s: float = SPIN_S,
+def native_node(directory: str, rank: int, world_size: int, spin_s: float = CORE_SPIN_S,
                 remote_min_bytes: int = REMOTE_MIN_BYTES):
     """This rank's node of the native core, in the group's private ``directory``.
 

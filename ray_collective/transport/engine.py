@@ -32,8 +32,9 @@ from .link import Carrier
 POLL_INTERVAL_S = 0.1
 """The longest a waiting rank sleeps in ``poll`` before it looks for failures."""
 
-SPIN_S = 50e-6
-"""How long a rank with a core of its own polls without sleeping before it blocks."""
+ENGINE_SPIN_S = 50e-6
+"""How long a rank with a core of its own polls the Python engine's carriers without sleeping
+before it blocks (the native core's rings have their own, ``native.runner.CORE_SPIN_S``)."""
 
 
 class Engine:
