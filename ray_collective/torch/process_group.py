@@ -13,6 +13,7 @@ the largest. Sends and receives go through :class:`~.p2p.PointToPoint`.
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -44,12 +45,13 @@ def library_op(op, where: str) -> ReduceOp:
     Raises:
         ArgumentValueError: ``op`` is not SUM, AVG, PRODUCT, MIN or MAX.
     """
-    kind = getattr(op, "op", op)
-    if kind not in _OPS:
+    kind = op.op if type(op) is dist.ReduceOp else op
+    found = _OPS.get(kind)
+    if found is None:
         raise ArgumentValueError(
             f"{where}: ray_collective does not support {kind}; it reduces with SUM, AVG, "
             f"PRODUCT, MIN and MAX (for PREMUL_SUM, scale the tensor and use SUM)")
-    return _OPS[kind]
+    return found
 
 
 def cpu_tensor(tensor: torch.Tensor, where: str) -> torch.Tensor:
@@ -81,6 +83,10 @@ class _Contiguous:
         self._written: List[tuple] = []
 
     def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        # The tensor itself where it can be: the library keeps what it learnt of a tensor it
+        # saw before, which a new view each call would lose.
+        if tensor.is_contiguous() and not tensor.requires_grad:
+            return tensor
         plain = tensor.detach()
         return plain if plain.is_contiguous() else plain.contiguous()
 
@@ -106,6 +112,7 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         super().__init__(rank, size)
         self._group_name = group_name
         self._torch_group_name = ""
+        self._who = f"rank {rank} of group '{group_name}'"
         self._timeout = timeout.total_seconds()
         self._queue = CallQueue(group_name)
         self._p2p = PointToPoint(group_name, rank, self._timeout)
@@ -135,11 +142,10 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         return BACKEND_NAME
 
     def _where(self, what: str) -> str:
-        return f"rank {self.rank()} of group '{self._group_name}', {what}"
+        return f"{self._who}, {what}"
 
     def _call_timeout(self, opts) -> Optional[float]:
-        timeout = getattr(opts, "timeout", None)
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else -1
+        seconds = opts.timeout.total_seconds()  # negative: not given
         return seconds if seconds > 0 else None
 
     def _tensor(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -164,6 +170,10 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         tensor = self._tensor(tensors, "all_reduce")
         op = library_op(opts.reduceOp, self._where("all_reduce"))
         timeout = self._call_timeout(opts)
+        if tensor.is_contiguous() and not tensor.requires_grad:  # the common case, shortest
+            return self._queue.run(partial(col.allreduce, tensor, self._group_name, op,
+                                           timeout=timeout),
+                                   tensors, _nbytes(tensors), opts.asyncOp)
         return self._run(lambda c: col.allreduce(c.write(tensor), self._group_name, op,
                                                  timeout=timeout), [tensor], _nbytes([tensor]), opts)
 

@@ -55,19 +55,23 @@ class CollectiveWork(dist.Work):
         super().__init__()
         self._outputs = outputs
         self._future = future
-        self._error = error
-        self._torch_future: torch.futures.Future = torch.futures.Future()
-        if future is None:
-            self._settle(error)
-        else:
+        self._error = None if error is None else backend_error(error)
+        # Made on the first get_future() of a call that ran inline (most never ask).
+        self._torch_future: Optional[torch.futures.Future] = None
+        if future is not None:
+            self._torch_future = torch.futures.Future()
             future.add_done_callback(lambda done: self._settle(done.exception()))
 
     def _settle(self, error: Optional[BaseException]) -> None:
-        if error is None:
-            self._torch_future.set_result(self._outputs)
-        else:
+        if error is not None:
             self._error = backend_error(error)
-            self._torch_future.set_exception(self._error)
+        self._finish(self._torch_future)
+
+    def _finish(self, torch_future: torch.futures.Future) -> None:
+        if self._error is None:
+            torch_future.set_result(self._outputs)
+        else:
+            torch_future.set_exception(self._error)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Block until the call has run.
@@ -119,6 +123,9 @@ class CollectiveWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future of the call's output tensors (DDP's communication hooks chain on it)."""
+        if self._torch_future is None:
+            self._torch_future = torch.futures.Future()
+            self._finish(self._torch_future)
         return self._torch_future
 
 

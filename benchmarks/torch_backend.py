@@ -1,0 +1,250 @@
+"""torch.distributed with backend ``ray_collective`` against Gloo, in the same rank actors.
+
+    flock /tmp/ray_collective_bench.lock python -m benchmarks.torch_backend \
+        [--world-sizes 2,4] [--bytes 8,1K,64K,1M,16M] [--params 1M,10M] [--blocks 3]
+        [--json benchmarks/results/torch-backend.json]
+
+Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
+``init_process_group("ray_collective")`` and, on the same ranks, a Gloo group
+(``dist.new_group(backend="gloo")``); the library group under the torch one
+(``ProcessGroupRayCollective.library_group``) is called directly as a third peer. Three parts:
+
+- ``dist.all_reduce`` of float32 tensors, back to back (one barrier, then the loop; an
+  iteration is the time from one call's return to the next's, for the slowest rank), the three
+  peers taking turns block by block; p50, and for allreduce's bus bandwidth
+  ``2 (n - 1) / n * bytes / p50``.
+- The torch layer alone: in one rank actor with groups of one, ``dist.all_reduce`` against
+  ``col.allreduce`` of 8 B (no peer to wait for), p50 of the per-call time; and the
+  profile of the ``dist.all_reduce`` loop (cProfile's top functions by own time).
+- DDP: a model of ``--params`` parameters (Linear layers of 1024), SGD, batches of 32; steps
+  per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
+  the step without DDP's allreduce (``DistributedDataParallel.no_sync``) against the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import socket
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Dict, List
+
+import numpy as np
+
+from .cli import comma_list, parse_size
+from .stats import iteration_latencies, percentiles
+
+PEERS = ("ray_collective", "gloo", "col")
+"""The torch backend, torch's Gloo, and the library called directly (the torch layer's floor)."""
+
+
+def _iterations(nbytes: int) -> int:
+    return 400 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
+
+
+class Rank:
+    """One rank: a torch group of each backend over the same processes."""
+
+    def address(self) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+    def join(self, rank: int, size: int, init_method: str) -> str:
+        import torch.distributed as dist
+
+        import ray_collective.torch  # noqa: F401 - registers the backend
+        dist.init_process_group("ray_collective", init_method=init_method, rank=rank,
+                                world_size=size, timeout=timedelta(seconds=300))
+        self.gloo = dist.new_group(backend="gloo")
+        self.library_group = dist.group.WORLD.library_group
+        return self.library_group
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+    def _call(self, peer: str):
+        import torch.distributed as dist
+
+        import ray_collective as col
+        if peer == "col":
+            return lambda t: col.allreduce(t, self.library_group)
+        group = self.gloo if peer == "gloo" else None
+        return lambda t: dist.all_reduce(t, group=group)
+
+    def allreduce_block(self, peer: str, nbytes: int, iterations: int) -> List[float]:
+        import torch
+        import torch.distributed as dist
+        tensor = torch.ones(max(1, nbytes // 4))
+        call = self._call(peer)
+        for _ in range(3):
+            call(tensor)
+        dist.barrier(group=self.gloo if peer == "gloo" else None)
+        durations, last = [], time.perf_counter()
+        for _ in range(iterations):
+            call(tensor)
+            now = time.perf_counter()
+            durations.append(now - last)
+            last = now
+        return durations
+
+    def ddp_block(self, peer: str, params: int, steps: int, sync: bool) -> List[float]:
+        import contextlib
+
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+        torch.manual_seed(0)
+        width = 1024
+        layers = [torch.nn.Linear(width, width) for _ in range(max(1, round(params / (width * width + width))))]
+        model = DistributedDataParallel(torch.nn.Sequential(*layers),
+                                        process_group=self.gloo if peer == "gloo" else None)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(32, width)
+        durations = []
+        for step in range(steps + 2):
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                model(x).square().mean().backward()
+            optimizer.step()
+            if step >= 2:
+                durations.append(time.perf_counter() - start)
+        return durations
+
+    def layer_overhead(self, iterations: int) -> Dict[str, object]:
+        """In a fresh process's groups of one: per-call p50 of dist.all_reduce and col.allreduce
+        of 8 B, and the profile of the former."""
+        import torch
+        import torch.distributed as dist
+
+        import ray_collective as col
+        import ray_collective.torch  # noqa: F401
+        dist.init_process_group("ray_collective", init_method=self.address(), rank=0,
+                                world_size=1)
+        name = dist.group.WORLD.library_group
+        tensor = torch.ones(2)
+        calls = {"dist.all_reduce": lambda: dist.all_reduce(tensor),
+                 "col.allreduce": lambda: col.allreduce(tensor, name)}
+        times: Dict[str, List[float]] = {key: [] for key in calls}
+        for _ in range(5):
+            for key, call in calls.items():
+                for _ in range(iterations // 5):
+                    start = time.perf_counter()
+                    call()
+                    times[key].append(time.perf_counter() - start)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(iterations):
+            dist.all_reduce(tensor)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+        dist.destroy_process_group()
+        return {"p50_s": {key: float(np.median(value)) for key, value in times.items()},
+                "profile": text.getvalue()}
+
+
+def _allreduce_rows(ray, actors, sizes, blocks) -> List[dict]:
+    size = len(actors)
+    rows = []
+    for nbytes in sizes:
+        iterations = _iterations(nbytes)
+        latencies: Dict[str, List[float]] = {peer: [] for peer in PEERS}
+        for block in range(blocks):
+            order = PEERS if block % 2 == 0 else PEERS[::-1]
+            for peer in order:
+                durations = ray.get([a.allreduce_block.remote(peer, nbytes, iterations)
+                                     for a in actors])
+                latencies[peer].extend(iteration_latencies(durations))
+        p50 = {peer: percentiles(latencies[peer])["p50"] for peer in PEERS}
+        factor = 2 * (size - 1) / size
+        rows.append({"ranks": size, "bytes": nbytes, "iterations": iterations * blocks,
+                     "p50_s": p50,
+                     "busbw_GBps": {peer: factor * nbytes / p50[peer] / 1e9 for peer in PEERS},
+                     "ray_collective_over_gloo": p50["ray_collective"] / p50["gloo"],
+                     "torch_layer_s": p50["ray_collective"] - p50["col"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _ddp_rows(ray, actors, params_list, steps, blocks) -> List[dict]:
+    rows = []
+    for params in params_list:
+        step_s: Dict[str, List[float]] = {}
+        for block in range(blocks):
+            for peer in (("ray_collective", "gloo") if block % 2 == 0 else
+                         ("gloo", "ray_collective")):
+                for sync in (True, False):
+                    durations = ray.get([a.ddp_block.remote(peer, params, steps, sync)
+                                         for a in actors])
+                    step_s.setdefault(f"{peer}/{'sync' if sync else 'no_sync'}", []).extend(
+                        iteration_latencies(durations))
+        median = {key: float(np.median(value)) for key, value in step_s.items()}
+        row = {"ranks": len(actors), "params": params, "steps": steps * blocks,
+               "step_s": median}
+        for peer in ("ray_collective", "gloo"):
+            step, local = median[f"{peer}/sync"], median[f"{peer}/no_sync"]
+            row[f"{peer}_steps_per_s"] = 1 / step
+            row[f"{peer}_comm_s"] = max(0.0, step - local)
+            row[f"{peer}_comm_share"] = max(0.0, 1 - local / step)
+        row["comm_ratio"] = (row["ray_collective_comm_s"] / row["gloo_comm_s"]
+                             if row["gloo_comm_s"] > 0 else None)
+        row["step_ratio"] = median["ray_collective/sync"] / median["gloo/sync"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=comma_list(int), default=[2, 4])
+    parser.add_argument("--bytes", type=comma_list(parse_size),
+                        default=[8, 1 << 10, 64 << 10, 1 << 20, 16 << 20])
+    parser.add_argument("--params", type=comma_list(parse_size), default=[1 << 20, 10 << 20])
+    parser.add_argument("--ddp-ranks", type=comma_list(int), default=[4])
+    parser.add_argument("--ddp-steps", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--overhead-iters", type=int, default=20000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    import ray
+    import torch
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+    result = {"command": "python -m benchmarks.torch_backend " + " ".join(
+        sys.argv[1:] if argv is None else argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "ray": ray.__version__},
+        "allreduce": [], "ddp": []}
+    rank_actor = ray.remote(num_cpus=0)(Rank)
+    lone = rank_actor.remote()
+    result["layer_overhead"] = ray.get(lone.layer_overhead.remote(args.overhead_iters))
+    print(json.dumps(result["layer_overhead"]["p50_s"]), flush=True)
+    ray.kill(lone)
+    for size in sorted(set(args.world_sizes) | set(args.ddp_ranks)):
+        actors = [rank_actor.remote() for _ in range(size)]
+        init_method = ray.get(actors[0].address.remote())
+        ray.get([a.join.remote(r, size, init_method) for r, a in enumerate(actors)])
+        if size in args.world_sizes:
+            result["allreduce"] += _allreduce_rows(ray, actors, args.bytes, args.blocks)
+        if size in args.ddp_ranks:
+            result["ddp"] += _ddp_rows(ray, actors, args.params, args.ddp_steps, args.blocks)
+        ray.get([a.leave.remote() for a in actors])
+        for actor in actors:
+            ray.kill(actor)
+    ray.shutdown()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
