@@ -83,10 +83,6 @@ bench-400: $(STAMP_TEST) $(SCALE_VENV)/.installed
 	    --json benchmarks/results/scale-real-64-256.json \
 	    --json benchmarks/results/scale-real-largest.json \
 	    --plot benchmarks/results/plots/scale-real-400.png
-	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks.scale_real \
-	    --nodes 8 --ranks 64,128,256 --drill --json benchmarks/results/scale-real-8nodes.json
-	$(BIN)/python -m benchmarks.scale_real --from-json \
-	    --json benchmarks/results/scale-real-8nodes.json
 	flock /tmp/ray_collective_bench.lock $(BIN)/python -m benchmarks \
 	    --collective allreduce,broadcast,allgather,barrier --backends ray,gloo,torch \
 	    --world-size 64 --bytes 8,64K,1M --iters 20 --warmup 3 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces every table and plot of benchmarks/README.md's results page (`make bench`), the
-# full tables of docs/results-tables.md and the README's headline table;
+# Reproduces the one-node, across-nodes and other tables and plots of benchmarks/README.md's
+# results page (`make bench`) and the README's headline;
 # `benchmarks/reproduce.sh across-nodes` (`make bench-nodes`) reruns only the across-nodes part.
 # Heavy runs take a machine-wide lock so that two people's benchmarks never overlap on a shared
 # machine. The three sweeps of the page time five backends in both timing modes (back to back,
@@ -22,35 +22,24 @@ heavy() { flock "$LOCK" "$PYTHON" "$@"; }
 #    evenly (nodes x ranks per node = sizes; one sweep and one cluster each), `ray` with the
 #    library's default transport between nodes and `ray-object-store` with
 #    RAY_COLLECTIVE_CROSS_NODE=object_store, in the same actors as torch.distributed's Gloo,
-#    ray.util.collective's Gloo and ray-plain; then the page's across-nodes part from the JSON
-#    files alone. 4x4 stops at 1 MiB: at 4x2 a rank's peak RSS was 0.87 GiB at 16 MiB and
+#    ray.util.collective's Gloo and ray-plain; then the page from the JSON files alone. 4x4 stops at 1 MiB: at 4x2 a rank's peak RSS was 0.87 GiB at 16 MiB and
 #    1.4 GiB at 64 MiB (five backends' buffers, shared pages included), so 16 ranks could
 #    need 14 and 22 GiB of the reference machine's 23.5 GiB, which other work shares.
 NODES_BACKENDS=ray,ray-object-store,torch,gloo,ray-plain
 NODES_COLLECTIVES=allreduce,broadcast,allgather,reducescatter
 NODES_SWEEPS="${NODES_SWEEPS:-2x2=8,1M,16M,64M 4x2=8,1M,16M,64M 4x4=8,1M}"
 across_nodes() {
-    local sweep layout sources=()
+    local sweep layout
     for sweep in $NODES_SWEEPS; do
         layout="${sweep%%=*}"
         heavy -m benchmarks --nodes "${layout%x*}" --ranks-per-node "${layout#*x}" \
             --collective "$NODES_COLLECTIVES" --backends "$NODES_BACKENDS" --baseline torch \
             --bytes "${sweep#*=}" --json "$RESULTS/nodes-$layout.json"
-        sources+=("$RESULTS/nodes-$layout.json")
     done
-    "$PYTHON" -m benchmarks.report_page --brief --part across-nodes \
-        "$(IFS=+; echo "${sources[*]}")" --write benchmarks/README.md
-    "$PYTHON" -m benchmarks.report_page --part across-nodes "$(IFS=+; echo "${sources[*]}")" \
-        --write docs/results-tables.md
-    # The join of a group spanning 4 nodes, streams against the object store (the page quotes
-    # its medians from this file).
-    heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 15 \
+    "$PYTHON" -m benchmarks.page
+    # The join of a group spanning 4 nodes, streams against the object store.
+    heavy -m benchmarks.join_nodes --nodes 4 --ranks-per-node 2 --repeats 3 \
         --json "$RESULTS/join-nodes-4x2.json"
-    # The minimal loop a user writes, this library beside Ray's Gloo group, interleaved and in
-    # one long run per library (issue 29: the target holds in the CLI and in the loop alike).
-    heavy -m benchmarks.minimal_loop --layouts 2x2,4x2 --json "$RESULTS/minimal-loop.json"
-    heavy -m benchmarks.minimal_loop --layouts 2x2,4x2 --blocks 1 \
-        --json "$RESULTS/minimal-loop-long.json"
     # Elastic groups over 4 nodes of 8 ranks: 10 kills, each shrunk and grown back.
     heavy -m benchmarks.elastic --ranks 32 --nodes 4 --kills 10 --json "$RESULTS/elastic-4x8.json" \
         || true
@@ -76,51 +65,16 @@ heavy -m benchmarks \
     --collective allreduce,reduce,broadcast,allgather,reducescatter,gather,scatter,alltoall,sendrecv,barrier \
     --backends "$BACKENDS" --timing both --baseline torch --world-size 4 --bytes 8,1M,16M \
     --json "$RESULTS/collectives.json"
-# 4. plots and the tables, from the JSON files alone: the results page's summary (--brief), the
-#    full tables of the docs site, and the front page's headline (allreduce, back to back).
+# 4. plots from the JSON files alone.
 rm -rf "$PLOTS/allreduce" "$PLOTS/collectives"
 "$PYTHON" -m benchmarks.plots "$PLOTS/allreduce" "$RESULTS/allreduce.json" "$RESULTS/allreduce-64.json"
 "$PYTHON" -m benchmarks.plots "$PLOTS/collectives" "$RESULTS/collectives.json"
-"$PYTHON" -m benchmarks.report_page --brief \
-    "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json=$PLOTS/allreduce" \
-    "$RESULTS/collectives.json=$PLOTS/collectives" --write benchmarks/README.md
-"$PYTHON" -m benchmarks.report_page "$RESULTS/allreduce.json+$RESULTS/allreduce-64.json" \
-    "$RESULTS/collectives.json" --write docs/results-tables.md
-"$PYTHON" -m benchmarks.report_page --brief --part headline "$RESULTS/allreduce.json" \
-    --write README.md
-# 5. the other benchmarks of the page: scale and cost model, agent/observer, batch_remote.
-#    The cost model is fitted to the barrier-mode rows of the sweeps above, to issue 3's runs
-#    (kept in results/, timed that way), and to a ray-only sweep at 16 and 32 ranks (its 8 B
-#    points twice, minutes apart); its prediction for 8 ranks is checked with each algorithm
-#    forced. All of these are timed in barrier mode, like the earlier files the fit needs.
-heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
-    --timing barrier --bytes 8,1M,64M --json "$RESULTS/scale-sweep-16-32.json"
-heavy -m benchmarks --collective allreduce --backends ray --baseline none --world-size 16,32 \
-    --timing barrier --bytes 8 --json "$RESULTS/scale-sweep-16-32-8B-repeat.json"
-for algorithm in reduce_broadcast ring; do
-    RAY_COLLECTIVE_ALGORITHM="allreduce=$algorithm" heavy -m benchmarks --collective allreduce \
-        --backends ray --baseline none --world-size 8 --timing barrier --bytes 1M,64M \
-        --json "$RESULTS/scale-check-8ranks-$algorithm.json"
-done
-"$PYTHON" -m benchmarks.scale \
-    --json-before-rule "$RESULTS/issue3-allreduce.json" \
-    --json-before-rule "$RESULTS/issue3-64ranks.json" \
-    --json-before-rule "$RESULTS/default-8B.json" \
-    --json "$RESULTS/reduce-broadcast-8B.json=reduce_broadcast" \
-    --json "$RESULTS/allreduce.json" --json "$RESULTS/allreduce-64.json" \
-    --json "$RESULTS/scale-sweep-16-32.json" --json "$RESULTS/scale-sweep-16-32-8B-repeat.json" \
-    --timing barrier --bytes 8,1M,64M --plots "$PLOTS" --out "$RESULTS/scale.json"
-heavy -m benchmarks.agent_observer --world-size 2,4,8,16 --batch true,false \
-    --backend ray,ray-actors --iterations 300 --warmup 30 --json "$RESULTS/agent_observer.json"
-heavy -m benchmarks.agent_observer --world-size 32,64 --batch true,false \
-    --backend ray,ray-actors --iterations 100 --warmup 10 \
-    --json "$RESULTS/agent_observer-32-64.json"
-# torch.distributed.rpc beside both at 4 and 16 observers (issue 29's target).
+# 5. the other benchmarks of the page: agent/observer beside torch.distributed.rpc,
+#    batch_remote, elastic groups (10 kills, each shrunk and grown back, at 8 and 64 ranks on
+#    one node; it exits 1 when a p95 misses its target, and the run goes on).
 heavy -m benchmarks.agent_observer --world-size 5,17 --batch true,false \
     --iterations 300 --warmup 30 --json "$RESULTS/agent_observer-rpc.json"
 heavy -m benchmarks.batch_remote --json "$RESULTS/batch_remote.json"
-# Elastic groups: 10 kills, each shrunk and grown back, at 8 and 64 ranks on one node (it
-# exits 1 when a p95 misses its target: the page says so, and the run goes on).
 heavy -m benchmarks.elastic --ranks 8,64 --kills 10 --json "$RESULTS/elastic-1node-8-64.json" \
     || true
 # 6. the library's own cost per call, apart from data: a world-size-1 allreduce, and finding a
@@ -128,3 +82,5 @@ heavy -m benchmarks.elastic --ranks 8,64 --kills 10 --json "$RESULTS/elastic-1no
 heavy -m benchmarks.call_overhead --json "$RESULTS/call_overhead.json"
 # 7. across nodes (defined above).
 across_nodes
+# 8. every generated table of the results page, and the README's headline, from the files.
+"$PYTHON" -m benchmarks.page
