@@ -427,9 +427,9 @@ def test_results_page_ratios_and_markers(tmp_path):
     table = point_table([row for row in rows if row["world_size"] == 2],
                         ["ray", "gloo", "mpi4py"])
     assert table[0].startswith("| size | ray p50 · busbw |")
-    # gloo's column is gloo p50 / ray p50; MPICH's the other way round, ray p50 / mpi4py p50.
-    assert table[0].endswith("| ray vs gloo | ray / MPICH |")
-    assert table[2].endswith("| 3.00× | 2.00× |")
+    # Every column is the peer's p50 over ray's (MPICH's named after it): above 1, ray is faster.
+    assert table[0].endswith("| ray vs gloo | ray vs MPICH |")
+    assert table[2].endswith("| 3.00× | 0.50× |")
     written = write_plots(rows, tmp_path / "plots")
     assert sorted(path.name for path in written) == [
         "busbw_allreduce_2ranks.png", "busbw_allreduce_4ranks.png",
@@ -445,14 +445,30 @@ def test_results_page_ratios_and_markers(tmp_path):
     generated = render([([source], tmp_path / "plots")], tmp_path)
     # Rows without a timing mode come from the harness that timed every call after a barrier.
     assert "**allreduce, 4 ranks, barrier before every call**" in generated
-    assert "back to back" not in generated and 'src="plots/time_allreduce_8B.png"' in generated
-    assert "; ray / MPICH = ray p50 / mpi4py p50)" in generated
+    assert "back to back" not in generated and "(plots/time_allreduce_8B.png)" in generated
+    assert "(p50 latency · bus bandwidth; ray vs X = X p50 / ray p50)" in generated
     assert "CPU" not in generated       # rows from before CPU time was measured
     assert "Timing barrier: the backend's barrier before every call" in generated
     page = f"# Results\n{BEGIN}\nold\n{END}\ntail\n"
     assert replace_between_markers(page, generated) == f"# Results\n{generated}\ntail\n"
     with pytest.raises(ValueError):
         replace_between_markers("no markers", generated)
+
+
+def test_the_results_page_and_the_readme_are_made_from_the_result_files():
+    from benchmarks import page
+    for path, names in ((page.PAGE, list(page.PARTS)), (page.FRONT_PAGE, page.FRONT_PAGE_PARTS)):
+        _, changed = page.regenerate(path, page.RESULTS, names)
+        assert not changed, f"{path.name}: {changed} differ from the files: python -m benchmarks.page"
+    text = page.PAGE.read_text()
+    assert len(text.splitlines()) <= 300
+    # Every file the page or the results' README names is there, and every file there is named.
+    listed = (page.RESULTS / "README").read_text()
+    for name in re.findall(r"results/([\w./-]+\.(?:json|md|png))", text):
+        assert (page.RESULTS / name).is_file(), name
+    for path in page.RESULTS.iterdir():
+        if path.is_file() and path.name != "README":
+            assert path.name in listed, f"{path.name} is not in benchmarks/results/README"
 
 
 def _rows_in_both_modes():
@@ -484,7 +500,7 @@ def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp
     generated = render([([source], plots)], tmp_path, brief=True)
     assert generated.startswith(BEGIN) and generated.endswith(END)
     lines = generated.splitlines()
-    header = lines.index("| collective | ranks | size | ray p50 | ray vs gloo | ray / MPICH |")
+    header = lines.index("| collective | ranks | size | ray p50 | ray vs gloo | ray vs MPICH |")
     table = lines[header + 2:header + 6]
     # back to back only: ray 50 µs against gloo's 300 µs (6x), MPICH's 50 µs (1x); MPICH
     # failed at the last point.
@@ -493,14 +509,15 @@ def test_the_brief_page_has_one_table_of_the_headline_mode_and_latency_plots(tmp
                      "| allreduce | 4 | 8 B | 100.0 µs | 6.00× | 1.00× |",
                      "| allreduce | 4 | 1 KiB | 100.0 µs | 6.00× | - |"]
     assert lines[header + 6] == ""
-    assert "Timing back-to-back: one barrier" in generated and "barrier before" not in generated
-    assert ("Run 2026-11-26 on 2 cores / 23.5 GiB, Ray 2.60.0, numpy 2, : `python -m benchmarks`"
+    # Back to back is the page's timing, said once on the page, not per table.
+    assert "Timing" not in generated and "barrier before" not in generated
+    assert ("- Run 2026-11-26 on 2 cores / 23.5 GiB, Ray 2.60.0, numpy 2, : `python -m benchmarks`"
             in lines)
     assert "failed: 1 point(s) where a backend failed" in generated
-    [images] = [line for line in lines if line.startswith("<img")]   # one line, side by side
-    assert re.findall(r'src="([^"]+)"', images) == [
+    [images] = [line for line in lines if line.startswith("![")]   # one line, side by side
+    assert re.findall(r"\]\(([^)]+)\)", images) == [
         "plots/latency_allreduce_2ranks.png", "plots/latency_allreduce_4ranks.png"]
-    assert "bus bandwidth and time against ranks too: [plots/](plots/)." in generated
+    assert "bus bandwidth and time against ranks too: `plots/`)" in images
     assert page_main(["--brief", f"{source}={plots}"]) == 0   # the command line takes it too
 
 
@@ -522,7 +539,7 @@ def test_results_page_and_plots_show_both_timing_modes(tmp_path):
     tables = generated.split("**allreduce, 2 ranks, ")
     assert tables[1].splitlines()[4].startswith("| 8 B | 50.0 µs · ")   # back to back
     assert tables[1].splitlines()[4].endswith("| 6.00× | 1.00× |")
-    assert tables[2].splitlines()[4].endswith("| 3.00× | 2.00× |")   # barrier
+    assert tables[2].splitlines()[4].endswith("| 3.00× | 0.50× |")   # barrier
     assert "CPU/call: a rank process's CPU time (user + system)" in generated
     cpu = tables[1].split("CPU time per call per rank, back to back (the busiest rank / the "
                           "median over ranks):")[1].splitlines()
@@ -708,7 +725,7 @@ def test_tiny_sweep_of_every_cpu_backend_in_both_timings_writes_table_json_and_p
     assert "**allreduce, 2 ranks, back to back**" in page
     assert "**gather, 2 ranks, barrier before every call**" in page
     assert "| size | ray p50 · busbw | torch p50 · busbw | gloo p50 · busbw |" in page
-    assert "| ray vs ray-plain | ray / MPICH |" in page
+    assert "| ray vs ray-plain | ray vs MPICH |" in page
     assert "| size | ray CPU/call | torch CPU/call | gloo CPU/call |" in page
 
 
