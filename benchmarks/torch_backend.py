@@ -3,6 +3,7 @@
     flock /tmp/ray_collective_bench.lock python -m benchmarks.torch_backend \
         [--world-sizes 2,4] [--bytes 8,1K,64K,1M,16M] [--params 1M,10M] [--blocks 3]
         [--json benchmarks/results/torch-backend.json]
+    python -m benchmarks.torch_backend --table benchmarks/results/torch-backend.json
 
 Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
 ``init_process_group("ray_collective")`` and, on the same ranks, a Gloo group
@@ -13,12 +14,16 @@ Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
   iteration is the time from one call's return to the next's, for the slowest rank), the three
   peers taking turns block by block; p50, and for allreduce's bus bandwidth
   ``2 (n - 1) / n * bytes / p50``.
+- Where the torch layer's time goes at 2 and 4 ranks: the library call timed directly and
+  inside ``dist.all_reduce`` (``breakdown``).
 - The torch layer alone: in one rank actor with groups of one, ``dist.all_reduce`` against
   ``col.allreduce`` of 8 B (no peer to wait for), p50 of the per-call time; and the
   profile of the ``dist.all_reduce`` loop (cProfile's top functions by own time).
 - DDP: a model of ``--params`` parameters (Linear layers of 1024), SGD, batches of 32; steps
   per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
   the step without DDP's allreduce (``DistributedDataParallel.no_sync``) against the step.
+
+``--table`` prints docs/torch-backend.md's tables from a results file and runs nothing.
 """
 
 from __future__ import annotations
@@ -118,6 +123,37 @@ class Rank:
                 durations.append(time.perf_counter() - start)
         return durations
 
+    def breakdown(self, iterations: int) -> Dict[str, float]:
+        """Back to back on this group: per-call p50 of col.allreduce called directly, and of
+        the same library call made inside the backend's all_reduce (its own time), of 8 B."""
+        import torch
+        import torch.distributed as dist
+
+        import ray_collective.api as api
+        tensor = torch.ones(2)
+        direct, inside = [], []
+        original = api.allreduce
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            original(*args, **kwargs)
+            inside.append(time.perf_counter() - start)
+        for _ in range(3):
+            dist.barrier()
+            for _ in range(iterations):
+                start = time.perf_counter()
+                original(tensor, self.library_group)
+                direct.append(time.perf_counter() - start)
+            api.allreduce = timed
+            try:
+                dist.barrier()
+                for _ in range(iterations):
+                    dist.all_reduce(tensor)
+            finally:
+                api.allreduce = original
+        return {"col.allreduce_s": float(np.median(direct)),
+                "col.allreduce_inside_dist.all_reduce_s": float(np.median(inside))}
+
     def layer_overhead(self, iterations: int) -> Dict[str, object]:
         """In a fresh process's groups of one: per-call p50 of dist.all_reduce and col.allreduce
         of 8 B, and the profile of the former."""
@@ -187,10 +223,13 @@ def _ddp_rows(ray, actors, params_list, steps, blocks) -> List[dict]:
                     step_s.setdefault(f"{peer}/{'sync' if sync else 'no_sync'}", []).extend(
                         iteration_latencies(durations))
         median = {key: float(np.median(value)) for key, value in step_s.items()}
+        # The step without sync computes the same with either backend: pooled, its median is
+        # steadier than either one's on a shared machine.
+        local = float(np.median(step_s["ray_collective/no_sync"] + step_s["gloo/no_sync"]))
         row = {"ranks": len(actors), "params": params, "steps": steps * blocks,
-               "step_s": median}
+               "step_s": median, "compute_s": local}
         for peer in ("ray_collective", "gloo"):
-            step, local = median[f"{peer}/sync"], median[f"{peer}/no_sync"]
+            step = median[f"{peer}/sync"]
             row[f"{peer}_steps_per_s"] = 1 / step
             row[f"{peer}_comm_s"] = max(0.0, step - local)
             row[f"{peer}_comm_share"] = max(0.0, 1 - local / step)
@@ -200,6 +239,62 @@ def _ddp_rows(ray, actors, params_list, steps, blocks) -> List[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
+
+
+def markdown_tables(result: dict) -> str:
+    """The tables of docs/torch-backend.md from one results file.
+
+    Args:
+        result: what ``--json`` wrote.
+
+    Returns:
+        Markdown: the source line, the all_reduce table, the torch layer, the DDP table.
+    """
+    lines = [f"From `{result['command']}`, {result['date']} (torch {result['machine']['torch']},"
+             f" Ray {result['machine']['ray']}, {result['machine']['cpus']} cores shared with "
+             f"other work).", "",
+             "| ranks | size | ray_collective p50 | Gloo p50 | col.allreduce p50 | "
+             "ray_collective / Gloo | busbw ray_collective | busbw Gloo |", "|---" * 8 + "|"]
+    for row in result["allreduce"]:
+        p50, busbw = row["p50_s"], row["busbw_GBps"]
+        lines.append(f"| {row['ranks']} | {_size(row['bytes'])} | {_time(p50['ray_collective'])}"
+                     f" | {_time(p50['gloo'])} | {_time(p50['col'])} | "
+                     f"{row['ray_collective_over_gloo']:.2f}× | "
+                     f"{busbw['ray_collective']:.2f} GB/s | {busbw['gloo']:.2f} GB/s |")
+    layer = result["layer_overhead"]["p50_s"]
+    lines += ["", f"The torch layer alone (a group of one, 8 B): `dist.all_reduce` "
+              f"{_time(layer['dist.all_reduce'])}, `col.allreduce` {_time(layer['col.allreduce'])}"
+              f", so {_time(layer['dist.all_reduce'] - layer['col.allreduce'])} per call."]
+    for ranks, by_rank in sorted(result.get("breakdown", {}).items()):
+        direct = max(r["col.allreduce_s"] for r in by_rank)
+        inside = max(r["col.allreduce_inside_dist.all_reduce_s"] for r in by_rank)
+        lines.append(f"At {ranks} ranks, back to back, the library's call of 8 B takes "
+                     f"{_time(direct)} called directly and {_time(inside)} inside "
+                     f"`dist.all_reduce` (slowest rank's p50).")
+    lines += ["",
+              "| ranks | parameters | steps/s ray_collective | steps/s Gloo | communication "
+              "per step, ray_collective (share) | Gloo (share) | comm ratio | step ratio |",
+              "|---" * 8 + "|"]
+    for row in result["ddp"]:
+        ratio = "–" if row["comm_ratio"] is None else f"{row['comm_ratio']:.2f}×"
+        lines.append(
+            f"| {row['ranks']} | {row['params'] / 1e6:.1f}M | "
+            f"{row['ray_collective_steps_per_s']:.1f} | {row['gloo_steps_per_s']:.1f} | "
+            f"{_time(row['ray_collective_comm_s'])} ({row['ray_collective_comm_share']:.0%}) | "
+            f"{_time(row['gloo_comm_s'])} ({row['gloo_comm_share']:.0%}) | {ratio} | "
+            f"{row['step_ratio']:.2f}× |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -213,7 +308,13 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--overhead-iters", type=int, default=20000)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table", default=None, metavar="RESULTS",
+                        help="print the docs page's tables from a results file, run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as results:
+            print(markdown_tables(json.load(results)))
+        return
 
     import ray
     import torch
@@ -235,6 +336,8 @@ def main(argv=None) -> None:
         ray.get([a.join.remote(r, size, init_method) for r, a in enumerate(actors)])
         if size in args.world_sizes:
             result["allreduce"] += _allreduce_rows(ray, actors, args.bytes, args.blocks)
+            result.setdefault("breakdown", {})[str(size)] = ray.get(
+                [a.breakdown.remote(300) for a in actors])
         if size in args.ddp_ranks:
             result["ddp"] += _ddp_rows(ray, actors, args.params, args.ddp_steps, args.blocks)
         ray.get([a.leave.remote() for a in actors])
