@@ -37,7 +37,8 @@ from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
 from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
                      UnsupportedOperationError)
 from .group import Group, Work, current_registry, find_group
-from .tensors import (TensorView, as_view, check_op, check_same_layout, known_shape_input,
+from .reductions import check_op
+from .tensors import (TensorView, as_view, check_same_layout, known_shape_input,
                       tensor_layout)
 from .types import Backend, CallOptions, Collective, ReduceOp
 from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,

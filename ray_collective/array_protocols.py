@@ -35,7 +35,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ray_collective.errors import ArgumentTypeError, ArgumentValueError
-from ray_collective.tensors import SUPPORTED_DTYPES, TensorView, as_view
+from ray_collective.tensors import SUPPORTED_DTYPES, TensorView, as_view, type_name
 
 __all__ = ["view_of_protocol", "DLPACK_CPU_DEVICES", "DLPACK_GPU_DEVICES"]
 
@@ -151,7 +151,7 @@ def view_of_protocol(obj: Any, writable: bool, what: str) -> Optional[TensorView
         if device_type in DLPACK_GPU_DEVICES:
             return as_view(_on_gpu(obj, "from_dlpack", what), writable=writable, what=what)
         raise ArgumentTypeError(
-            f"{what} is a {_type_name(obj)} on a {_DEVICE_NAMES.get(device_type, device_type)}"
+            f"{what} is a {type_name(obj)} on a {_DEVICE_NAMES.get(device_type, device_type)}"
             f" device (DLPack device type {device_type}, id {device_id}); collectives take "
             f"CPU and CUDA memory. Move it to the CPU or a CUDA device first.")
     if hasattr(obj, "__cuda_array_interface__"):
@@ -159,12 +159,6 @@ def view_of_protocol(obj: Any, writable: bool, what: str) -> Optional[TensorView
     if _has_buffer(obj):
         return _buffer_view(obj, writable, what)
     return None
-
-
-def _type_name(obj: Any) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else \
-        cls.__qualname__
 
 
 def _on_gpu(obj: Any, how: str, what: str) -> Any:
@@ -177,7 +171,7 @@ def _on_gpu(obj: Any, how: str, what: str) -> Any:
         return torch.from_dlpack(obj) if how == "from_dlpack" else \
             torch.as_tensor(obj, device="cuda")
     raise ArgumentTypeError(
-        f"{what} is a {_type_name(obj)} in CUDA memory, which this process reaches through "
+        f"{what} is a {type_name(obj)} in CUDA memory, which this process reaches through "
         f"cupy or torch with CUDA; neither is installed here. Install cupy (or a CUDA build "
         f"of torch), or move the array to the CPU first.")
 
@@ -203,7 +197,7 @@ def _export(obj: Any, what: str) -> Any:
             return obj.__dlpack__()
     except Exception as error:  # the producer's own error type (JAX's, Paddle's, ...)
         raise ArgumentTypeError(
-            f"{what} is a {_type_name(obj)} that could not be exported through DLPack "
+            f"{what} is a {type_name(obj)} that could not be exported through DLPack "
             f"({type(error).__name__}: {error}). Cast it to a supported dtype or pass a numpy "
             f"array.") from error
 
@@ -255,7 +249,7 @@ def _dlpack_cpu_view(obj: Any, writable: bool, what: str) -> TensorView:
             step *= extent
         if any(s != e for s, e, n in zip(strides, reversed(expected), shape) if n > 1):
             raise ArgumentValueError(
-                f"{what} is a non-contiguous {_type_name(obj)} (shape {shape}, strides "
+                f"{what} is a non-contiguous {type_name(obj)} (shape {shape}, strides "
                 f"{strides} in elements). Pass a contiguous copy instead (and copy the result "
                 f"back if you need it in the original array).")
     if writable and read_only:
@@ -272,7 +266,7 @@ def _dlpack_cpu_view(obj: Any, writable: bool, what: str) -> TensorView:
 
 def _read_only_error(obj: Any, what: str, why: str) -> ArgumentValueError:
     return ArgumentValueError(
-        f"{what} is a read-only {_type_name(obj)} ({why}), but this collective writes its "
+        f"{what} is a read-only {type_name(obj)} ({why}), but this collective writes its "
         f"result into it. Immutable arrays (JAX's) and read-only buffers are never written "
         f"through or copied behind your back: call the same collective in "
         f"ray_collective.functional, which returns the result as a new array, or pass a "
@@ -285,18 +279,18 @@ def _buffer_view(obj: Any, writable: bool, what: str) -> TensorView:
         array = np.asarray(view)
     except (ValueError, TypeError) as error:
         raise ArgumentTypeError(
-            f"{what} is a {_type_name(obj)} whose buffer format {view.format!r} collectives "
+            f"{what} is a {type_name(obj)} whose buffer format {view.format!r} collectives "
             f"do not take ({error}). Pass a numpy array of a supported dtype instead.") from None
     name = array.dtype.name
     if (name not in _BUFFER_DTYPES or array.dtype.fields is not None
             or not array.dtype.isnative):
         raise ArgumentTypeError(
-            f"{what} is a {_type_name(obj)} whose buffer format {view.format!r} "
+            f"{what} is a {type_name(obj)} whose buffer format {view.format!r} "
             f"(numpy dtype {array.dtype.str}) collectives do not take. Pass a numpy array of "
             f"a supported dtype instead.")
     if not array.flags.c_contiguous:
         raise ArgumentValueError(
-            f"{what} is a non-contiguous {_type_name(obj)} (shape {array.shape}, strides "
+            f"{what} is a non-contiguous {type_name(obj)} (shape {array.shape}, strides "
             f"{array.strides}). Pass a contiguous copy instead (and copy the result back if "
             f"you need it in the original buffer).")
     if writable and view.readonly:

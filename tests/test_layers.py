@@ -219,8 +219,8 @@ def test_layers_import_nothing_above_them(layer, forbidden):
 
 
 LAYERS = (
-    ("types", "errors", "tensors", "array_protocols", "validation", "recorder", "metrics",
-     "settings"),
+    ("types", "errors", "tensors", "array_protocols", "reductions", "validation", "recorder",
+     "metrics", "settings"),
     ("algorithms", "transport"),
     ("plan", "executor", "sim", "native"),
     ("backends",),

@@ -1,4 +1,4 @@
-"""The native reduction kernels agree with tensors.combiner, the reference, bit for bit.
+"""The native reduction kernels agree with reductions.combiner, the reference, bit for bit.
 
 Every dtype x op on random data, random bit patterns (NaNs with payloads, infinities,
 subnormals), signed zeros, integer extremes and lengths 0, 1, odd and large. Where numpy gives a
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ray_collective import native
-from ray_collective.tensors import SUPPORTED_DTYPES, combiner
+from ray_collective.reductions import combiner
+from ray_collective.tensors import SUPPORTED_DTYPES
 from ray_collective.types import ReduceOp
 
 pytestmark = pytest.mark.skipif(not native.available(),

@@ -13,7 +13,7 @@ from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice, start
 from ray_collective.algorithms.core import Blocks, Context, Recv, Send, Team
 from ray_collective.plan import KEEP_SCRATCH_BYTES, Local, record, view
 from ray_collective.sim.engine import run_lockstep
-from ray_collective.tensors import combiner
+from ray_collective.reductions import combiner
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks
 from ray_collective.transport.base import COLLECTIVE_TAG

@@ -18,15 +18,8 @@ import zlib
 import numpy as np
 import pytest
 
-from ray_collective.tensors import (
-    SUPPORTED_DTYPES,
-    TensorView,
-    as_view,
-    check_op,
-    check_same_layout,
-    combiner,
-    finalize_average,
-)
+from ray_collective.reductions import check_op, combiner, finalize_average
+from ray_collective.tensors import SUPPORTED_DTYPES, TensorView, as_view, check_same_layout
 from ray_collective.errors import ArgumentValueError, ReadOnlyTensorWarning
 from ray_collective.types import ReduceOp
 from support import extras

@@ -24,7 +24,8 @@ from ..algorithms.core import Blocks, Context, Team, Topology
 from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
 from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
-from ..tensors import TensorView, combiner, finalize_average
+from ..reductions import combiner, finalize_average
+from ..tensors import TensorView
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
 from ..native.streams import StreamPlan

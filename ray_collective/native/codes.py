@@ -12,7 +12,7 @@ The dtype and op tables mirror ``kernels.h`` (dtype codes follow ``tensors.SUPPO
 Complex PRODUCT has two op codes because numpy multiplies complex numbers differently by CPU:
 with fused multiply-adds where its SIMD loops have them (x86 with FMA3), with the plain formula
 elsewhere; :func:`op_code` asks numpy once which it does here, so the native kernel agrees bit
-for bit with ``tensors.combiner`` on every machine.
+for bit with ``reductions.combiner`` on every machine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import List, Mapping
 import numpy as np
 
 from ..plan import Local, Place, Plan
-from ..tensors import SUPPORTED_DTYPES, check_op
+from ..reductions import check_op
+from ..tensors import SUPPORTED_DTYPES
 from ..types import ReduceOp
 
 DTYPE_CODES: Mapping[str, int] = MappingProxyType(
@@ -74,7 +75,7 @@ def dtype_code(dtype_name: str) -> int:
 
 
 def op_code(op: ReduceOp, dtype_name: str) -> int:
-    """The op code that reduces ``dtype_name`` as ``tensors.combiner(op, dtype_name)`` does.
+    """The op code that reduces ``dtype_name`` as ``reductions.combiner(op, dtype_name)`` does.
 
     Args:
         op: the reduce op (AVG combines as SUM; its division stays in Python).
@@ -84,7 +85,7 @@ def op_code(op: ReduceOp, dtype_name: str) -> int:
         The code to pass to ``Node.start`` or ``combine``.
 
     Raises:
-        TypeError: as ``tensors.check_op`` (AVG on bool, an unsupported dtype).
+        TypeError: as ``reductions.check_op`` (AVG on bool, an unsupported dtype).
     """
     check_op(op, dtype_name)
     code = _OPS[op]

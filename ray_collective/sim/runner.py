@@ -18,7 +18,7 @@ import numpy as np
 from ..algorithms.catalog import flat_choice, start
 from ..algorithms.core import Blocks, Context, Cost, Team
 from ..algorithms.selector import forced_algorithms, select
-from ..tensors import combiner
+from ..reductions import combiner
 from ..transport.base import COLLECTIVE_TAG
 from ..transport.wire import CallHeader, CallStamp
 from ..transport.local import LocalFabric
