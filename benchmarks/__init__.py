@@ -11,7 +11,8 @@ Modules: ``cli`` (the command line), ``harness`` (actors, interleaved sweep, row
 ``worker`` (the rank that times calls), ``peers`` (one class per library), ``plain_ray`` (the
 plain-Ray central actor), ``mpi_job`` and ``mpi_worker`` (the mpiexec job and its channel),
 ``collectives`` (sizes and bus factors), ``stats`` (percentiles, bandwidths), ``report``
-(table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (the pages' tables).
+(table, progress bar, JSON), ``plots`` (PNGs), ``report_page`` (a sweep's tables), ``page`` (the
+results page, every table of it made from benchmarks/results/).
 ``scale_real`` (with its rank actor, ``scale_rank``) runs real groups of up to 400 ranks
 (``make bench-400``); ``scale_memory`` (with its actor, ``memory_probe``) measures where a
 rank's memory goes and what Ray's settings change of it. ``minimal_loop`` is the loop a user writes (this library beside Ray's

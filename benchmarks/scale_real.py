@@ -369,25 +369,6 @@ def machine_memory_used_bytes() -> int:
     return fields["MemTotal"] - fields["MemAvailable"]
 
 
-def predicted_allreduce_8b_s(size: int, fit_path: str) -> Optional[dict]:
-    """The scale benchmark's cost model (fitted at <= 64 ranks) for allreduce 8 B at ``size``
-    ranks on this machine's cores, with the algorithm the selector picks there."""
-    from ray_collective.algorithms.selector import select
-
-    from .scale_costs import call_costs
-    from .scale_model import Fit, features, predict
-    try:
-        with open(fit_path) as source:
-            coefficients = json.load(source)["fit"]["coefficients"]
-    except (OSError, KeyError, ValueError):
-        return None
-    cores = os.cpu_count() or 1
-    algorithm = select("allreduce", 2, 4, size, oversubscribed=size > cores).name
-    regressors = features(call_costs("allreduce", algorithm, size, 2), size, cores)
-    return {"algorithm": algorithm,
-            "seconds": predict(Fit(coefficients, (), 0.0), regressors)}
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the measurements of the module's docstring and write them as JSON."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_real",
@@ -407,8 +388,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="nodes of a ray.cluster_utils.Cluster started on this machine, "
                              "ranks spread over them round robin (default: one node, a "
                              "plain local Ray)")
-    parser.add_argument("--fit", default="benchmarks/results/scale.json",
-                        help="the scale benchmark's fit, for the predicted allreduce 8 B")
     parser.add_argument("--json", required=True, action="append",
                         help="where to write the results; with --from-json, the results to "
                              "read (repeat it to put several runs' world sizes side by side)")
@@ -450,10 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "idle_actor_cpu_cores": actor_cpu_cores(run.pids),
                    "holding_actor_cpu_cores": run.holding_cpu_cores(),
                    "imperative": run.imperative(size, f"imperative-{size}"),
-                   "declarative": run.declarative(size, f"declarative-{size}"),
-                   # The model is one node's: shared memory, no streams, no hierarchy.
-                   "predicted_allreduce_8b": (predicted_allreduce_8b_s(size, args.fit)
-                                              if args.nodes == 1 else None)}
+                   "declarative": run.declarative(size, f"declarative-{size}")}
         except Exception as err:  # noqa: BLE001 - recorded: what broke at this N is a result
             error = f"{type(err).__name__}: {err}"[:2000]
             report["failed"] = {"world_size": size, "error": error,
@@ -477,8 +453,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def write_plot(report: dict, path: str) -> Optional[pathlib.Path]:
-    """Time against N, log-log: every collective's p50, the joins, and the cost model's
-    allreduce 8 B; None (and no file) with fewer than two world sizes."""
+    """Time against N, log-log: every collective's p50 and the joins; None (and no file)
+    with fewer than two world sizes."""
     lines: Dict[Line, List[Tuple[float, float]]] = {}
 
     def add(label: str, size: int, seconds: Optional[float]) -> None:
@@ -491,7 +467,6 @@ def write_plot(report: dict, path: str) -> Optional[pathlib.Path]:
         for point in row["imperative"]["points"]:
             add(f"{point['collective']} {format_size(point['bytes'])}".replace(" 0 B", ""),
                 size, point["p50_s"])
-        add("model: allreduce 8 B", size, (row["predicted_allreduce_8b"] or {}).get("seconds"))
         add("join (imperative)", size, row["imperative"]["join_s"])
         add("join (declared)", size, row["declarative"]["join_s"])
     return draw(pathlib.Path(path), "ray backend, one node, 2 cores", "ranks",
@@ -560,10 +535,6 @@ def markdown(report: dict) -> str:
         label = f"{collective} {format_size(nbytes)}".replace(" 0 B", "")
         line(f"{label}, p50 (p95)",
              lambda r, c=collective, n=nbytes: point_cell(r, c, n))
-    line("model: allreduce 8 B (algorithm)",
-         lambda r: (f"{ms(r['predicted_allreduce_8b']['seconds'])} "
-                    f"({r['predicted_allreduce_8b']['algorithm']})")
-         if r["predicted_allreduce_8b"] else "–")
     line("results differing from numpy",
          lambda r: str(len(r["imperative"]["wrong"]) + len(r["declarative"]["wrong"])))
     line("memory per rank: import / join (MiB)",
@@ -601,10 +572,6 @@ def _summary(row: dict) -> None:
     for point in imperative["points"]:
         print(f"   {point['collective']:>9} {point['bytes']:>8} B  p50 "
               f"{point['p50_s'] * 1e3:8.2f} ms  p95 {point['p95_s'] * 1e3:8.2f} ms", flush=True)
-    predicted = row["predicted_allreduce_8b"]
-    if predicted:
-        print(f"   model: allreduce 8 B {predicted['seconds'] * 1e3:.2f} ms "
-              f"({predicted['algorithm']})", flush=True)
 
 
 if __name__ == "__main__":

@@ -554,24 +554,6 @@ def test_results_page_and_plots_show_both_timing_modes(tmp_path):
         "time_allreduce_1KiB.png", "time_allreduce_8B.png"]
 
 
-def test_the_cost_model_reads_the_rows_of_one_timing_mode(tmp_path):
-    from benchmarks.scale import InputFile, InputError, ScaleOptions, load_points
-    row = {"collective": "allreduce", "world_size": 2, "nbytes": 8, "dtype": "float32",
-           "backend": "ray", "error": None}
-    rows = [dict(row, p50_s=1e-4),                                    # before the modes
-            dict(row, world_size=4, timing="barrier", p50_s=2e-4),
-            dict(row, world_size=8, timing="back-to-back", p50_s=3e-4)]
-    path = tmp_path / "modes.json"
-    path.write_text(json.dumps({"metadata": {"usable_cpus": 2}, "rows": rows}))
-    inputs = (InputFile(str(path)),)
-    assert [(point.world_size, point.p50_s) for point in load_points(ScaleOptions(inputs))] == [
-        (2, 1e-4), (4, 2e-4)]
-    assert [point.world_size for point in load_points(
-        ScaleOptions(inputs, timing=BACK_TO_BACK))] == [8]
-    with pytest.raises(InputError, match="timed back-to-back"):
-        load_points(ScaleOptions(inputs, backend="torch", timing=BACK_TO_BACK))
-
-
 TORCH_CHECKED = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter", "gather",
                  "scatter", "alltoall", "sendrecv", "barrier")
 
