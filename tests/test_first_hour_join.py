@@ -24,8 +24,8 @@ JOIN_TIMEOUT_S = 300.0
 ANSWER_S = 60
 
 
-def _arrival(kv, rank, terms, pid=None):
-    return Arrivals(kv, "job", "g", rank, terms, "node", pid or os.getpid())
+def _arrival(kv, rank, terms, pid=None, node="node", timeout=JOIN_TIMEOUT_S):
+    return Arrivals(kv, "job", "g", rank, terms, node, pid or os.getpid(), timeout)
 
 
 @pytest.mark.parametrize("mine, theirs, named", [
@@ -61,6 +61,18 @@ def test_an_arrival_left_by_a_dead_process_of_this_node_is_no_conflict():
     kv = MemoryKeyValue()
     _arrival(kv, 0, Terms(5, "ray"), pid=2 ** 22 + 12345).announce()   # no such process
     _arrival(kv, 0, Terms(2, "ray")).announce()
+
+
+def test_an_arrival_of_another_node_whose_deadline_passed_long_ago_is_no_conflict():
+    """A rank that died joining on another node (its process cannot be looked at) stops
+    counting once its own deadline has passed, clocks a minute apart allowed for."""
+    kv = MemoryKeyValue()
+    _arrival(kv, 0, Terms(5, "ray"), node="other", timeout=-120).announce()
+    _arrival(kv, 1, Terms(2, "ray")).announce()
+    with pytest.raises(JoinMismatchError, match="rank 1 joins with world_size=2, rank 0 with "
+                                                "world_size=3"):
+        # 10 s past its deadline: within the clocks' skew, still counted
+        _arrival(kv, 0, Terms(3, "ray"), node="other", timeout=-10).announce()
 
 
 def test_a_join_timeout_names_only_ranks_that_never_called_and_no_sequence_number():

@@ -3,8 +3,10 @@
 A rank that waits for peers which can never form its group (another ``world_size``, a rank
 claimed twice, another backend, another forced algorithm) would otherwise wait out the whole
 deadline and then name ranks that did call. So every joining rank first announces its
-*terms* in Ray's key-value store, under ``<job id>/#arrivals/<group>/<scope>/<rank>/<nonce>``
-(``#`` is percent-encoded in group names, so no group's keys start so), and lists those
+*terms* in Ray's key-value store, as the key
+``<job id>/#arrivals/<group>/<scope>/<rank>/<nonce>/<node>/<pid>/<until>/<terms...>`` (``#`` is
+percent-encoded in group names, so no group's keys start so; everything is in the key, so
+one listing reads every rank's terms, as the rendezvous reads its members), and lists those
 already there. The scope is the incarnation a rank was given (a declared group's, a shrink's
 or a grow's), or ``open`` for the ranks that follow the group's current one: a grow's new
 rank waits, following, while the members still shrink the incarnation they were given with
@@ -15,18 +17,26 @@ another world size, and neither is the other's mistake.
 - A rank already waiting looks for its own conflict key (one read, at the rendezvous's
   recheck interval, half a second in groups up to 100 ranks) and raises that message.
 
-A rank withdraws its announcement once its join ends, joined or not; an arrival whose process
-is gone from this node is ignored, so a crashed join does not poison the next one. The keys
+The ``ray`` backend announces (``backends.ray.factory``); the ``nccl`` backend meets its peers
+through keys of its own and does not, so a rank that names ``nccl`` beside ranks that name
+``ray`` is not seen by them (each side waits for its deadline); ``backend`` tells apart the
+factories that announce (the ``ray`` backend's, and any registered under another name).
+
+A rank withdraws its announcement once its join ends, joined or not. One that died joining
+never does: an arrival whose process is gone from this node is ignored, and so is one of
+another node whose join's deadline (``until``, seconds of the epoch) passed more than
+``CLOCK_SKEW_S`` ago, so a crashed join does not refuse a restarted rank for longer than the
+dead one's timeout. The keys
 start with the job id: the sweep of finished jobs removes what a dead process left.
 """
 
 from __future__ import annotations
 
-import json
+import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Dict, List, Optional, Set
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from ..errors import JoinMismatchError
 from ..transport.processes import process_alive
@@ -50,12 +60,17 @@ class Terms:
     algorithm: str = ""
 
 
+CLOCK_SKEW_S = 60.0
+"""How far two nodes' clocks may differ when one reads another's deadline."""
+
+
 @dataclass(frozen=True)
 class _Arrival:
     rank: int
     nonce: str
     node: str
     pid: int
+    until: int
     terms: Terms
 
 
@@ -70,14 +85,16 @@ class Arrivals:
         terms: what it brings.
         node: its node id (an arrival of a dead process on this node is ignored).
         pid: its process id.
+        timeout: the seconds its join may wait.
         scope: the incarnation it was given, or ``open`` (see the module).
     """
 
     def __init__(self, kv: KeyValue, job_id: str, group_name: str, rank: int, terms: Terms,
-                 node: str, pid: int, scope: str = "open"):
+                 node: str, pid: int, timeout: float, scope: str = "open"):
         self.kv = kv
         self.group_name = group_name
-        self.me = _Arrival(rank, uuid.uuid4().hex, node, pid, terms)
+        self.me = _Arrival(rank, uuid.uuid4().hex, node, pid,
+                           int(min(time.time() + timeout, 2 ** 62)), terms)
         self._arrivals = f"{job_id}/#arrivals/{quote(group_name, safe='')}/{scope}/"
         self._conflicts = f"{job_id}/#conflicts/{quote(group_name, safe='')}/"
         self.seen: Set[int] = set()
@@ -90,8 +107,9 @@ class Arrivals:
                 forced algorithm) or claims this rank; every live arrival is told.
         """
         me = self.me
-        self.kv.put(f"{self._arrivals}{me.rank}/{me.nonce}",
-                    json.dumps({"node": me.node, "pid": me.pid, "terms": asdict(me.terms)}))
+        terms = "/".join(quote(str(value), safe="") for value in astuple(me.terms))
+        self.kv.put(f"{self._arrivals}{me.rank}/{me.nonce}/{me.node}/{me.pid}/{me.until}/"
+                    f"{terms}")
         others = [a for a in self._live() if a.nonce != me.nonce]
         self.seen |= {a.rank for a in others}
         message = _disagreement(self.group_name, me, others)
@@ -119,20 +137,20 @@ class Arrivals:
 
     def withdraw(self) -> None:
         """Remove this rank's announcement and its conflict mark."""
-        self.kv.delete_prefix(f"{self._arrivals}{self.me.rank}/{self.me.nonce}")
+        self.kv.delete_prefix(f"{self._arrivals}{self.me.rank}/{self.me.nonce}/")
         self.kv.delete_prefix(self._conflicts + self.me.nonce)
 
     def _live(self) -> List[_Arrival]:
         found = []
+        now = time.time()
         for key in self.kv.keys(self._arrivals):
-            rank, nonce = key[len(self._arrivals):].split("/", 1)
-            value = self.kv.get(key)
-            if value is None:
-                continue  # withdrawn between the listing and the read
-            record = json.loads(value)
-            arrival = _Arrival(int(rank), nonce, record["node"], int(record["pid"]),
-                               Terms(**record["terms"]))
+            rank, nonce, node, pid, until, world_size, backend, algorithm = \
+                key[len(self._arrivals):].split("/")
+            arrival = _Arrival(int(rank), nonce, node, int(pid), int(until),
+                               Terms(int(world_size), unquote(backend), unquote(algorithm)))
             if arrival.node == self.me.node and not process_alive(arrival.pid):
+                continue
+            if arrival.until + CLOCK_SKEW_S < now:
                 continue
             found.append(arrival)
         return found

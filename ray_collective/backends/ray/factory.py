@@ -150,7 +150,7 @@ class RayBackendFactory(BackendFactory):
         arrivals = Arrivals(kv, job_id, group_name, rank,
                             Terms(world_size, self.name, ",".join(
                                 f"{name}={algorithm}" for name, algorithm in sorted(
-                                    forced.items()))), node, os.getpid(),
+                                    forced.items()))), node, os.getpid(), timeout,
                             self.token or "open")
         token = self.token
         try:
