@@ -59,7 +59,7 @@ def train_cli(
     # fmt: on
 ):
     """Train a spaCy pipeline on Ray workers, each on its shard of the corpus, with the
-    gradients averaged through ray_collective. The config is `spacy train`'s, and so are the
+    gradients summed through ray_collective. The config is `spacy train`'s, and so are the
     overrides (e.g. --training.max_steps 1000), the progress table and the saved pipeline
     (OUTPUT/model-last, OUTPUT/model-best)."""
     from .driver import train
