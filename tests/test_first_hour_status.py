@@ -5,6 +5,7 @@ to do: no cluster at the address, a cluster with token authentication (Ray's def
 local cluster) read without ``RAY_AUTH_MODE=token``; with it, the group is listed."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -59,6 +60,23 @@ def test_status_at_an_address_where_no_cluster_listens_says_so_in_one_line():
     # Ray spells a loopback address as this node's own
     assert "no Ray cluster answers at " in line and f":{port} " in line
     assert "--address" in line
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare for a process namespace of its own")
+def test_status_on_a_machine_with_no_cluster_says_how_to_start_one_in_one_line():
+    """Run where no Ray process can be seen (a PID namespace of its own: the clusters of
+    other tests on this machine are not there) nor the note of the last cluster `ray start`
+    made (an empty /tmp/ray in a mount namespace of its own), as on a machine where none
+    runs."""
+    hide = "mount -t tmpfs tmpfs /tmp/ray && " if os.path.isdir("/tmp/ray") else ""
+    finished = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+         f'{hide}exec "{sys.executable}" -m ray_collective status'], capture_output=True,
+        text=True, timeout=COMMAND_S, check=False, env=_clean_environment(), cwd="/")
+    assert finished.returncode == 1
+    line = _one_line(finished.stderr)
+    assert "Could not find any running Ray instance" in line and "ray start --head" in line
 
 
 @pytest.mark.ray
