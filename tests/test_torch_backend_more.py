@@ -38,6 +38,14 @@ def _rooted(rank, size):
     dist.all_to_all_single(receive, send, output_split_sizes=[rank + 1] * size,
                            input_split_sizes=[j + 1 for j in range(size)])
     out["all_to_all_single_splits"] = receive.tolist()
+    # all_to_all of tensors of several sizes: rank r sends j + 1 values to rank j.
+    uneven = [torch.empty(rank + 1) for _ in range(size)]
+    dist.all_to_all(uneven, [torch.full((j + 1,), float(10 * rank + j)) for j in range(size)])
+    out["all_to_all_uneven"] = [t.tolist() for t in uneven]
+    gathered = [[torch.empty(2), torch.empty(1)] for _ in range(size)]
+    dist.all_gather_coalesced(gathered, [torch.full((2,), float(rank)),
+                                         torch.full((1,), -float(rank))])
+    out["all_gather_coalesced"] = [[t.tolist() for t in listed] for listed in gathered]
     dist.barrier()
     dist.group.WORLD.monitored_barrier()
     return out
@@ -55,6 +63,10 @@ def test_rooted_collectives_and_all_to_all_equal_the_reference(ray_session, four
                                             for r in range(SIZE) for i in range(2)]
         assert out["all_to_all_single_splits"] == [[r, rank] for r in range(SIZE)
                                                    for _ in range(rank + 1)]
+        assert out["all_to_all_uneven"] == [[float(10 * r + rank)] * (rank + 1)
+                                            for r in range(SIZE)]
+        assert out["all_gather_coalesced"] == [[[float(r)] * 2, [-float(r)]]
+                                               for r in range(SIZE)]
 
 
 def _batched_and_subgroups(rank, size):

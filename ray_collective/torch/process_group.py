@@ -264,10 +264,24 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         outputs = [cpu_tensor(t, where) for t in output_tensors]
         inputs = [cpu_tensor(t, where) for t in input_tensors]
         timeout = self._call_timeout(opts)
+        if len({t.shape for t in inputs + outputs}) > 1:
+            # Tensors of several sizes: the exchange of all_to_all_single with split sizes,
+            # over their flattened concatenations.
+            return self._run(lambda c: self._uneven_all_to_all(c, outputs, inputs, timeout),
+                             outputs, _nbytes(inputs), opts)
         return self._run(lambda c: col.alltoall([c.write(t) for t in outputs],
                                                 [c.read(t) for t in inputs],
                                                 self._group_name, timeout=timeout),
                          outputs, _nbytes(inputs), opts)
+
+    def _uneven_all_to_all(self, c: _Contiguous, outputs: List[torch.Tensor],
+                           inputs: List[torch.Tensor], timeout: Optional[float]) -> None:
+        flat_in = torch.cat([t.detach().reshape(-1) for t in inputs])
+        flat_out = flat_in.new_empty(sum(t.numel() for t in outputs))
+        _Splits(self.rank(), self.size(), flat_in, flat_out, [t.numel() for t in inputs],
+                [t.numel() for t in outputs]).exchange(c, self._group_name, timeout)
+        for tensor, part in zip(outputs, flat_out.split([t.numel() for t in outputs])):
+            tensor.detach().copy_(part.view(tensor.shape))
 
     def all_to_all_single(self, output, input, output_split_sizes,  # noqa: A002
                           input_split_sizes, opts) -> CollectiveWork:
@@ -302,6 +316,21 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
             for tensor in tensors:
                 col.allreduce(c.write(tensor), self._group_name, op, timeout=timeout)
         return self._run(call, tensors, _nbytes(tensors), opts)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts) -> CollectiveWork:
+        """``dist.all_gather_coalesced``: each input gathered in turn, one work for all."""
+        where = self._where("all_gather_coalesced")
+        inputs = [cpu_tensor(t, where) for t in input_tensors]
+        outputs = [[cpu_tensor(t, where) for t in listed] for listed in output_lists]
+        timeout = self._call_timeout(opts)
+
+        def call(c: _Contiguous) -> None:
+            # output_lists[rank][i] receives rank's inputs[i].
+            for i, tensor in enumerate(inputs):
+                col.allgather([c.write(listed[i]) for listed in outputs], c.read(tensor),
+                              self._group_name, timeout=timeout)
+        return self._run(call, [t for listed in outputs for t in listed],
+                         _nbytes(inputs) * self.size(), opts)
 
     def barrier(self, opts) -> CollectiveWork:
         """``dist.barrier``."""
