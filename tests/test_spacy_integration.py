@@ -32,7 +32,7 @@ from spacy.util import load_config, registry  # noqa: E402
 from thinc.api import SGD, Adam, Relu, Softmax, chain, fix_random_seed  # noqa: E402
 
 import ray_collective as col  # noqa: E402
-from ray_collective.integrations.spacy import corpus, driver, exchanges  # noqa: E402
+from ray_collective.integrations.spacy import corpus, exchanges  # noqa: E402
 from ray_collective.integrations.spacy.settings import RunSettings  # noqa: E402
 from ray_collective.integrations.spacy.worker import WorkerFailure  # noqa: E402
 from ray_collective.integrations.thinc.communicators import (  # noqa: E402
@@ -43,6 +43,14 @@ from ray_collective.testing import run_ranks  # noqa: E402
 STEPS = 24
 ROWS = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", re.MULTILINE)
 """A row of spaCy's console table: epoch, step, tok2vec loss, ner loss, ents_f."""
+
+
+def _driver():
+    """The spaCy integration's driver, which imports Ray: a unit test that needs it skips where
+    Ray cannot be imported (``pytest -m unit`` runs without Ray)."""
+    pytest.importorskip("ray", reason="the spaCy driver runs on Ray")
+    from ray_collective.integrations.spacy import driver
+    return driver
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +104,7 @@ def test_the_entry_point_adds_ray_collective_to_spacys_cli():
 
 
 def test_a_config_error_gives_spacys_own_message_before_any_worker_starts(config_path):
+    pytest.importorskip("ray", reason="spaCy's command line loads the driver, which imports Ray")
     wrong = ("--components.ner.model.hidden_width", "wide")
     ours = spacy_cli("ray-collective", "train", str(config_path), "--n-workers", "2", *wrong)
     theirs = spacy_cli("train", str(config_path), *wrong)
@@ -106,6 +115,7 @@ def test_a_config_error_gives_spacys_own_message_before_any_worker_starts(config
 
 
 def test_bad_options_are_refused_by_name(config_path):
+    pytest.importorskip("ray", reason="spaCy's command line loads the driver, which imports Ray")
     result = spacy_cli("ray-collective", "train", str(config_path), "--strategy", "gossip")
     assert result.exit_code == 1 and "unknown strategy 'gossip'" in result.output
     result = spacy_cli("ray-collective", "train", str(config_path), "--n-workers", "0")
@@ -281,7 +291,7 @@ def test_two_workers_through_the_cli_learn_and_save_a_pipeline_that_tags(
 
 @pytest.fixture(scope="module")
 def pool(ray_session):
-    workers = driver.start_workers(RunSettings("allreduce", 2))
+    workers = _driver().start_workers(RunSettings("allreduce", 2))
     yield workers
     for worker in workers:
         ray_session.kill(worker)
@@ -291,7 +301,7 @@ def pool(ray_session):
 def test_every_worker_holds_the_same_weights_after_every_update(
         ray_session, pool, config_path, strategy):
     settings = RunSettings(strategy, 2, record_digests=True, timeout_s=120)
-    result = driver.train(load_config(config_path, interpolate=False), settings,
+    result = _driver().train(load_config(config_path, interpolate=False), settings,
                           workers=pool)
     first, second = result.reports
     assert first.steps == second.steps == STEPS + 1
@@ -304,7 +314,7 @@ def test_every_worker_holds_the_same_weights_after_every_update(
 def test_the_parameter_server_trains_and_accounts_for_every_gradient(
         ray_session, pool, config_path):
     settings = RunSettings("parameter-server", 2, timeout_s=120)
-    result = driver.train(load_config(config_path, interpolate=False), settings,
+    result = _driver().train(load_config(config_path, interpolate=False), settings,
                           workers=pool)
     reports = result.reports
     assert reports[0].steps == STEPS + 1
@@ -360,6 +370,7 @@ def test_the_benchmark_joins_parts_and_computes_speedup_scalability_and_targets(
 def test_the_benchmark_records_the_command_that_reruns_it(tmp_path, monkeypatch):
     """``main(argv)`` goes through ``run_all`` (with nothing to train: no updates asked) and
     the JSON keeps the ``python -m`` line of its own arguments."""
+    pytest.importorskip("ray", reason="spaCy's command line loads the driver, which imports Ray")
     import ray
 
     from benchmarks import spacy_train
@@ -409,10 +420,10 @@ def test_a_worker_that_fails_ends_the_run_at_once_naming_its_rank(
     timeout = 120
     settings = RunSettings("allreduce", 2, code_path=str(code), timeout_s=timeout)
     started = time.monotonic()
-    with pytest.raises(driver.TrainingFailedError,
+    with pytest.raises(_driver().TrainingFailedError,
                        match=r"^rank 1 failed in spaCy's training loop \(rank 0 stopped because "
                              r"of it\); rank 1's traceback:\n") as raised:
-        driver.train(config, settings, workers=pool)
+        _driver().train(config, settings, workers=pool)
     assert time.monotonic() - started < timeout / 2, "rank 0 waited for its deadline"
     assert "AttributeError" in str(raised.value)
     assert [(f.rank, f.in_collective) for f in raised.value.failures] == [(0, True), (1, False)]
@@ -422,8 +433,8 @@ def test_a_failed_run_names_the_ranks_that_failed_first_whatever_their_order():
     own = WorkerFailure(2, False, "Traceback: ValueError: bad batch\n")
     followers = [WorkerFailure(0, True, "Traceback: RankFailedError\n"),
                  WorkerFailure(1, True, "Traceback: RankFailedError\n")]
-    error = driver.TrainingFailedError(followers + [own])
+    error = _driver().TrainingFailedError(followers + [own])
     assert str(error) == ("rank 2 failed in spaCy's training loop (ranks 0, 1 stopped because "
                           "of it); rank 2's traceback:\nTraceback: ValueError: bad batch\n")
-    timeouts = driver.TrainingFailedError(followers)
+    timeouts = _driver().TrainingFailedError(followers)
     assert str(timeouts).startswith("ranks 0, 1 failed in a collective; rank 0's traceback:\n")

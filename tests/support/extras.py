@@ -78,6 +78,13 @@ def need_mpiexec(reason: str) -> str:
     return MPIEXEC
 
 
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a submodule (ray.train) of a package that cannot be imported
+        return False
+
+
 def missing() -> List[str]:
     """The test extras this environment lacks.
 
@@ -85,8 +92,7 @@ def missing() -> List[str]:
         Their package names, empty when every one is installed.
     """
     # Found, not imported: importing torch, thinc and matplotlib would cost the run seconds.
-    absent = [package for module, package in MODULES.items()
-              if importlib.util.find_spec(module) is None]
+    absent = [package for module, package in MODULES.items() if not _found(module)]
     if not os.access(MPIEXEC, os.X_OK):
         absent.append("mpich")
     return absent
