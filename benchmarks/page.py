@@ -66,8 +66,8 @@ def headline(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
     """One line per question: this library's time and each peer's time over it."""
     lines = ["| question | setting | this library | `torch`'s Gloo | Ray's Gloo | MPICH | "
              "plain Ray / a server |", "|---|---|---|---|---|---|---|"]
-    one = _load(results, "allreduce.json")
-    for nbytes, size in ((8, "8 B"), (64 * MIB, "64 MiB")):
+    one = _load(results, "collectives.json")    # the latest one-node run
+    for nbytes, size in ((8, "8 B"), (16 * MIB, "16 MiB")):
         ours = _sweep_p50(one, "allreduce", 4, nbytes, "ray")
         peers = [_sweep_p50(one, "allreduce", 4, nbytes, b)
                  for b in ("torch", "gloo", "mpi4py", "ray-plain")]
