@@ -13,21 +13,23 @@ rank waits, following, while the members still shrink the incarnation they were 
 another world size, and neither is the other's mistake.
 
 - The rank whose announcement meets a disagreement raises at once, and marks every live
-  arrival of its scope with a ``<job id>/#conflicts/<group>/<nonce>`` key holding the same message.
+  arrival of its scope with a ``<job id>/#conflicts/<group>/<nonce>`` key holding the same
+  message.
 - A rank already waiting looks for its own conflict key (one read, at the rendezvous's
   recheck interval, half a second in groups up to 100 ranks) and raises that message.
 
 The ``ray`` backend announces (``backends.ray.factory``); the ``nccl`` backend meets its peers
 through keys of its own and does not, so a rank that names ``nccl`` beside ranks that name
-``ray`` is not seen by them (each side waits for its deadline); ``backend`` tells apart the
-factories that announce (the ``ray`` backend's, and any registered under another name).
+``ray`` is not seen by them (each side waits for its deadline); ``backend`` (the factory's
+``name``) tells apart the factories that announce, the ``ray`` backend's and any of another
+name built on it.
 
 A rank withdraws its announcement once its join ends, joined or not. One that died joining
 never does: an arrival whose process is gone from this node is ignored, and so is one of
 another node whose join's deadline (``until``, seconds of the epoch) passed more than
 ``CLOCK_SKEW_S`` ago, so a crashed join does not refuse a restarted rank for longer than the
-dead one's timeout. The keys
-start with the job id: the sweep of finished jobs removes what a dead process left.
+dead one's timeout. The keys start with the job id: the sweep of finished jobs removes what a
+dead process left.
 """
 
 from __future__ import annotations
