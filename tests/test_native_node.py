@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 if native.available():
     from ray_collective.native import _core
     from ray_collective.native.codes import NO_OP, dtype_code, encode_plan, op_code
-    from ray_collective.native.processes import Call, node_directory
+    from support.native_processes import Call, node_directory
 
 HANG = 30.0
 """Seconds after which a test that waits for something declares it hung."""

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 if native.available():
     from ray_collective.native import _core
     from ray_collective.native.codes import NO_OP, dtype_code, encode_plan, op_code
-    from ray_collective.native.processes import Call, ProcessRanks, node_directory, run_calls
+    from support.native_processes import Call, ProcessRanks, node_directory, run_calls
 
 ROOTED = ("reduce", "broadcast", "gather", "scatter")
 WHOLE_BUFFER = ("allreduce", "reduce", "broadcast")

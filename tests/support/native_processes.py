@@ -1,6 +1,5 @@
 """Run the ranks of one node as processes of this machine, without Ray: how the native core's
-tests and its micro-benchmark drive it, each rank a process with its own ``Node`` over one
-private directory::
+tests drive it, each rank a process with its own ``Node`` over one private directory::
 
     with ProcessRanks(4) as ranks, node_directory() as directory:
         results = ranks.run(body, [(directory, rank, ...) for rank in range(4)], timeout=60)
@@ -24,7 +23,7 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from . import _core
+from ray_collective.native import _core
 
 SHARED_MEMORY = "/dev/shm"
 
