@@ -107,3 +107,22 @@ def test_a_ray_group_logs_its_join_on_the_documented_logger(ray_session, members
         assert any(f"group 'logged' rank {rank} of 2: joining" in m for m in messages)
         assert any(f"group 'logged' rank {rank} of 2: joined incarnation" in m
                    and "engine" in m for m in messages), messages
+
+
+def _library_handlers():
+    import ray_collective  # noqa: F401 - imported in the actor, where the variable is read
+    return [handler.get_name() for handler in logging.getLogger(settings.LOGGER_NAME).handlers]
+
+
+def test_an_actor_given_the_variable_in_its_runtime_env_logs(ray_session):
+    actor = ray_session.remote(num_cpus=0)(Logged).options(runtime_env={"env_vars": {
+        settings.LOG_VARIABLE: "debug", "PYTHONPATH": python_path()}}).remote()
+    try:
+        assert ray_session.get(actor.handlers.remote(), timeout=120) == [settings.LOG_VARIABLE]
+    finally:
+        ray_session.kill(actor)
+
+
+class Logged:
+    def handlers(self):
+        return _library_handlers()
