@@ -44,18 +44,34 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Callable, Iterable, List, Optional, Sequence, Set, Tuple)
+from typing import (Callable, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Set,
+                    Tuple)
 
 from ...errors import (CollectiveError, CollectiveTimeoutError, GroupBrokenError,
                        PeerDiedError, PostOfficeDiedError, RankExcludedError, error_from_record)
+from ...transport.link_transport import LinkTransport
 from ...transport.processes import process_alive
 from ..base import BackendFactory, Reformed
 from . import private_dirs, rendezvous
 from .environment import dead_nodes, runtime
 from .rendezvous import KeyValue, Member
 
-if TYPE_CHECKING:
-    from .membership import RayMembership
+
+
+class Reforming(Protocol):
+    """What a shrink or a grow reads and marks of the ``ray`` backend's membership
+    (``membership.RayMembership``, which calls this module; this module does not know it)."""
+
+    group_name: str
+    rank: int
+    transport: LinkTransport
+    token: str
+    prefix: str
+    members: Tuple[Member, ...]
+    factory: Optional[BackendFactory]
+    timeout: float
+    departed: Optional[FrozenSet[int]]
+    incarnation_closed: bool
 
 SUSPECT_GRACE_S = 1.0
 """How long a shrink waits for the ranks of another node that lost a rank or its post office,
@@ -324,7 +340,7 @@ class Agreement:
 # ---------------------------------------------------------------------- in a member
 
 
-def shrink(membership: "RayMembership", failures: Sequence[Optional[BaseException]],
+def shrink(membership: Reforming, failures: Sequence[Optional[BaseException]],
            timeout: float) -> Reformed:
     """Agree with the other survivors on who goes on, and join the next incarnation with them.
 
@@ -361,12 +377,12 @@ def shrink(membership: "RayMembership", failures: Sequence[Optional[BaseExceptio
     return reformed
 
 
-def prepare_grow(membership: "RayMembership", world_size: int) -> BackendFactory:
+def prepare_grow(membership: Reforming, world_size: int) -> BackendFactory:
     """Decide (or learn) the grow to ``world_size``; the factory its new ranks join with."""
     return membership.factory.incarnation(_grow_decision(membership, world_size).token)
 
 
-def grow(membership: "RayMembership", world_size: int, timeout: float) -> Reformed:
+def grow(membership: Reforming, world_size: int, timeout: float) -> Reformed:
     """Join the group's next incarnation of ``world_size`` ranks with the other members and
     the new ranks.
 
@@ -381,7 +397,7 @@ def grow(membership: "RayMembership", world_size: int, timeout: float) -> Reform
                  "grow_collective_group")
 
 
-def _grow_decision(membership: "RayMembership", world_size: int) -> Decision:
+def _grow_decision(membership: Reforming, world_size: int) -> Decision:
     agreement = _agreement(membership)
     decision = agreement.decide_grow(world_size)
     if decision.kind != GROW or decision.world_size != world_size:
@@ -392,7 +408,7 @@ def _grow_decision(membership: "RayMembership", world_size: int) -> Decision:
     return decision
 
 
-def _agreement(membership: "RayMembership") -> Agreement:
+def _agreement(membership: Reforming) -> Agreement:
     # A member waits for the decision in its old transport's wait (which a knock on its
     # socket ends), and the decider knocks its node-mates'.
     transport = membership.transport
@@ -401,7 +417,7 @@ def _agreement(membership: "RayMembership") -> Agreement:
                      wake=transport.failures.wake_local_peers)
 
 
-def _published_failures(membership: "RayMembership") -> List[CollectiveError]:
+def _published_failures(membership: Reforming) -> List[CollectiveError]:
     """The failures published for the group: on this node's state page, and with the
     incarnation's broken mark (what a rank that was in no failed call knows)."""
     records = [membership.transport.state.aborted()]
@@ -493,7 +509,7 @@ class _JoinWatch:
         raise error
 
 
-def _join(membership: "RayMembership", agreement: Agreement, decision: Decision,
+def _join(membership: Reforming, agreement: Agreement, decision: Decision,
           deadline: float, what: str) -> Reformed:
     """Join ``decision``'s new incarnation with this rank's new rank; on failure, fail the
     round and remove what this rank made for the new incarnation here."""
