@@ -53,13 +53,18 @@ def _iterations(nbytes: int) -> int:
     return 400 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class Rank:
     """One rank: a torch group of each backend over the same processes."""
 
     def address(self) -> str:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        return f"tcp://127.0.0.1:{free_port()}"
 
     def join(self, rank: int, size: int, init_method: str) -> str:
         import torch.distributed as dist
@@ -343,9 +348,14 @@ def main(argv=None) -> None:
         ray.get([a.leave.remote() for a in actors])
         for actor in actors:
             ray.kill(actor)
+    finish(ray, result, args.json)
+
+
+def finish(ray, result: dict, path) -> None:
+    """Stop Ray, then write ``result`` to ``path`` (if one was given) as indented JSON."""
     ray.shutdown()
-    if args.json:
-        with open(args.json, "w") as out:
+    if path:
+        with open(path, "w") as out:
             json.dump(result, out, indent=1)
 
 

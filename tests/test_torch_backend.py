@@ -189,6 +189,13 @@ def test_a_tensor_off_the_cpu_is_refused_naming_the_nccl_form():
         cpu_tensor(torch.empty(2, device="meta"), "rank 0 of group 'g', all_reduce")
 
 
+def test_a_sparse_tensor_is_refused_naming_to_dense():
+    from ray_collective.torch.process_group import cpu_tensor
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(ValueError, match="dense tensors only.*to_dense"):
+        cpu_tensor(sparse, "rank 0 of group 'g', all_reduce")
+
+
 def test_outside_ray_init_process_group_fails_at_once_naming_ray(tmp_path):
     code = ("import torch.distributed as dist, ray_collective.torch\n"
             f"dist.init_process_group('ray_collective', init_method='file://{tmp_path}/store',"

@@ -65,8 +65,12 @@ def cpu_tensor(tensor: torch.Tensor, where: str) -> torch.Tensor:
         ``tensor``.
 
     Raises:
-        ArgumentValueError: it is on another device.
+        ArgumentValueError: it is on another device, or sparse.
     """
+    if tensor.layout is not torch.strided:
+        raise ArgumentValueError(
+            f"{where}: ray_collective carries dense tensors only, not {tensor.layout}; "
+            f"call .to_dense() first")
     if tensor.device.type != "cpu":
         raise ArgumentValueError(
             f"{where}: ray_collective carries CPU tensors only, this one is on "
