@@ -312,13 +312,9 @@ def main(argv=None) -> None:
     parser.add_argument("--ddp-steps", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--overhead-iters", type=int, default=20000)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--table", default=None, metavar="RESULTS",
-                        help="print the docs page's tables from a results file, run nothing")
-    args = parser.parse_args(argv)
+    args = parse_with_report(parser, argv, "--table", "print the docs page's tables")
     if args.table:
-        with open(args.table) as results:
-            print(markdown_tables(json.load(results)))
+        print_report(args.table, markdown_tables)
         return
 
     import ray
@@ -349,6 +345,21 @@ def main(argv=None) -> None:
         for actor in actors:
             ray.kill(actor)
     finish(ray, result, args.json)
+
+
+def parse_with_report(parser: argparse.ArgumentParser, argv, flag: str, what: str):
+    """``parser``'s arguments with ``--json PATH`` and ``flag RESULTS`` (``what``, from a
+    results file, running nothing) added."""
+    parser.add_argument("--json", default=None)
+    parser.add_argument(flag, default=None, metavar="RESULTS",
+                        help=f"{what} from a results file, run nothing")
+    return parser.parse_args(argv)
+
+
+def print_report(path: str, render) -> None:
+    """Print ``render(results)`` of the results file at ``path``."""
+    with open(path) as results:
+        print(render(json.load(results)))
 
 
 def finish(ray, result: dict, path) -> None:

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from typing import Dict, List, Optional, Tuple
 
-from .torch_backend import finish, free_port
+from .torch_backend import finish, free_port, parse_with_report, print_report
 
 DEFAULT_MATCH = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
                  "all_to_all", "barrier", "send_recv", "isend", "irecv", "batch_isend_irecv",
@@ -132,13 +132,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="run the tests whose name holds one of these (comma-separated)")
     parser.add_argument("--limit", type=int, default=0, help="at most this many tests")
     parser.add_argument("--test-timeout", type=float, default=120.0)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--summary", default=None, metavar="RESULTS",
-                        help="print the docs page's account of a results file, run nothing")
-    args = parser.parse_args(argv)
+    args = parse_with_report(parser, argv, "--summary", "print the docs page's account")
     if args.summary:
-        with open(args.summary) as results:
-            print(summary(json.load(results)))
+        print_report(args.summary, summary)
         return
 
     import ray
