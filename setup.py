@@ -11,11 +11,12 @@ NATIVE = "ray_collective/native/"
 
 setup(ext_modules=[Extension(
     "ray_collective.native._core",
-    sources=[NATIVE + name for name in ("module.c", "node.c", "progress.c", "executor.c",
-                                        "program.c", "shm.c", "kernels.c", "remote.c",
-                                        "streams.c", "digest.c")],
-    depends=[NATIVE + name for name in ("node.h", "shm.h", "kernels.h", "streams.h",
-                                        "digest.h")],
+    sources=[NATIVE + name for name in ("module.c", "module_node.c", "module_streams.c",
+                                        "node.c", "progress.c", "executor.c", "program.c",
+                                        "shm.c", "kernels.c", "remote.c", "streams.c",
+                                        "digest.c")],
+    depends=[NATIVE + name for name in ("module.h", "node.h", "shm.h", "kernels.h",
+                                        "streams.h", "digest.h")],
     # No fused multiply-adds where numpy does not fuse either (kernels.c).
     extra_compile_args=["-std=c11", "-O3", "-ffp-contract=off", "-Wall",
                         "-Wno-unused-parameter"],

@@ -110,7 +110,8 @@ Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, 
 ``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
 ``executor.c`` (a call's messages and local steps), ``remote.c`` (large messages read in
 place), ``progress.c`` (waiting), ``streams.c`` (rounds over the streams between nodes),
-``module.c`` (this API).
+``module.c``, ``module_node.c`` and ``module_streams.c`` (this API: the module, the ``Node``
+type, ``stream_round``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /* One rank's native node: its shared memory, its links to peers and the call it runs (the
  * node in node.c, the plan code's format in program.c, the executor in executor.c, waiting in
- * progress.c, the Python face in module.c). Plain C, no Python. */
+ * progress.c, the Python face in module_node.c). Plain C, no Python. */
 #ifndef RC_NODE_H
 #define RC_NODE_H
 
