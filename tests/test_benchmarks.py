@@ -831,6 +831,7 @@ def test_nodes_are_ordered_driver_first_and_a_local_cluster_by_its_node_resource
 
 
 def test_a_pinned_actor_may_run_on_its_node_only():
+    pytest.importorskip("ray", reason="the strategy is Ray's")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     assert pinned(None) == {}
     strategy = pinned("ab" * 28)["scheduling_strategy"]
