@@ -4,23 +4,27 @@ Names and argument order follow ``ray.util.collective``. What every collective s
 here once; each function's docstring says only what is its own.
 
 Arguments every collective takes:
-    group_name: the group (default ``"default"``); for the ``*_multigpu`` calls an ``nccl``
-        group.
-    op: the reduction, a :class:`ReduceOp` (``ray.util.collective``'s members are accepted by
-        name); the reducing collectives only.
-    async_op: keyword-only; return a :class:`~ray_collective.group.Work` instead of blocking
-        (its ``wait`` raises what the call would have raised).
-    timeout: keyword-only; seconds before a ``CollectiveTimeoutError`` (default: the group's).
+
+- ``group_name``: the group (default ``"default"``); for the ``*_multigpu`` calls an ``nccl``
+  group.
+- ``op``: the reduction, a :class:`~ray_collective.ReduceOp` (``ray.util.collective``'s
+  members are accepted by name); the reducing collectives only.
+- ``async_op``: keyword-only; return a :class:`~ray_collective.Work` instead of blocking (its
+  ``wait`` raises what the call would have raised).
+- ``timeout``: keyword-only; seconds before a ``CollectiveTimeoutError`` (default: the
+  group's).
 
 Returns: None, or the Work of the call with ``async_op=True``.
 
 Raises, whatever the collective:
-    ArgumentTypeError, ArgumentValueError: bad arguments, before anything is sent (a
-        ``TypeError``/``ValueError`` that is also the ``RuntimeError`` ``ray.util.collective``
-        raises); the group stays usable.
-    GroupNotInitializedError: this process is not a member of ``group_name``.
-    CollectiveError: the call failed: ``CollectiveTimeoutError``, ``CollectiveMismatchError``,
-        ``PeerDiedError``, ``GroupBrokenError``... (see ``errors``); the group is then broken.
+
+- ``ArgumentTypeError``, ``ArgumentValueError``: bad arguments, before anything is sent (a
+  ``TypeError``/``ValueError`` that is also the ``RuntimeError`` ``ray.util.collective``
+  raises); the group stays usable.
+- ``GroupNotInitializedError``: this process is not a member of ``group_name``.
+- ``CollectiveError``: the call failed: ``CollectiveTimeoutError``,
+  ``CollectiveMismatchError``, ``PeerDiedError``, ``GroupBrokenError``... (see
+  ``ray_collective.errors``); the group is then broken.
 """
 
 from __future__ import annotations
@@ -592,8 +596,8 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
 
     Args:
         tensor: numpy array or torch tensor, contiguous; overwritten with the result.
-        group_name, op, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, op, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -624,8 +628,8 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
     Args:
         tensor: the contribution; on ``dst_rank`` overwritten with the result, elsewhere unchanged.
         dst_rank: the rank that receives the result.
-        group_name, op, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, op, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -656,8 +660,8 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
     Args:
         tensor: the data on ``src_rank``; overwritten elsewhere.
         src_rank: the rank whose tensor is sent.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -687,8 +691,8 @@ def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", 
         tensor_list: one tensor per rank, each shaped like ``tensor``; filled with rank i's
             tensor at index i.
         tensor: this rank's contribution.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -719,8 +723,8 @@ def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "defaul
     Args:
         tensor: overwritten with the reduction of every rank's ``tensor_list[rank]``.
         tensor_list: one tensor per rank, each shaped like ``tensor``.
-        group_name, op, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, op, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -754,8 +758,8 @@ def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
             rank i's tensor at index i; ignored elsewhere (may be None).
         tensor: this rank's contribution.
         dst_rank: the rank that receives.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -789,8 +793,8 @@ def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
         tensor_list: on ``src_rank``, one tensor per rank shaped like ``tensor``; ignored
             elsewhere (may be None).
         src_rank: the rank that sends.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -822,8 +826,8 @@ def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
     Args:
         output_tensor_list: one tensor per rank, filled.
         input_tensor_list: one tensor per rank, all shaped like the outputs.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -851,8 +855,8 @@ def barrier(group_name: str = "default", *, async_op: bool = False,
     """Block until every rank of the group has called ``barrier``.
 
     Args:
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -904,8 +908,8 @@ def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, 
         tensor: the data.
         dst_rank: the receiving rank (not this rank).
         tag: sends and recvs with the same tag between two ranks match in order.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
@@ -925,8 +929,8 @@ def recv(tensor: Any, src_rank: int, group_name: str = "default", tag: int = 0, 
         tensor: overwritten with the data; must match the sent tensor's shape and dtype.
         src_rank: the sending rank (not this rank).
         tag: see :func:`send`.
-        group_name, async_op, timeout: as every collective (see the module
-            docstring).
+        group_name, async_op, timeout: as every collective (see
+            :mod:`ray_collective.api`).
 
     Returns:
         None, or a Work with ``async_op=True``.
