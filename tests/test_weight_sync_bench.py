@@ -48,20 +48,6 @@ def test_on_the_bed_the_bound_is_the_busiest_link():
     assert row.startswith("| 4, 1gbit links |") and "| 2.00 (link) |" in row
 
 
-def test_the_page_is_written_between_its_markers_only(tmp_path):
-    page = tmp_path / "README.md"
-    page.write_text(f"before\n{bench.PAGE_BEGIN}\nold\n{bench.PAGE_END}\nafter\n")
-    source = tmp_path / "r.json"
-    source.write_text(json.dumps({"results": [result()]}))
-    bench.write_page(page, [source])
-    text = page.read_text()
-    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
-    assert "| 1 | 256 MiB float32 |" in text
-    page.write_text("no markers")
-    with pytest.raises(ValueError, match="markers"):
-        bench.write_page(page, [source])
-
-
 @pytest.mark.ray
 def test_a_small_run_delivers_the_model_with_every_peer(tmp_path):
     out = tmp_path / "run.json"
