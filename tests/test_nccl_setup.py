@@ -61,10 +61,16 @@ class StandInKeyValueStore:
             self.namespaces.add(namespace)
             return self.values.get(key)
 
-    def _internal_kv_del(self, key, *, namespace=None):
+    def _internal_kv_del(self, key, del_by_prefix=False, *, namespace=None):
         with self.lock:
             self.namespaces.add(namespace)
-            self.values.pop(key, None)
+            for k in [k for k in self.values if k.startswith(key)] if del_by_prefix else [key]:
+                self.values.pop(k, None)
+
+    def _internal_kv_list(self, prefix, *, namespace=None):
+        with self.lock:
+            self.namespaces.add(namespace)
+            return [k for k in self.values if k.startswith(prefix)]
 
 
 def test_ray_rendezvous_scopes_keys_by_job_in_the_library_namespace():
@@ -92,7 +98,7 @@ def test_group_init_through_rays_store_leaves_no_key_behind():
         col.allreduce(tensor)
         return tensor.host.copy()
 
-    rendezvous = RayRendezvous(job_id="01000000", store=store)
+    rendezvous = RayRendezvous(job_id="01000000", store=store, node="node")
     for got in values_of(run_nccl_ranks(gpus.library(), 3, body, rendezvous=rendezvous)):
         np.testing.assert_array_equal(got, [3, 3])
     assert store.values == {}
@@ -307,3 +313,55 @@ def test_bfloat16_on_an_nccl_without_it_moves_as_bytes_and_refuses_reductions():
 def test_format_version(code, text):
     assert format_version(code) == text
 
+
+
+def _ray_rank(store, rank, world_size=2):
+    """A rank of the ``ray`` backend announcing its terms for group "g" in the same store."""
+    from ray_collective.backends.arrivals import Arrivals, Terms
+    from ray_collective.backends.key_value import KeyValue
+    import os
+    return Arrivals(KeyValue(store), "01000000", "g", rank, Terms(world_size, "ray"), "node",
+                    os.getpid(), 300.0)
+
+
+def test_an_nccl_rank_joining_beside_ray_backend_ranks_is_refused_at_once():
+    store = StandInKeyValueStore()
+    gpus = StandInGpus(device_count=2)
+    _ray_rank(store, 0).announce()
+    factory = NcclBackendFactory(rendezvous=RayRendezvous(job_id="01000000", store=store,
+                                                          node="node"),
+                                 devices=[1], library=gpus.library())
+    started = time.monotonic()
+    with pytest.raises(col.JoinMismatchError,
+                       match="rank 0 joins with backend='ray', rank 1 with backend='nccl'"):
+        factory.create("g", 2, 1, 300.0)
+    assert time.monotonic() - started < 5
+
+
+def test_a_waiting_nccl_rank_is_told_when_a_ray_backend_rank_comes_later():
+    store = StandInKeyValueStore()
+    gpus = StandInGpus(device_count=2)
+    factory = NcclBackendFactory(rendezvous=RayRendezvous(job_id="01000000", store=store,
+                                                          node="node"),
+                                 devices=[0], library=gpus.library())
+    outcome = {}
+
+    def rank0():
+        started = time.monotonic()
+        try:
+            factory.create("g", 2, 0, 300.0)
+        except col.JoinMismatchError as err:
+            outcome["error"], outcome["after_s"] = str(err), time.monotonic() - started
+
+    thread = threading.Thread(target=rank0, name="rank-0")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any(b"#arrivals" in k for k in store.values) and time.monotonic() < deadline:
+        time.sleep(0.01)   # rank 0 has announced
+    with pytest.raises(col.JoinMismatchError, match="backend='nccl'"):
+        _ray_rank(store, 1).announce()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert "rank 0 joins with backend='nccl', rank 1 with backend='ray'" in outcome["error"]
+    assert outcome["after_s"] < 30
+    assert store.values == {}

@@ -18,11 +18,12 @@ another world size, and neither is the other's mistake.
 - A rank already waiting looks for its own conflict key (one read, at the rendezvous's
   recheck interval, half a second in groups up to 100 ranks) and raises that message.
 
-The ``ray`` backend announces (``backends.ray.factory``); the ``nccl`` backend meets its peers
-through keys of its own and does not, so a rank that names ``nccl`` beside ranks that name
-``ray`` is not seen by them (each side waits for its deadline); ``backend`` (the factory's
-``name``) tells apart the factories that announce, the ``ray`` backend's and any of another
-name built on it.
+The ``ray`` backend announces (``backends.ray.factory``), and so does the ``nccl`` backend when
+its ranks meet through Ray (``backends.nccl.rendezvous.RayRendezvous``; it looks for its
+conflict key while it waits for its peers' records): ``backend`` (the factory's ``name``) tells
+them apart, so a rank that names ``nccl`` beside ranks that name ``ray`` is refused on both
+sides at once. Ranks that meet in one process (``InProcessRendezvous``, the tests' threads)
+do not announce.
 
 A rank withdraws its announcement once its join ends, joined or not. One that died joining
 never does: an arrival whose process is gone from this node is ignored, and so is one of

@@ -40,6 +40,7 @@ from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTime
 from ...tensors import TensorView
 from ...types import CallOptions, Collective, ReduceOp
 from ..base import BackendFactory, GroupCall, Membership
+from ..arrivals import Terms
 from .arguments import GpuArguments, MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
@@ -682,8 +683,17 @@ class NcclBackendFactory(BackendFactory):
         rendezvous = self._rendezvous
         if rendezvous is None:
             rendezvous = RayRendezvous() if world_size > 1 else InProcessRendezvous()
-        communicators = CliqueJoin(rendezvous, library, group_name, "world", world_size, rank,
-                                   devices, "init", 0, timeout).run()
+        # Through Ray, ranks announce their terms as the ray backend's do, so that a rank that
+        # names another backend (or world size, or this rank) is refused at once on both sides.
+        arrivals = (rendezvous.announce(group_name, rank, Terms(world_size, self.name), timeout)
+                    if isinstance(rendezvous, RayRendezvous) else None)
+        try:
+            communicators = CliqueJoin(rendezvous, library, group_name, "world", world_size,
+                                       rank, devices, "init", 0, timeout,
+                                       None if arrivals is None else arrivals.look).run()
+        finally:
+            if arrivals is not None:
+                arrivals.withdraw()
         return NcclMembership(group_name, world_size, rank, devices, library, rendezvous,
                            self._options, communicators)
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from ...errors import CollectiveError, CollectiveTimeoutError
 from .library import NcclLibrary
-from .rendezvous import Rendezvous
+from .rendezvous import Look, Rendezvous
 
 _STALE_REPLY_POLL_S = 0.005
 
@@ -65,12 +65,14 @@ class CliqueJoin:
         what: how errors name the step (``"init"``, or the collective that needed the clique).
         seq: the sequence number errors show.
         timeout: the deadline, in seconds, for the whole join.
+        look: called while waiting for the other ranks (see ``Rendezvous.fetch``).
     """
 
     def __init__(self, rendezvous: Rendezvous, library: NcclLibrary, group_name: str,
                  clique: str, world_size: int, rank: int, devices: Sequence[int], what: str,
-                 seq: int, timeout: float):
+                 seq: int, timeout: float, look: Look = None):
         self.rendezvous = rendezvous
+        self.look = look
         self.library = library
         self.group_name = group_name
         self.world_size = world_size
@@ -119,7 +121,7 @@ class CliqueJoin:
         records: Dict[int, dict] = {}
         for peer in range(1, self.world_size):
             key = f"{self._prefix}rank/{peer}"
-            raw = self.rendezvous.fetch(key, self._remaining())
+            raw = self.rendezvous.fetch(key, self._remaining(), self.look)
             if raw is None:
                 missing = [r for r in range(1, self.world_size) if r not in records]
                 raise self._timed_out(missing)
@@ -169,7 +171,7 @@ class CliqueJoin:
     def _fresh_reply(self, nonce: str) -> dict:
         key = self._prefix + "reply"
         while True:
-            raw = self.rendezvous.fetch(key, self._remaining())
+            raw = self.rendezvous.fetch(key, self._remaining(), self.look)
             if raw is None:
                 raise self._timed_out([0])
             record = _decode(raw, self.group_name, self.rank, key)

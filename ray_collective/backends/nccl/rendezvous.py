@@ -21,11 +21,17 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Optional
+import os
+from typing import Any, Callable, Dict, Optional
 
 from ...errors import BackendNotAvailableError
+from ..arrivals import Arrivals, Terms
 from ..key_value import KeyValue
 
+LOOK_INTERVAL_S = 0.5
+"""How often a waiting fetch calls its ``look`` (a join's check for a disagreeing rank)."""
+
+Look = Optional[Callable[[], None]]
 
 
 class Rendezvous(ABC):
@@ -41,12 +47,14 @@ class Rendezvous(ABC):
         """
 
     @abstractmethod
-    def fetch(self, key: str, timeout: float) -> Optional[bytes]:
+    def fetch(self, key: str, timeout: float, look: Look = None) -> Optional[bytes]:
         """Wait until ``key`` exists and return its value.
 
         Args:
             key: the key.
             timeout: seconds to wait at most (0: only look).
+            look: called every :data:`LOOK_INTERVAL_S` while waiting; what it raises ends
+                the wait (a join's ``Arrivals.look``: a rank that came later disagrees).
 
         Returns:
             The value, or None if ``key`` did not appear in time.
@@ -73,13 +81,16 @@ class InProcessRendezvous(Rendezvous):
             self._values[key] = bytes(value)
             self._changed.notify_all()
 
-    def fetch(self, key: str, timeout: float) -> Optional[bytes]:
+    def fetch(self, key: str, timeout: float, look: Look = None) -> Optional[bytes]:
         deadline = time.monotonic() + timeout
         with self._changed:
             while key not in self._values:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
+                if look is not None:
+                    look()
+                    remaining = min(remaining, LOOK_INTERVAL_S)
                 self._changed.wait(remaining)
             return self._values[key]
 
@@ -110,13 +121,15 @@ class RayRendezvous(Rendezvous):
         job_id: the scope of the keys; defaults to the current Ray job's id.
         store: the module with ``_internal_kv_put/_get/_del`` and ``_internal_kv_initialized``;
             defaults to ``ray.experimental.internal_kv`` (see ``backends.key_value``).
+        node: this process's Ray node id (for :meth:`announce`); defaults to the current one.
 
     Raises:
         BackendNotAvailableError: Ray is not initialized in this process (so there is no job
             and no store to meet in).
     """
 
-    def __init__(self, job_id: Optional[str] = None, store: Optional[Any] = None):
+    def __init__(self, job_id: Optional[str] = None, store: Optional[Any] = None,
+                 node: Optional[str] = None):
         kv = KeyValue(store)
         if not kv.initialized():
             raise BackendNotAvailableError(
@@ -129,14 +142,42 @@ class RayRendezvous(Rendezvous):
             import ray
             job_id = ray.get_runtime_context().get_job_id()
         self._kv = kv
+        self._job_id, self._node = job_id, node
         self._prefix = f"nccl/{job_id}/"
+
+    def announce(self, group_name: str, rank: int, terms: Terms, timeout: float) -> Arrivals:
+        """Announce this rank's terms for a join, as the ``ray`` backend's ranks do
+        (``backends.arrivals``): a rank of the same group joining with another backend, world
+        size or rank claim is refused at once, on both sides.
+
+        Args:
+            group_name: the group.
+            rank: this rank.
+            terms: what it brings.
+            timeout: the seconds its join may wait.
+
+        Returns:
+            The announcement: pass its ``look`` to :meth:`fetch`, ``withdraw`` it once joined.
+
+        Raises:
+            JoinMismatchError: a rank already there disagrees.
+        """
+        node = self._node
+        if node is None:
+            import ray
+            node = ray.get_runtime_context().get_node_id()
+        arrivals = Arrivals(self._kv, self._job_id, group_name, rank, terms, node, os.getpid(),
+                            timeout)
+        arrivals.announce()
+        return arrivals
 
     def publish(self, key: str, value: bytes) -> None:
         self._kv.put(self._prefix + key, value)
 
-    def fetch(self, key: str, timeout: float) -> Optional[bytes]:
+    def fetch(self, key: str, timeout: float, look: Look = None) -> Optional[bytes]:
         deadline = time.monotonic() + timeout
         pause = _FIRST_POLL_S
+        next_look = time.monotonic() + LOOK_INTERVAL_S
         while True:
             value = self._kv.get_bytes(self._prefix + key)
             if value is not None:
@@ -144,6 +185,9 @@ class RayRendezvous(Rendezvous):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            if look is not None and time.monotonic() >= next_look:
+                look()
+                next_look = time.monotonic() + LOOK_INTERVAL_S
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _LAST_POLL_S)
 
