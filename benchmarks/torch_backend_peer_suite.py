@@ -15,7 +15,8 @@ skip decorators: a ``SkipTest`` or the ``sys.exit`` code of ``TEST_SKIPS``, with
 and **failed** otherwise, with the first rank's error. A test that does not end within
 ``--test-timeout`` seconds fails as a hang, and its ranks are replaced. Nothing of torch's
 test code is copied: the harness imports it, and with it ``expecttest``, which torch's test
-modules need and this project's extras do not install (``pip install expecttest``).
+modules need: the ``bench`` extras install it (``pip install -e '.[bench]'``), the test
+extras do not, so the suite does not run the harness.
 """
 
 from __future__ import annotations
