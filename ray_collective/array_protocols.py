@@ -35,7 +35,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from ray_collective.errors import ArgumentTypeError, ArgumentValueError
-from ray_collective.tensors import SUPPORTED_DTYPES, TensorView, as_view, type_name
+from ray_collective.tensors import (SUPPORTED_DTYPES, MemoryAlias, TensorView, as_view,
+                                    type_name)
 
 __all__ = ["view_of_protocol", "DLPACK_CPU_DEVICES", "DLPACK_GPU_DEVICES"]
 
@@ -102,28 +103,6 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-class _CapsuleMemory:
-    """The memory a DLPack capsule describes, offered to numpy through its array interface.
-
-    Holds the capsule (and the producer's object), so that the producer frees the memory only
-    when the last numpy array made from this is gone: an unconsumed capsule's destructor calls
-    the producer's deleter.
-    """
-
-    def __init__(self, capsule: Any, owner: Any, interface: dict):
-        self.capsule = capsule
-        self.owner = owner
-        self.__array_interface__ = interface
-
-
-def _has_buffer(obj: Any) -> bool:
-    try:
-        memoryview(obj).release()
-    except TypeError:
-        return False
-    return True
-
-
 def view_of_protocol(obj: Any, writable: bool, what: str) -> Optional[TensorView]:
     """The view of an object taken through DLPack, the CUDA array interface or a buffer.
 
@@ -156,9 +135,11 @@ def view_of_protocol(obj: Any, writable: bool, what: str) -> Optional[TensorView
             f"CPU and CUDA memory. Move it to the CPU or a CUDA device first.")
     if hasattr(obj, "__cuda_array_interface__"):
         return as_view(_on_gpu(obj, "asarray", what), writable=writable, what=what)
-    if _has_buffer(obj):
-        return _buffer_view(obj, writable, what)
-    return None
+    try:
+        buffer = memoryview(obj)
+    except TypeError:
+        return None
+    return _buffer_view(obj, buffer, writable, what)
 
 
 def _on_gpu(obj: Any, how: str, what: str) -> Any:
@@ -258,9 +239,9 @@ def _dlpack_cpu_view(obj: Any, writable: bool, what: str) -> TensorView:
     if count == 0:
         flat = np.empty(0, wire)
     else:
-        flat = np.asarray(_CapsuleMemory(capsule, obj, {
-            "shape": (count,), "typestr": wire.str, "data": (address, bool(read_only)),
-            "version": 3}))
+        # Holds the capsule: an unconsumed capsule's destructor calls the producer's deleter,
+        # so the producer frees the memory only when the last array made from it is gone.
+        flat = np.asarray(MemoryAlias((capsule, obj), count, wire, address, bool(read_only)))
     return TensorView(obj, flat, name, wire, shape, "cpu", "dlpack")
 
 
@@ -273,8 +254,7 @@ def _read_only_error(obj: Any, what: str, why: str) -> ArgumentValueError:
         f"writable array (e.g. np.array(x)).")
 
 
-def _buffer_view(obj: Any, writable: bool, what: str) -> TensorView:
-    view = memoryview(obj)
+def _buffer_view(obj: Any, view: memoryview, writable: bool, what: str) -> TensorView:
     try:
         array = np.asarray(view)
     except (ValueError, TypeError) as error:

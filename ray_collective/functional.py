@@ -35,21 +35,12 @@ from ray_collective.types import ReduceOp
 __all__ = ["allreduce", "broadcast", "allgather", "reducescatter", "alltoall"]
 
 
-def _family(x: Any) -> str:
-    module = type(x).__module__.split(".")[0]
-    if module in ("jax", "jaxlib"):
-        return "jax"
-    if module in ("torch", "cupy"):
-        return module
-    return "numpy"
-
-
 def _readable(x: Any, what: str = "x") -> Tuple[str, Any]:
     """``x``'s family and an array a collective reads, sharing ``x``'s memory where it can."""
-    family = _family(x)
     view = as_view(x, writable=False, what=what)
-    if family in ("torch", "cupy"):
-        return family, x
+    if view.kind in ("torch", "cupy") and view.tensor is x:
+        return view.kind, x
+    family = "jax" if type(x).__module__.split(".")[0] in ("jax", "jaxlib") else "numpy"
     if view.device != "cpu":
         raise ArgumentTypeError(
             f"{what} is a {type(x).__name__} on {view.device}; ray_collective.functional takes "

@@ -42,6 +42,7 @@ from ray_collective.errors import ArgumentTypeError, ArgumentValueError, ReadOnl
 __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_TEXT",
+    "MemoryAlias",
     "TensorView",
     "as_view",
     "check_same_layout",
@@ -149,16 +150,24 @@ _READ_ONLY_WARNING = (
     f"{READ_ONLY_POLICY_VARIABLE}=error in the job's environment. Shown once per process.")
 
 
-class _WritableAlias:
-    """The memory of a read-only array offered as writable through numpy's array interface.
+class MemoryAlias:
+    """Memory offered to numpy through its array interface: ``np.asarray`` of it is a flat
+    array over ``address``. Holds ``owners`` (what keeps that memory alive), so the memory lives
+    as long as any array made from the alias.
 
-    Holds the array, so the memory stays alive as long as any array made from the alias.
+    Args:
+        owners: the objects the memory belongs to.
+        count: the elements.
+        dtype: their numpy dtype.
+        address: where the first one is.
+        read_only: whether numpy's array refuses writes.
     """
 
-    def __init__(self, arr: np.ndarray):
-        self.source = arr
-        self.__array_interface__ = {"shape": (arr.size,), "typestr": arr.dtype.str,
-                                    "data": (arr.ctypes.data, False), "version": 3}
+    def __init__(self, owners: tuple, count: int, dtype: np.dtype, address: int,
+                 read_only: bool):
+        self.owners = owners
+        self.__array_interface__ = {"shape": (count,), "typestr": dtype.str,
+                                    "data": (address, read_only), "version": 3}
 
 
 def _write_through(arr: np.ndarray, what: str) -> np.ndarray:
@@ -187,7 +196,8 @@ def _write_through(arr: np.ndarray, what: str) -> np.ndarray:
     warnings.warn(_READ_ONLY_WARNING, ReadOnlyTensorWarning, stacklevel=1)
     if arr.size == 0:
         return np.empty(0, arr.dtype)  # nothing will be written
-    return np.asarray(_WritableAlias(arr))
+    # The memory of the read-only array, offered as writable.
+    return np.asarray(MemoryAlias((arr,), arr.size, arr.dtype, arr.ctypes.data, False))
 
 
 def _numpy_view(arr: np.ndarray, writable: bool, what: str) -> TensorView:
