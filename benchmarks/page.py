@@ -186,6 +186,10 @@ def spacy(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
 DDP_FILE = "torch-backend.json"
 
 
+def _bytes(row: dict) -> int:
+    return row["bytes"]
+
+
 def ddp(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
     """DistributedDataParallel over this library against Gloo (``benchmarks.torch_backend``)."""
     if not (results / DDP_FILE).is_file():
@@ -199,7 +203,18 @@ def ddp(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
         lines.append(f"| {row['ranks']} | {row['params'] / 1e6:.1f} M | {format_seconds(ours)} | "
                      f"{format_seconds(gloo)} | {gloo / ours:.2f}× | "
                      f"{row['ray_collective_comm_share']:.0%} / {row['gloo_comm_share']:.0%} |")
-    return lines
+    ends = {}
+    for row in document["allreduce"]:
+        ends.setdefault(row["ranks"], []).append(row)
+    ratios = "; ".join(
+        f"{ranks} ranks: {format_size(low['bytes'])} {1 / low['ray_collective_over_gloo']:.2f}×, "
+        f"{format_size(high['bytes'])} {1 / high['ray_collective_over_gloo']:.2f}×"
+        for ranks, rows in sorted(ends.items())
+        for low, high in [(min(rows, key=_bytes), max(rows, key=_bytes))])
+    layer = document["layer_overhead"]["p50_s"]
+    overhead = (layer["dist.all_reduce"] - layer["col.allreduce"]) * 1e6
+    return lines + ["", f"`dist.all_reduce` of float32 against Gloo's, back to back: {ratios}; "
+                        f"the torch layer adds {overhead:.1f} µs to a call (a group of one)."]
 
 
 LARGE_GROUP_ROWS = ("", "join, imperative (s)", "join, declared (s)",

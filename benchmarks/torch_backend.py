@@ -23,7 +23,7 @@ Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
   per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
   the step without DDP's allreduce (``DistributedDataParallel.no_sync``) against the step.
 
-``--table`` prints docs/torch-backend.md's tables from a results file and runs nothing.
+``--table`` prints a run's tables from its results file and runs nothing.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def _time(seconds: float) -> str:
 
 
 def markdown_tables(result: dict) -> str:
-    """The tables of docs/torch-backend.md from one results file.
+    """A run's tables from its results file.
 
     Args:
         result: what ``--json`` wrote.
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ddp-steps", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--overhead-iters", type=int, default=20000)
-    args = parse_with_report(parser, argv, "--table", "print the docs page's tables")
+    args = parse_with_report(parser, argv, "--table", "print a run's tables")
     if args.table:
         print_report(args.table, markdown_tables)
         return

@@ -106,7 +106,7 @@ def summary(result: dict) -> str:
         Markdown.
     """
     counts = result["counts"]
-    lines = [f"From `{result['command']}`, {result['date']}, {result['world_size']} ranks, "
+    lines = [f"From `{result['command']}`, {result['world_size']} ranks, "
              f"{result.get('run', len(result['tests']))} of "
              f"{result.get('selected', len(result['tests']))} selected tests run: "
              f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, "
