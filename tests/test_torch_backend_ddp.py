@@ -1,4 +1,4 @@
-"""DistributedDataParallel over the ``ray_collective`` backend trains as over Gloo: the same
+"""DistributedDataParallel and FSDP2 over the ``ray_collective`` backend train as over Gloo: the same
 model, data and seed, 50 steps on 2 and 4 ranks in Ray actors, with both backends in the same
 processes (``ray_collective`` the default group, Gloo a group of the same ranks). On 2 ranks a
 sum of two gradients cannot depend on the order of its additions, so the parameters agree bit
@@ -77,4 +77,60 @@ def test_ddp_trains_to_gloo_s_parameters(ray_session, four, size, hook):
             assert losses == results[rank]["gloo"][1]
         for mine, first_rank in zip(params, results[0]["ray_collective"][0]):
             assert torch.equal(mine, first_rank)
+    assert gloo_losses[-1] < gloo_losses[0]
+
+
+def _train_fully_sharded(rank, size):
+    """FSDP2 (``fully_shard``) on CPU over each backend: its parameters sharded over the ranks,
+    gathered before each layer's use (``all_gather_into_tensor``) and its gradients
+    reduce-scattered (``reduce_scatter_tensor``), so every step goes through the backend."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    meshes = (("gloo", DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")),
+              ("ray_collective", init_device_mesh("cpu", (size,))))
+    trained = {}
+    for backend, mesh in meshes:
+        torch.manual_seed(0)
+        model = _model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        data = torch.Generator().manual_seed(1000 + rank)
+        teacher = torch.randn(32, 256, generator=torch.Generator().manual_seed(7)) / 8
+        losses, largest_gradient = [], 0.0
+        for _ in range(STEPS):
+            x = torch.randn(16, 32, generator=data)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), x @ teacher)
+            loss.backward()
+            largest_gradient = max(largest_gradient, max(float(p.grad.full_tensor().abs().max())
+                                                         for p in model.parameters()))
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        shards = [p.to_local().detach().clone() for p in model.parameters()]
+        trained[backend] = ([p.full_tensor().detach().clone() for p in model.parameters()],
+                            losses, largest_gradient, [s.numel() for s in shards])
+    return trained
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_fully_sharded_data_parallel_trains_to_gloo_s_parameters(ray_session, four, size):
+    results = run_torch_ranks(ray_session, four[:size], _train_fully_sharded, timeout=300)
+    gloo_params, gloo_losses, largest, _ = results[0]["gloo"]
+    full_sizes = [p.numel() for p in gloo_params]
+    for rank in range(size):
+        params, losses, _, local_sizes = results[rank]["ray_collective"]
+        # Each rank holds its part of every parameter only (dim-0 shards).
+        assert sum(local_sizes) < sum(full_sizes)
+        for mine, reference in zip(params, gloo_params):
+            if size == 2:
+                assert torch.equal(mine, reference), rank
+            else:
+                bound = _bound(size, largest, float(reference.abs().max()))
+                assert float((mine - reference).abs().max()) <= bound, rank
+        if size == 2:
+            assert losses == results[rank]["gloo"][1]
     assert gloo_losses[-1] < gloo_losses[0]
