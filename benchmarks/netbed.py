@@ -325,6 +325,13 @@ def node_environment(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def checkout_environment() -> Dict[str, str]:
+    """This process's environment with this checkout's root first on ``PYTHONPATH``: a bed's
+    nodes and a driver run inside it import ``benchmarks`` and ``ray_collective`` from it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+
+
 def _start_ray(layout: Layout, env: Dict[str, str]) -> None:
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     cores = sorted(os.sched_getaffinity(0))

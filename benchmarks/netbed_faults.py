@@ -218,8 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 1
-    root = str(pathlib.Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = netbed.checkout_environment()
     started = time.monotonic()
     with netbed.Bed(2, arguments.link, env=env) as bed:
         name = bed.layout.name

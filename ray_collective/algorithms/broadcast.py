@@ -14,6 +14,13 @@
   k + p - 2 rounds, n elements per rank (the last sends none). Not picked on one node; the
   hierarchical broadcast across nodes (``hierarchical.py``) runs it on a chain that visits the
   nodes one after the other, so that only the links between them cross nodes.
+- **link_pipeline** — the same chain for ranks on different nodes (the node leaders of the
+  hierarchical broadcast, or a group of one rank per node), cut for a network link rather
+  than for the cores: every hop is a link, which carries the buffer once (n each way, the
+  least any broadcast can) and binds the call where it is slower than the cores, so more
+  chunks (``link_pipeline_chunks``: one per MiB, at most 64) shorten the chain's fill, k + p
+  - 2 chunk times for k chunks, to a few percent of the call. A round costs a wake-up and a
+  stream's send and receive, a small share of a chunk's time on a link.
 - **linear** — one round: the root sends the whole buffer to every other rank. The root sends
   n·(p-1) elements, so it is no choice where the root's link bounds the call; on one node the
   receivers copy the buffer side by side (on the native core out of their rings from the root,
@@ -79,16 +86,27 @@ def pipeline_chunks(count: int, itemsize: int, oversubscribed: bool = False) -> 
     return max(1, min(most, count * itemsize // PIPELINE_CHUNK_BYTES))
 
 
-def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
-             step0: int = 0) -> AlgorithmGen:
-    """Broadcast ``buf`` from team member ``root`` down the chain root, root+1, ..., chunk by
-    chunk, each rank forwarding one chunk while it receives the next."""
+LINK_PIPELINE_MAX_CHUNKS = 64
+"""The most chunks of a chain whose every hop is a network link (``link_pipeline``). Measured on
+the network bed (``benchmarks.netbed_profile``, 4 nodes x 2 ranks, 1 Gbit/s links, 2 cores),
+256 MiB from rank 0: the leaders' scatter+allgather (the root's link carrying 1.5 n) 1.75x
+the link's time; the chain of the 8 ranks in 8 chunks 1.29x; see ``docs/netbed.md``."""
+
+
+def link_pipeline_chunks(count: int, itemsize: int) -> int:
+    """Chunks of a pipelined broadcast between nodes of ``count`` elements: one per MiB, 1 to
+    :data:`LINK_PIPELINE_MAX_CHUNKS`."""
+    return max(1, min(LINK_PIPELINE_MAX_CHUNKS, count * itemsize // PIPELINE_CHUNK_BYTES))
+
+
+def _chain(team: Team, buf: np.ndarray, root: int, parts: int, step0: int) -> AlgorithmGen:
+    """Broadcast ``buf`` from team member ``root`` down the chain root, root+1, ..., in
+    ``parts`` chunks, each rank forwarding one chunk while it receives the next."""
     chain = team.rotated(root)
     v, p = chain.index, chain.size
     if p == 1:
         return
-    chunks = Blocks.even(len(buf), pipeline_chunks(len(buf), ctx.dtype.itemsize,
-                                                   ctx.oversubscribed))
+    chunks = Blocks.even(len(buf), parts)
     # Rank v takes chunk c from v-1 in round c + v - 1 and forwards it to v+1 in round c + v.
     for t in range(max(v - 1, 0), v + chunks.parts):
         ops = []
@@ -98,6 +116,28 @@ def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
             ops.append(Send(chain.peer(v + 1), chunks.view(buf, t - v), step0 + t))
         if ops:
             yield tuple(ops)
+
+
+def pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
+             step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from team member ``root`` down the chain root, root+1, ..., in
+    :func:`pipeline_chunks` chunks, each rank forwarding one chunk while it receives the next."""
+    yield from _chain(team, buf, root, pipeline_chunks(len(buf), ctx.dtype.itemsize,
+                                                       ctx.oversubscribed), step0)
+
+
+def link_pipeline(team: Team, buf: np.ndarray, root: int, ctx: Context,
+                  step0: int = 0) -> AlgorithmGen:
+    """Broadcast ``buf`` from team member ``root`` down the chain root, root+1, ... of ranks on
+    different nodes, in :func:`link_pipeline_chunks` chunks."""
+    yield from _chain(team, buf, root, link_pipeline_chunks(len(buf), ctx.dtype.itemsize), step0)
+
+
+def link_pipeline_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
+    """k + p - 2 rounds for k chunks; every rank but the last sends the buffer once."""
+    if p == 1:
+        return Cost(0, 0)
+    return Cost(link_pipeline_chunks(count, itemsize) + p - 2, count)
 
 
 def pipeline_cost(p: int, count: int, ranks_per_node: int, itemsize: int) -> Cost:
@@ -130,5 +170,6 @@ ALGORITHMS = (
     Algorithm("broadcast", "binomial", binomial, binomial_cost),
     Algorithm("broadcast", "scatter_allgather", scatter_allgather, scatter_allgather_cost),
     Algorithm("broadcast", "pipeline", pipeline, pipeline_cost),
+    Algorithm("broadcast", "link_pipeline", link_pipeline, link_pipeline_cost),
     Algorithm("broadcast", "linear", linear, linear_cost),
 )

@@ -13,7 +13,9 @@ The rules, and why:
   Rabenseifner / recursive halving+doubling on many ranks (same bytes, log rounds instead of
   2(p-1): a ring over hundreds of ranks pays hundreds of latencies); a large broadcast on many
   ranks goes binomially unless the message is so large that the root's extra bytes cost more
-  than a ring's rounds (``BROADCAST_ROUND_BYTES``);
+  than a ring's rounds (``BROADCAST_ROUND_BYTES``); between nodes (one rank per node, or the
+  leaders of the hierarchical broadcast) a broadcast of 1 MiB or more over 3 to 16 ranks goes
+  chunk by chunk down a chain (``LINK_PIPELINE_MIN_BYTES``): each link carries the buffer once;
 - on one node, a large scatter goes in one round from the root (linear): its receivers copy
   their blocks side by side rather than down a tree; an alltoall or allgather of blocks up
   to 128 KiB there goes in one round too, every pair's message at once;
@@ -51,6 +53,16 @@ over its cost per byte (128 µs / 0.25 ns, ``benchmarks/results/scale.json``). P
 bytes from the root) unless those extra bytes cost more than the p - 1 extra rounds of
 scatter+allgather's ring: measured at 1 MiB on 2 cores, scatter+allgather took 0.44 s at 64
 ranks and 4.2 s at 128, a cost that grows with p²."""
+
+LINK_PIPELINE_MIN_BYTES = 1 << 20
+"""From this size, a broadcast between nodes over 3 ranks or more (up to ``RING_MAX_RANKS``)
+goes down a chain in chunks (``broadcast.link_pipeline``): every node's link carries the
+buffer once each way, where scatter+allgather has the root's link carry 2 (p-1)/p of it
+and binomial log2 p times it. Measured on the network bed (4 nodes x 2 ranks, 1 Gbit/s links,
+2 cores, ``benchmarks.netbed_profile``), 256 MiB from rank 0: the leaders' scatter+allgather
+sent 1.50 of the buffer from the root's node and took 1.75x the link's time; see
+``docs/netbed.md`` for the chain's figures. Past a ring's size the chain's p - 2 extra rounds
+are kept out."""
 
 LINEAR_BROADCAST_MAX_RANKS = 8
 """Up to this many ranks on one node, a broadcast that is not small goes from the root in one
@@ -114,6 +126,8 @@ def flat_algorithm_name(collective: str, nbytes: int, world_size: int,
                     else "recursive_doubling")
         return "ring" if p <= RING_MAX_RANKS else "rabenseifner"
     if collective == "broadcast":
+        if between_nodes and 3 <= p <= RING_MAX_RANKS and nbytes >= LINK_PIPELINE_MIN_BYTES:
+            return "link_pipeline"
         if small or p < 3:
             return "binomial"
         if one_node and p <= LINEAR_BROADCAST_MAX_RANKS:

@@ -108,8 +108,11 @@ def select(collective: str, count: int, itemsize: int, world_size: int,
                   and not nodes_in_core):
                 name = "hierarchical_pipeline"
         else:
+            # A group of one rank per node is all between nodes, like the leaders of a
+            # hierarchical algorithm.
+            one_node = topology is None or len(topology.nodes) == 1
             name = flat_algorithm_name(collective, count * itemsize, world_size, oversubscribed,
-                                       one_node=topology is None or not topology.is_multi_node)
+                                       between_nodes=not one_node, one_node=one_node)
     algorithm = lookup(collective, name)
     if algorithm.power_of_two_only and not is_power_of_two(world_size):
         raise ValueError(f"{collective} algorithm {name!r} needs a power-of-two number of ranks, "
