@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 
 if native.available():
     from ray_collective.native import codes
-    from ray_collective.native.runner import SLICE_S, NativeRunner, native_node
+    from ray_collective.native.runner import CORE_SPIN_S, SLICE_S, NativeRunner, native_node
     from ray_collective.native.streams import StreamRounds
     CORE = native.core()
 
@@ -69,7 +69,7 @@ def pair():
 
 
 def _round(fds, rows, slots, stamp, dtype="float32", op=None, tag=-1, timeout=5.0,
-           on_event=None, part_bytes=PART, watched=()):
+           on_event=None, part_bytes=PART, watched=(), spin_s=0.0):
     events = []
 
     def record(kind, stream, detail):
@@ -80,7 +80,7 @@ def _round(fds, rows, slots, stamp, dtype="float32", op=None, tag=-1, timeout=5.
     op_code = codes.NO_OP if op is None else codes.op_code(op, dtype)
     pending = CORE.stream_round(fds, np.array(rows, np.int64).reshape(-1, 6), slots,
                                 stamp.packed, codes.dtype_code(dtype), op_code, tag, part_bytes,
-                                tcp.MAX_FRAME_BYTES, timeout, 0.02, record, watched)
+                                tcp.MAX_FRAME_BYTES, timeout, 0.02, record, watched, spin_s)
     return pending, events
 
 
@@ -131,9 +131,11 @@ def test_frames_tcp_wrote_are_copied_or_reduced_as_numpy_would(pair, dtype, op, 
     np.testing.assert_array_equal(out, want)
 
 
-def test_both_ends_in_the_core_exchange_large_messages_at_once(pair):
+@pytest.mark.parametrize("spin_s", [0.0, 500e-6])
+def test_both_ends_in_the_core_exchange_large_messages_at_once(pair, spin_s):
     """Each end sends 24 MiB while it receives as much: neither waits for the other to read
-    first (the kernel's buffers hold a fraction of it)."""
+    first (the kernel's buffers hold a fraction of it), whether a round that cannot move
+    sleeps at once or polls first."""
     n = 3 * 2 ** 20
     stamp = _stamp(dtype="float64", count=n)
     sent = [np.random.default_rng(r).random(n) for r in range(2)]
@@ -142,7 +144,8 @@ def test_both_ends_in_the_core_exchange_large_messages_at_once(pair):
 
     def side(end):
         results[end] = _round([pair[end].fileno()], [[0, SEND, 1, 0, 0, n], [0, 0, 1, 1, 0, n]],
-                              [sent[end], got[end]], stamp, "float64", timeout=30)
+                              [sent[end], got[end]], stamp, "float64", timeout=30,
+                              spin_s=spin_s)
 
     other = threading.Thread(target=side, args=(1,))
     other.start()
@@ -230,11 +233,12 @@ def test_a_part_unlike_the_receives_is_described_and_nothing_is_written(pair, ch
     assert isinstance(error, CollectiveMismatchError)
 
 
-def test_a_round_still_waiting_at_its_deadline_names_its_pending_messages(pair):
+@pytest.mark.parametrize("spin_s", [0.0, 500e-6])
+def test_a_round_still_waiting_at_its_deadline_names_its_pending_messages(pair, spin_s):
     out = np.zeros(4, np.float32)
     data = np.ones(2, np.float32)
     pending, events = _round([pair[0].fileno()], [[0, SEND, 1, 1, 0, 2], [0, 0, 1, 0, 0, 4]],
-                             [out, data], _stamp(), timeout=0.1)
+                             [out, data], _stamp(), timeout=0.1, spin_s=spin_s)
     assert pending == [1]
     assert events and all(kind == CORE.STREAM_SLICE for kind, _, _ in events)
 
@@ -296,8 +300,8 @@ class NativeStreamFactory(BackendFactory):
     def create(self, group_name, world_size, rank, timeout):
         transport = self.transports[rank]
         directory = os.path.dirname(transport.peers[rank].socket_path)
-        streams = (StreamRounds(CORE, transport.stream_carrier, transport, SLICE_S)
-                   if self.in_core else None)
+        streams = (StreamRounds(CORE, transport.stream_carrier, transport, SLICE_S,
+                                CORE_SPIN_S) if self.in_core else None)
         runner = NativeRunner(native_node(directory, rank, world_size), transport, SLICE_S,
                               spans_nodes=True, streams=streams)
         self.runners[rank] = runner

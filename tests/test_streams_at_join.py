@@ -139,26 +139,27 @@ class JoinedFactory(BackendFactory):
     name = "joined-streams-test"
 
     def __init__(self, tmp_path, world_size, forced=None):
-        from ray_collective.native.runner import SLICE_S, NativeRunner, native_node
+        from ray_collective.native.runner import CORE_SPIN_S, SLICE_S, NativeRunner, native_node
         from ray_collective.native.streams import StreamRounds
         self.transports = two_node_transports(tmp_path, world_size)
         self.joined = threading.Barrier(world_size)
         self.runners = [None] * world_size
-        self._make = (SLICE_S, NativeRunner, native_node, StreamRounds)
+        self._make = (SLICE_S, CORE_SPIN_S, NativeRunner, native_node, StreamRounds)
         self.forced = forced or {}
 
     def available(self):
         return True
 
     def create(self, group_name, world_size, rank, timeout):
-        slice_s, runner_type, node_of_rank, stream_rounds = self._make
+        slice_s, spin_s, runner_type, node_of_rank, stream_rounds = self._make
         transport = self.transports[rank]
         transport.open_streams(timeout)
         self.joined.wait(timeout)
         directory = os.path.dirname(transport.peers[rank].socket_path)
         self.runners[rank] = runner_type(
             node_of_rank(directory, rank, world_size), transport, slice_s, spans_nodes=True,
-            streams=stream_rounds(native.core(), transport.stream_carrier, transport, slice_s))
+            streams=stream_rounds(native.core(), transport.stream_carrier, transport, slice_s,
+                                  spin_s))
         return TransportMembership(group_name, transport, node_of=pretend_nodes(world_size),
                                    native=self.runners[rank], forced=self.forced)
 

@@ -19,7 +19,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     itemsize(dtype_code)                          # bytes per element (0: unknown code)
     digest(buffer)                                # weight sync's change digest (digest.c)
     pending = stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes,
-                           max_frame_bytes, timeout_s, slice_s, on_event, watched)
+                           max_frame_bytes, timeout_s, slice_s, on_event, watched, spin_s)
 
 - ``Node(...)``: ``directory`` is a private directory (this user's, mode 0700, else
   PermissionError) shared by the ranks of one group on one node, which all pass the same
@@ -83,7 +83,9 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   elements as in the plan code), ``slots`` and ``header`` as for ``start``; sends are framed
   as ``transport.tcp`` frames them, in parts of ``part_bytes``, and frames longer than
   ``max_frame_bytes`` are refused. It returns the indices of the messages still pending after
-  ``timeout_s`` (empty once all are done). ``on_event(kind, stream, detail)`` is called with the
+  ``timeout_s`` (empty once all are done). A round with nothing to move polls for ``spin_s``
+  (below 1), yielding its core between polls, before it sleeps in ``ppoll``, and again only
+  once a stream has moved (0: sleep at once). ``on_event(kind, stream, detail)`` is called with the
   GIL: ``STREAM_SLICE`` every ``slice_s`` of waiting (it may raise, which ends the round);
   ``STREAM_FOREIGN`` with a whole frame (bytes, its length prefix stripped) that is not of the
   round's tag; ``STREAM_WATCHED`` when socket ``watched[stream]`` (sockets the round polls

@@ -129,7 +129,8 @@ static PyMethodDef core_methods[] = {
      "itemsize(dtype_code): bytes per element of the dtype code (0: unknown)"},
     {"stream_round", (PyCFunction)(void (*)(void))rc_py_stream_round, METH_FASTCALL,
      "stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes, "
-     "max_frame_bytes, timeout_s, slice_s, on_event, watched): one round of messages over TCP streams "
+     "max_frame_bytes, timeout_s, slice_s, on_event, watched, spin_s): one round of messages "
+     "over TCP streams "
      "(see ray_collective.native.streams); the indices of the messages still pending at "
      "timeout_s, empty once all are done"},
     {NULL, NULL, 0, NULL},

@@ -114,16 +114,17 @@ static int hand_over(rc_stream_round *r, int status, PyObject *on_event)
 
 PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 13) {
+    if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError, "stream_round(fds, table, slots, header, dtype_code, "
                         "op_code, tag, part_bytes, max_frame_bytes, timeout_s, slice_s, "
-                        "on_event, watched) takes 13 arguments");
+                        "on_event, watched, spin_s) takes 14 arguments");
         return NULL;
     }
     long dtype = PyLong_AsLong(args[4]), op = PyLong_AsLong(args[5]);
     long long tag = PyLong_AsLongLong(args[6]), part_max = PyLong_AsLongLong(args[7]);
     long long max_frame = PyLong_AsLongLong(args[8]);
     double timeout_s = PyFloat_AsDouble(args[9]), slice_s = PyFloat_AsDouble(args[10]);
+    double spin_s = PyFloat_AsDouble(args[13]);
     if (PyErr_Occurred())
         return NULL;
     rc_kernel kernel = op == RC_OP_NONE ? NULL : rc_kernel_for((int)dtype, (int)op);
@@ -133,9 +134,11 @@ PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     if (part_max < 1 || max_frame < RC_DATA_FRAME_BYTES || !(slice_s > 0.0)
-            || !(timeout_s >= 0.0) || !PyCallable_Check(args[11])) {
+            || !(timeout_s >= 0.0) || !(spin_s >= 0.0 && spin_s < 1.0)
+            || !PyCallable_Check(args[11])) {
         PyErr_SetString(PyExc_ValueError, "part_bytes, max_frame_bytes and slice_s must be "
-                        "positive, timeout_s at least 0, on_event callable");
+                        "positive, timeout_s at least 0, spin_s in [0, 1), on_event "
+                        "callable");
         return NULL;
     }
     Py_buffer header;
@@ -185,6 +188,7 @@ PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t
         r.part_max = part_max;
         r.max_frame = max_frame;
         r.kernel = kernel;
+        r.spin_ns = (int64_t)(spin_s * 1e9);
         r.itemsize = rc_itemsize((int)dtype);
         failed = take_round(&r, args[1], items, views, &n_views);
     }

@@ -16,7 +16,12 @@
  * check; a large one that is copied (not reduced) is read straight into its place once its
  * header has passed. Reduced payloads land at an aligned offset of the stream's buffer.
  *
- * Waiting is ppoll over the round's streams, for at most the slice the caller gives: between
+ * Waiting is first polling the streams for spin_ns, yielding the core between polls
+ * (sched_yield), as the rings' waits do (progress.c): the peer's answer to a small message
+ * often comes within it, where a round that sleeps in ppoll at once pays a process wake-up for
+ * it (sockets the round only watches wait for the ppoll). It polls again only once a stream
+ * has moved, not after every slice of a long wait. Then ppoll over the round's streams, for at
+ * most the slice the caller gives: between
  * slices the caller looks for failures (a dead peer's stream ends here as RC_STREAM_CLOSED).
  * The same ppoll watches the rank's other sockets (its listener, streams the round does not
  * use): one that becomes ready is reported (RC_STREAM_WATCHED) for the caller to serve, as
@@ -25,6 +30,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,6 +90,7 @@ void rc_stream_round_begin(rc_stream_round *r)
     r->foreign = NULL;
     r->foreign_len = 0;
     r->error[0] = '\0';
+    r->spun = 0;
 }
 
 void rc_stream_round_end(rc_stream_round *r)
@@ -418,7 +425,7 @@ static int pump_receive(rc_stream_round *r, int s)
 
 int rc_stream_round_run(rc_stream_round *r, int64_t slice_ns)
 {
-    int64_t deadline = rc_now_ns() + slice_ns;
+    int64_t deadline = rc_now_ns() + slice_ns, spin_until = 0;
     for (;;) {
         int moved = 0, busy = 0;
         for (int s = 0; s < r->n_streams; s++) {
@@ -451,11 +458,23 @@ int rc_stream_round_run(rc_stream_round *r, int64_t slice_ns)
         }
         if (!busy)
             return RC_DONE;
-        if (moved)
+        if (moved) {
+            spin_until = 0;
+            r->spun = 0;
             continue;
-        int64_t left = deadline - rc_now_ns();
+        }
+        int64_t now = rc_now_ns(), left = deadline - now;
         if (left <= 0)
             return RC_PENDING;
+        if (r->spin_ns > 0 && !r->spun) {
+            if (spin_until == 0)
+                spin_until = now + r->spin_ns;
+            if (now < spin_until) {
+                sched_yield();
+                continue;
+            }
+            r->spun = 1;
+        }
         struct pollfd *watched = r->polls + r->n_streams;
         for (int w = 0; w < r->n_watched; w++)
             watched[w] = (struct pollfd){r->watched[w], POLLIN, 0};

@@ -81,6 +81,10 @@ typedef struct {
     const unsigned char *header;
     uint32_t header_len;
     int64_t tag, part_max, max_frame; /* bytes of a part sent, of a frame accepted */
+    /* How long the round polls, yielding its core, before it sleeps in ppoll; it polls
+     * again only once a stream has moved (progress.c's policy for the rings). */
+    int64_t spin_ns;
+    int spun;
     rc_kernel kernel;
     int itemsize;
     /* the last event's */

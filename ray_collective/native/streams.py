@@ -116,13 +116,17 @@ class StreamRounds:
         carrier: the rank's stream carrier.
         transport: the rank's transport (failure checks).
         slice_s: the longest the core waits before the rank looks for failures.
+        spin_s: how long a round with nothing to move polls, yielding its core between
+            polls, before it sleeps (``native.runner.CORE_SPIN_S``, as the rings' waits).
     """
 
-    def __init__(self, core, carrier: StreamCarrier, transport: Transport, slice_s: float):
+    def __init__(self, core, carrier: StreamCarrier, transport: Transport, slice_s: float,
+                 spin_s: float):
         self.core = core
         self.carrier = carrier
         self.transport = transport
         self.slice_s = slice_s
+        self.spin_s = spin_s
         self.rounds_run = 0
         """Rounds the core took on, finished or failed (tests and benchmarks ask)."""
 
@@ -202,7 +206,7 @@ class StreamRounds:
         pending = self.core.stream_round(
             fds, round_.table, slots, stamp.packed, plan.dtype_code, plan.op_code, tag,
             tcp.STREAM_PART_BYTES, tcp.MAX_FRAME_BYTES, max(0.0, deadline - time.monotonic()),
-            self.slice_s, on_event, watched)
+            self.slice_s, on_event, watched, self.spin_s)
         return [round_.peers[round_.table[i, 0] // 2] for i in pending]
 
 

@@ -39,7 +39,7 @@ from ..arrivals import Arrivals, Terms
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
 from ... import native
-from ...native.runner import NativeRunner, native_node, slice_s_for
+from ...native.runner import CORE_SPIN_S, NativeRunner, native_node, slice_s_for
 from ...native.streams import StreamRounds
 from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
                           ray_module, runtime)
@@ -216,7 +216,7 @@ class RayBackendFactory(BackendFactory):
             on_streams = None
             if transport.stream_carrier is not None:
                 on_streams = StreamRounds(native.core(), transport.stream_carrier, transport,
-                                          slice_s)
+                                          slice_s, CORE_SPIN_S)
             runner = NativeRunner(native_node(directory, rank, world_size), transport,
                                   slice_s, spans_nodes=len(nodes) > 1, streams=on_streams)
         _log.debug("group %r rank %d of %d: joined incarnation %s in %.3f s: %d node(s), "
