@@ -6,8 +6,8 @@ Two measurements, each the median of several timed blocks (a shared machine is n
   in-process backend): nothing travels, so the time is the library's own path: validation,
   sequence number, the prepared call, the plan's (empty) replay. Printed beside ``np.add`` of
   the same arrays, the least any reduction costs.
-- ``plan choice``: rank 0 of a group of ``p`` ranks on ``p / 8`` nodes, its backend driven
-  directly over a transport whose sends and receives complete at once. After the first call
+- ``plan choice``: rank 0 of a group of ``p`` ranks on ``p / 8`` nodes, its group driven
+  directly (no API) over a transport whose sends and receives complete at once. After the first call
   of a shape, a call finds its prepared plan, stamps the header and replays the plan.
   ``choice`` is the time of finding the prepared plan and stamping its header, which must not
   grow with ``p``; ``call`` the time of a whole call, which also replays the plan's messages
@@ -29,8 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 import ray_collective
-from ray_collective.backends.base import GroupCall
+from ray_collective.backends.base import CallViews
 from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.group import Group
 from ray_collective.tensors import as_view
 from ray_collective.testing import run_ranks
 from ray_collective.transport.base import Request, Transport
@@ -113,18 +114,19 @@ def plan_choice(world_size: int, calls: int) -> Dict[str, float]:
     node_of = [rank // RANKS_PER_NODE for rank in range(world_size)]
     transport = InstantTransport(0, world_size)
     backend = TransportMembership("plan-choice", transport, node_of=node_of, forced={})
-    tensor = as_view(np.zeros(2, np.float32), writable=True)
+    group = Group("plan-choice", world_size, 0, backend, 60.0, trace_size=0)
+    views = CallViews(as_view(np.zeros(2, np.float32), writable=True))
     options = CallOptions(Collective.ALLREDUCE, timeout=60.0)
-    sequence = iter(range(1 << 62))
+    arrays = views.arrays(options.collective)
     start = time.perf_counter()
-    backend.run(GroupCall(options, next(sequence), tensor))
+    group.submit(group.prepare(None, options, views), arrays, False)
     prepare = time.perf_counter() - start
     messages = transport.messages
     call = median_seconds_per_call(
-        lambda: backend.run(GroupCall(options, next(sequence), tensor)), calls)
+        lambda: group.submit(group.prepare(None, options, views), arrays, False), calls)
 
     def choose() -> None:
-        backend.prepared(options, tensor).template.stamp(0)
+        group.prepare(None, options, views)[0].template.stamp(0)
 
     choice = median_seconds_per_call(choose, calls)
     return {"ranks": world_size, "nodes": -(-world_size // RANKS_PER_NODE),

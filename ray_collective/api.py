@@ -35,15 +35,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .backends import BACKENDS
-from .backends.base import BackendFactory, GroupCall
+from .backends.base import BackendFactory, CallViews
 from .declared import declare_in_actors
 from .elastic import grow_declared, grow_member, shrink_declared, shrink_member
 from .errors import (ArgumentTypeError, ArgumentValueError, GroupNotInitializedError,
                      UnsupportedOperationError)
 from .group import Group, Work, current_registry, find_group
 from .reductions import check_op
-from .tensors import (TensorView, as_view, check_same_layout, known_shape_input,
-                      tensor_layout)
+from .tensors import TensorView, as_view, check_same_layout, tensor_layout
 from .types import Backend, CallOptions, Collective, ReduceOp
 from .validation import (check_call_timeout, check_group_name, check_rank, check_reduce_op,
                          check_world_size, group_timeout)
@@ -89,18 +88,22 @@ def _options(group: Group, collective: Collective, timeout: Optional[float],
     return group.options(collective, check_call_timeout(timeout), **fields)
 
 
-def _submit(group: Group, options: CallOptions, async_op: bool,
-            seq_key: Tuple[str, int, int] = ("", -1, 0), **tensors) -> Optional[Work]:
-    return group.submit(lambda seq: GroupCall(options, seq, **tensors), async_op, seq_key)
+def _submit(group: Group, key: Optional[Tuple], options: CallOptions, views: CallViews,
+            async_op: bool, seq_key: Tuple[str, int, int] = ("", -1, 0)) -> Optional[Work]:
+    """Run a call by the full path: its shape prepared (or found) under ``key``, then
+    numbered and run; a later blocking call of the shape finds it under ``key``."""
+    known = group.prepare(key, options, views)
+    return group.submit(known, views.arrays(options.collective), async_op, seq_key)
 
 
 # ---------------------------------------------------------------- calls of a known shape
 #
 # A program calls the same collective on arrays of the same shape again and again. Everything
 # the API checks about such a call depends only on its shape (the numpy dtype, shape and
-# strides, the op, the root, the group), so the checks run at a shape's first call, and its
-# later calls go straight to the group with a runner the backend prepared for the shape
-# (Group.learn_shape, Group.run_shape): a few dictionary lookups instead of the full path.
+# strides, the op, the root, the group), so the checks run at a shape's first call, which
+# keeps the call the backend prepared for the shape under the shape's key (Group.prepare),
+# and its later calls go straight to it (Group.run): a few dictionary lookups instead of the
+# full path.
 # Only blocking calls with the group's own deadline on writable numpy arrays (and cupy arrays
 # and torch tensors, for allreduce, reduce and broadcast) take it; for
 # allgather, reducescatter, and gather and scatter at their root, every array of the list must
@@ -186,31 +189,18 @@ def _point_to_point_key(collective: str, tensor: Any, peer: Any, tag: Any) -> Op
 
 def _run_known_shape(group_name: Any, key: Optional[Tuple], arrays: Any,
                      channel: Optional[Tuple[str, int, int]] = None) -> bool:
-    """Run the call through its shape's runner if its shape was learnt; False when it was not
-    (or asynchronous calls are queued): nothing was done then. ``channel``: a send's or
+    """Run the call through its shape's prepared call if the shape is known; False when it is
+    not (or asynchronous calls are queued): nothing was done then. ``channel``: a send's or
     recv's ``(collective, peer, tag)``."""
     if key is None or type(group_name) is not str:
         return False
     group = find_group(group_name)
     if group is None:
         return False
-    runner = group.shape_runners.get(key)
-    if runner is None:
+    known = group.prepared.get(key)
+    if known is None:
         return False
-    return group.run_shape(runner, arrays, channel)
-
-
-def _submit_and_learn(group: Group, options: CallOptions, key: Optional[Tuple],
-                      view: Optional[TensorView], seq_key: Tuple[str, int, int] = ("", -1, 0),
-                      **lists) -> None:
-    """A blocking call by the full path; once it has run, its shape is learnt."""
-    group.submit(lambda seq: GroupCall(options, seq, tensor=view, **lists), False, seq_key)
-    # A numpy array of ml_dtypes' bfloat16 travels as its bits, a view the known-shape runner
-    # does not make: its calls keep the full path.
-    if key is not None and (view is None or view.kind != "numpy"
-                            or view.dtype_name != "bfloat16"):
-        group.learn_shape(key, options, view,
-                          None if view is None else known_shape_input(view))
+    return group.run(known, arrays, channel)
 
 
 # ---------------------------------------------------------------- groups
@@ -615,9 +605,7 @@ def allreduce(tensor: Any, group_name: str = "default", op: ReduceOp = ReduceOp.
     view = _view(group, tensor, True, "tensor")
     check_op(op, view.dtype_name)
     options = _options(group, Collective.ALLREDUCE, timeout, op=op)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view)
-    return _submit_and_learn(group, options, known, view)
+    return _submit(group, known, options, CallViews(view), async_op)
 
 
 def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
@@ -648,9 +636,7 @@ def reduce(tensor: Any, dst_rank: int = 0, group_name: str = "default",
     view = _view(group, tensor, group.rank == dst_rank, "tensor")
     check_op(op, view.dtype_name)
     options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view)
-    return _submit_and_learn(group, options, known, view)
+    return _submit(group, known, options, CallViews(view), async_op)
 
 
 def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
@@ -678,9 +664,7 @@ def broadcast(tensor: Any, src_rank: int = 0, group_name: str = "default", *,
     src_rank = _check_rank(src_rank, group, "src_rank")
     view = _view(group, tensor, group.rank != src_rank, "tensor")
     options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view)
-    return _submit_and_learn(group, options, known, view)
+    return _submit(group, known, options, CallViews(view), async_op)
 
 
 def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", *,
@@ -710,9 +694,7 @@ def allgather(tensor_list: List[Any], tensor: Any, group_name: str = "default", 
     view = _view(group, tensor, False, "tensor")
     outputs = _views(group, tensor_list, True, "tensor_list", like=view)
     options = _options(group, Collective.ALLGATHER, timeout)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view, outputs=outputs)
-    return _submit_and_learn(group, options, known, view, outputs=outputs)
+    return _submit(group, known, options, CallViews(view, outputs=outputs), async_op)
 
 
 def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "default",
@@ -743,9 +725,7 @@ def reducescatter(tensor: Any, tensor_list: List[Any], group_name: str = "defaul
     inputs = _views(group, tensor_list, False, "tensor_list", like=view)
     check_op(op, view.dtype_name)
     options = _options(group, Collective.REDUCESCATTER, timeout, op=op)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view, inputs=inputs)
-    return _submit_and_learn(group, options, known, view, inputs=inputs)
+    return _submit(group, known, options, CallViews(view, inputs=inputs), async_op)
 
 
 def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
@@ -778,9 +758,7 @@ def gather(tensor_list: Optional[List[Any]], tensor: Any, dst_rank: int = 0,
     outputs = (_views(group, tensor_list, True, "tensor_list", like=view)
                if group.rank == dst_rank else ())
     options = _options(group, Collective.GATHER, timeout, root=dst_rank)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view, outputs=outputs)
-    return _submit_and_learn(group, options, known, view, outputs=outputs)
+    return _submit(group, known, options, CallViews(view, outputs=outputs), async_op)
 
 
 def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
@@ -813,9 +791,7 @@ def scatter(tensor: Any, tensor_list: Optional[List[Any]], src_rank: int = 0,
     inputs = (_views(group, tensor_list, False, "tensor_list", like=view)
               if group.rank == src_rank else ())
     options = _options(group, Collective.SCATTER, timeout, root=src_rank)
-    if known is None:
-        return _submit(group, options, async_op, tensor=view, inputs=inputs)
-    return _submit_and_learn(group, options, known, view, inputs=inputs)
+    return _submit(group, known, options, CallViews(view, inputs=inputs), async_op)
 
 
 def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
@@ -845,9 +821,7 @@ def alltoall(output_tensor_list: List[Any], input_tensor_list: List[Any],
     outputs = _views(group, output_tensor_list, True, "output_tensor_list", like=inputs[0],
                      like_name="input_tensor_list[0]")
     options = _options(group, Collective.ALLTOALL, timeout)
-    if known is None:
-        return _submit(group, options, async_op, inputs=inputs, outputs=outputs)
-    return _submit_and_learn(group, options, known, inputs[0], inputs=inputs, outputs=outputs)
+    return _submit(group, known, options, CallViews(inputs=inputs, outputs=outputs), async_op)
 
 
 def barrier(group_name: str = "default", *, async_op: bool = False,
@@ -869,9 +843,7 @@ def barrier(group_name: str = "default", *, async_op: bool = False,
         return None
     group = _group(group_name)
     options = _options(group, Collective.BARRIER, timeout)
-    if known is None:
-        return _submit(group, options, async_op)
-    return _submit_and_learn(group, options, known, None)
+    return _submit(group, known, options, CallViews(), async_op)
 
 
 _BARRIER_KEY = ("barrier",)
@@ -895,9 +867,7 @@ def _point_to_point(collective: Collective, tensor: Any, peer: int, group_name: 
         raise ArgumentValueError(f"tag must be an int >= 0, not {tag!r}")
     view = _view(group, tensor, collective is Collective.RECV, "tensor")
     options = _options(group, collective, timeout, peer=peer, tag=tag)
-    if async_op:
-        return _submit(group, options, async_op, channel, tensor=view)
-    return _submit_and_learn(group, options, known, view, channel)
+    return _submit(group, known, options, CallViews(view), async_op, channel)
 
 
 def send(tensor: Any, dst_rank: int, group_name: str = "default", tag: int = 0, *,
@@ -958,6 +928,12 @@ def _multigpu_group(name: str, group_name: str) -> Tuple[Group, Any]:
     return group, gpu
 
 
+def _submit_multigpu(group: Group, prepared: Any, async_op: bool,
+                     seq_key: Tuple[str, int, int] = ("", -1, 0)) -> Optional[Work]:
+    """Run a ``*_multigpu`` call (prepared per call: its tensors are in its record)."""
+    return group.submit(group.unshared(prepared, None), None, async_op, seq_key)
+
+
 def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,
                              group_name: str, n_elements: int, async_op: bool,
                              timeout: Optional[float]) -> Optional[Work]:
@@ -973,8 +949,9 @@ def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, pee
     peer_index = gpu.index(peer_index, "dst_gpu_index" if sending else "src_gpu_index")
     view, count = gpu.tensor(tensor, n_elements)
     options = _options(group, collective, timeout, peer=peer)
-    return group.submit(gpu.call(options, device_tensors=(view,), peer_index=peer_index,
-                                 n_elements=count), async_op, (name, peer, 0))
+    prepared = gpu.call(options, device_tensors=(view,), peer_index=peer_index,
+                        n_elements=count)
+    return _submit_multigpu(group, prepared, async_op, (name, peer, 0))
 
 
 def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
@@ -1006,7 +983,8 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
     options = _options(group, Collective.ALLREDUCE, timeout, op=op)
-    return group.submit(gpu.call(options, device_tensors=views), async_op)
+    prepared = gpu.call(options, device_tensors=views)
+    return _submit_multigpu(group, prepared, async_op)
 
 
 def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
@@ -1037,7 +1015,8 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
     views = gpu.tensors(tensor_list, "tensor_list")
     check_op(op, views[0].dtype_name)
     options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
-    return group.submit(gpu.call(options, device_tensors=views, root_index=dst_tensor), async_op)
+    prepared = gpu.call(options, device_tensors=views, root_index=dst_tensor)
+    return _submit_multigpu(group, prepared, async_op)
 
 
 def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
@@ -1064,7 +1043,8 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
     src_tensor = gpu.index(src_tensor, "src_tensor")
     views = gpu.tensors(tensor_list, "tensor_list")
     options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
-    return group.submit(gpu.call(options, device_tensors=views, root_index=src_tensor), async_op)
+    prepared = gpu.call(options, device_tensors=views, root_index=src_tensor)
+    return _submit_multigpu(group, prepared, async_op)
 
 
 def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
@@ -1090,7 +1070,8 @@ def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: 
     outputs = gpu.tensor_lists(output_tensor_lists, "output_tensor_lists", inputs,
                                "input_tensor_list")
     options = _options(group, Collective.ALLGATHER, timeout)
-    return group.submit(gpu.call(options, device_tensors=inputs, device_lists=outputs), async_op)
+    prepared = gpu.call(options, device_tensors=inputs, device_lists=outputs)
+    return _submit_multigpu(group, prepared, async_op)
 
 
 def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: List[List[Any]],
@@ -1123,7 +1104,8 @@ def reducescatter_multigpu(output_tensor_list: List[Any], input_tensor_lists: Li
                               "output_tensor_list")
     check_op(op, outputs[0].dtype_name)
     options = _options(group, Collective.REDUCESCATTER, timeout, op=op)
-    return group.submit(gpu.call(options, device_tensors=outputs, device_lists=inputs), async_op)
+    prepared = gpu.call(options, device_tensors=outputs, device_lists=inputs)
+    return _submit_multigpu(group, prepared, async_op)
 
 
 def send_multigpu(tensor: Any, dst_rank: int, dst_gpu_index: int, group_name: str = "default",

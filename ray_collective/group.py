@@ -8,9 +8,12 @@ a test that runs several ranks in one process gives each rank's thread its own r
 A :class:`Group` numbers its calls, runs them in order (inline when nothing is queued, on one
 worker thread for ``async_op=True``), and turns the first failure into a broken state: every
 later call fails fast with the same cause, and the other members are told through the backend.
-Each group owns its rank's flight recorder (``recorder``), which both paths of a call feed
-(:meth:`Group.submit` and :meth:`Group.run_shape`), and the registry owns the process's
-metrics flush (``metrics``).
+A group keeps one cache of prepared calls (``prepared``): per call shape, what its backend
+prepared once (:meth:`Membership.prepare`) and the shape the recorder counts it under. Every
+call runs as ``prepared.run(seq, arrays)`` in :meth:`Group.run`: a blocking call of a known
+shape straight from the API, the others through :meth:`Group.submit`, inline or queued. Each
+group owns its rank's flight recorder (``recorder``), which :meth:`Group.run` feeds, and the
+registry owns the process's metrics flush (``metrics``).
 A shrink or a grow (``elastic``) moves it to a new membership (:meth:`Group.reincarnate`),
 which starts its numbering and state afresh.
 """
@@ -26,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .backends.base import BackendFactory, GroupCall, Membership, Reformed
+from .backends.base import BackendFactory, CallViews, Membership, PreparedCall, Reformed
 from .errors import (CollectiveMismatchError, GroupAlreadyInitializedError,
                      GroupBrokenError, GroupNotInitializedError, UnsupportedOperationError)
 from .metrics import MetricsFlush, exportable
@@ -40,9 +43,12 @@ _log = logging.getLogger(__name__)
 # per-call timeout); past this the cache starts over, so odd timeouts cannot grow it forever.
 OPTIONS_CACHE_SIZE = 256
 
-SHAPE_CACHE_SIZE = 64
-"""Call shapes a group runs without per-call checks (see :meth:`Group.run_shape`); past this
-the cache starts over."""
+PREPARED_CACHE_SIZE = 64
+"""Call shapes a group keeps prepared (see :meth:`Group.prepare`); the oldest is dropped
+beyond this."""
+
+Known = Tuple[PreparedCall, Optional[CallShape]]
+"""A prepared call and the recorder's shape of its calls (None without a recorder)."""
 
 
 class Work:
@@ -115,8 +121,7 @@ class Group:
         self._worker: Optional[ThreadPoolExecutor] = None
         self._queued = 0
         self._options: Dict[Tuple, CallOptions] = {}
-        self.shape_runners: Dict[Tuple, Tuple[Callable[[int, Any], None], CallShape]] = {}
-        self._call_shapes: Dict[Tuple, Tuple[CallOptions, CallShape]] = {}
+        self.prepared: Dict[Tuple, Known] = {}
         self.recorder = FlightRecorder(name, rank, backend, trace_size, counting,
                                        self._forget_shapes) if trace_size else None
 
@@ -151,6 +156,7 @@ class Group:
                     f"{', '.join(sorted(c.value for c in self.membership.collectives))}")
             if len(self._options) >= OPTIONS_CACHE_SIZE:
                 self._options.clear()
+                self.prepared.clear()  # their keys hold the identity of the options
             options = CallOptions(collective, self.timeout if timeout is None else timeout,
                                   op, root, peer, tag)
             self._options[key] = options
@@ -172,7 +178,44 @@ class Group:
         self._p2p_seq[key] = seq + 1
         return seq
 
-    def submit(self, make_call: Callable[[int], GroupCall], async_op: bool,
+    def prepare(self, key: Optional[Tuple], options: CallOptions, views: CallViews) -> Known:
+        """The prepared call of a shape, from the cache or prepared by the membership now.
+
+        Args:
+            key: the API's key of the shape (collective, op, root, the tensors' type, dtype,
+                shape and strides), under which a later blocking call of the shape finds it;
+                None for a call that cannot take that path (asynchronous, its own deadline,
+                a read-only array...): it is kept under its options and its tensor's layout.
+            options: the call's options.
+            views: the call's tensors, checked.
+
+        Returns:
+            The prepared call and its recorded shape.
+
+        Raises:
+            TypeError, ValueError: the backend refuses the call, before anything is sent.
+        """
+        reference = views.reference()
+        if key is None:
+            key = (id(options),) if reference is None else (
+                id(options), reference.kind, reference.device, reference.dtype_name,
+                reference.shape)
+        known = self.prepared.get(key)
+        if known is None:
+            known = self.unshared(self.membership.prepare(options, views), reference)
+            if len(self.prepared) >= PREPARED_CACHE_SIZE:
+                del self.prepared[next(iter(self.prepared))]
+            self.prepared[key] = known
+        return known
+
+    def unshared(self, prepared: PreparedCall, view: Optional[Any]) -> Known:
+        """A prepared call the cache does not keep (a ``*_multigpu`` call), with its shape."""
+        if self.recorder is None:
+            return prepared, None
+        return prepared, shape_of(self.recorder, prepared.options.collective.value, view,
+                                  prepared.describe())
+
+    def submit(self, known: Known, arrays: Any, async_op: bool,
                seq_key: Tuple[str, int, int] = ("", -1, 0)) -> Optional[Work]:
         """Number and run one call; blocking unless ``async_op``.
 
@@ -181,7 +224,8 @@ class Group:
         that calls run in the order of their sequence numbers on every rank.
 
         Args:
-            make_call: builds the call from its sequence number.
+            known: the call's prepared call (:meth:`prepare`).
+            arrays: its arrays, as ``PreparedCall.run`` takes them.
             async_op: return a :class:`Work` at once instead of blocking.
             seq_key: ``("", -1, 0)`` for collectives, ``("send"|"recv", peer, tag)`` for p2p.
 
@@ -195,123 +239,80 @@ class Group:
         with self._lock:
             if self._broken is not None:
                 raise GroupBrokenError(self.name, self.rank, self._broken)
-            call = make_call(self._next_seq_locked(*seq_key))
+            seq = self._next_seq_locked(*seq_key)
             # In the caller's thread, before the call may be queued (see on_submit).
-            self.membership.on_submit(call)
+            known[0].on_submit(seq, arrays)
             inline = not (async_op or self._queued)
             if not inline:
                 self._queued += 1
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(
                         1, thread_name_prefix=f"ray_collective[{self.name}]")
-                future = self._worker.submit(self._run_queued, call)
+                future = self._worker.submit(self._run_queued, known, arrays, seq)
         if inline:
-            with self._running:
-                self._run(call)
+            self.run(known, arrays, seq=seq)
             return None
         if async_op:
-            return Work(future, f"{call.options.collective.value} #{call.seq} of group "
+            return Work(future, f"{known[0].options.collective.value} #{seq} of group "
                                 f"'{self.name}'")
         future.result()
         return None
 
-    def _run_queued(self, call: GroupCall) -> None:
+    def _run_queued(self, known: Known, arrays: Any, seq: int) -> None:
         try:
-            with self._running:
-                self._run(call)
+            self.run(known, arrays, seq=seq)
         finally:
             with self._lock:
                 self._queued -= 1
 
-    def learn_shape(self, key: Tuple, options: CallOptions, view: Optional[Any],
-                    convert: Optional[Callable[[Any], Any]] = None) -> None:
-        """Remember how to run later calls of one shape, after a call of it passed every check.
+    def run(self, known: Known, arrays: Any, channel: Optional[Tuple[str, int, int]] = None,
+            seq: int = -1) -> bool:
+        """Run one call to completion in this thread, recorded, turning its failure into the
+        group's broken state (see :meth:`_failed`).
+
+        Called with no ``seq`` for a blocking call of a shape the API found in
+        :attr:`prepared` (the known-shape path): it is numbered here, unless asynchronous
+        calls are still queued ahead of it.
 
         Args:
-            key: what identifies the shape for the API (collective, op, root, numpy dtype,
-                shape and strides).
-            options: the call's options.
-            view: its tensor's view (None for a barrier).
-            convert: what turns a later call's tensor into what the runner takes (a torch CPU
-                tensor's numpy array), or None when the runner takes it as it is.
-        """
-        if key in self.shape_runners or self._broken is not None:
-            return
-        runner = self.membership.shape_runner(options, view)
-        if runner is not None and convert is not None:
-            inner = runner
-
-            def runner(seq: int, tensor: Any) -> None:
-                inner(seq, convert(tensor))
-        if runner is not None:
-            if len(self.shape_runners) >= SHAPE_CACHE_SIZE:
-                self.shape_runners.clear()
-            self.shape_runners[key] = (runner, self._shape(options, view))
-
-    def run_shape(self, known: Tuple[Callable[[int, Any], None], CallShape], array: Any,
-                  channel: Optional[Tuple[str, int, int]] = None) -> bool:
-        """Run a call of a shape learnt before (:meth:`learn_shape`), blocking, in the caller's
-        thread.
-
-        Args:
-            known: the shape's entry in ``shape_runners``: its runner and its recorded shape.
-            array: the call's numpy array (None for a barrier).
-            channel: ``("send"|"recv", peer, tag)`` for a point-to-point call (numbered per
-                channel), None for a collective.
+            known: the call's prepared call and shape.
+            arrays: its arrays, as ``PreparedCall.run`` takes them.
+            channel: ``("send"|"recv", peer, tag)`` for a point-to-point call of the known
+                shape path (numbered per channel), None for a collective.
+            seq: the call's number, given by :meth:`submit`; -1 to number it here.
 
         Returns:
-            True once the call ran; False when it must take the ordinary path instead
+            True once the call ran; False when it must take :meth:`submit` instead
             (asynchronous calls are still queued ahead of it): nothing was done then.
 
         Raises:
             GroupBrokenError: the group failed earlier.
             CollectiveError: the call failed (the group is then broken).
         """
-        with self._lock:
-            if self._broken is not None:
-                raise GroupBrokenError(self.name, self.rank, self._broken)
-            if self._queued:
-                return False
-            if channel is None:
-                seq = self._seq
-                self._seq = seq + 1
-            else:
-                seq = self._next_seq_locked(*channel)
-        runner, shape = known
+        if seq < 0:
+            with self._lock:
+                if self._broken is not None:
+                    raise GroupBrokenError(self.name, self.rank, self._broken)
+                if self._queued:
+                    return False
+                if channel is None:
+                    seq = self._seq
+                    self._seq = seq + 1
+                else:
+                    seq = self._next_seq_locked(*channel)
+        prepared, shape = known
         recorder = self.recorder
-        # _guarded, inlined: this is the path of every small call.
         with self._running:
+            if self._broken is not None:  # broken while the call was queued
+                raise GroupBrokenError(self.name, self.rank, self._broken)
             start = clock() if recorder is not None else 0.0
             try:
-                runner(seq, array)
+                prepared.run(seq, arrays)
             except BaseException as err:
                 self._failed(err, shape, seq, start)
             if recorder is not None:
                 recorder.finished(shape, seq, start)
         return True
-
-    def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise GroupBrokenError(self.name, self.rank, self._broken)
-
-    def _run(self, call: GroupCall) -> None:
-        self._raise_if_broken()
-        shape = None
-        if self.recorder is not None:
-            shape = self._call_shape(call)
-        self._guarded(shape, call.seq, self.membership.run, call)
-
-    def _guarded(self, shape: Optional[CallShape], seq: int, run: Callable, *args) -> None:
-        """``run(*args)``, recorded as call ``seq`` of ``shape``, turning its failure into the
-        group's broken state (see :meth:`_failed`)."""
-        recorder = self.recorder
-        start = clock() if recorder is not None else 0.0
-        try:
-            run(*args)
-        except BaseException as err:
-            self._failed(err, shape, seq, start)
-        if recorder is not None:
-            recorder.finished(shape, seq, start)
 
     def _failed(self, err: BaseException, shape: Optional[CallShape], seq: int,
                 start: float) -> None:
@@ -350,36 +351,9 @@ class Group:
         except AttributeError:
             pass  # an error type that takes no attributes
 
-    def _shape(self, options: CallOptions, view: Optional[Any]) -> Optional[CallShape]:
-        """The recorded shape of calls with ``options`` on tensors like ``view``."""
-        if self.recorder is None:
-            return None
-        return shape_of(self.recorder, options.collective.value, view,
-                        self.membership.describe(options, view))
-
-    def _call_shape(self, call: GroupCall) -> CallShape:
-        """The recorded shape of ``call`` (the full path), kept per options and tensor shape."""
-        view = call.tensor if call.tensor is not None else (
-            call.inputs[0] if call.inputs else call.outputs[0] if call.outputs else None)
-        key = (id(call.options),) if view is None else (id(call.options), view.dtype_name,
-                                                         view.shape)
-        known = self._call_shapes.get(key)
-        if known is None:
-            if len(self._call_shapes) >= OPTIONS_CACHE_SIZE:
-                self._call_shapes.clear()
-            try:
-                shape = self._shape(call.options, view)
-            except (TypeError, ValueError):
-                # The backend refuses the call; it will say so when it runs it.
-                shape = shape_of(self.recorder, call.options.collective.value, view, ("", ()))
-            # The options are kept with the shape, so that their id in the key stays theirs.
-            known = self._call_shapes[key] = (call.options, shape)
-        return known[1]
-
     def _forget_shapes(self) -> None:
-        """Drop every cache that holds a recorded shape (the recorder folded them)."""
-        self.shape_runners.clear()
-        self._call_shapes.clear()
+        """Drop the prepared calls, which hold the recorded shapes (the recorder folded them)."""
+        self.prepared.clear()
 
     def fail(self, error: BaseException) -> None:
         """Break the group with ``error`` raised outside a call, and tell the other members.
@@ -400,8 +374,8 @@ class Group:
 
         Queued asynchronous calls finish first (in a broken group they fail at once); a call
         submitted meanwhile waits, and is numbered in the new membership. What the old one
-        taught the group goes with it: sequence numbers, the broken state, the known-shape
-        runners. The old membership is closed once the new one is in place.
+        taught the group goes with it: sequence numbers, the broken state, the prepared
+        calls. The old membership is closed once the new one is in place.
 
         Args:
             reform: makes the new membership from the old one and the failure that broke the
@@ -420,8 +394,7 @@ class Group:
             self.rank, self.world_size = reformed.rank, reformed.world_size
             self._seq, self._broken = 0, None
             self._p2p_seq.clear()
-            self.shape_runners.clear()
-            self._call_shapes.clear()  # their algorithms and peers were the old membership's
+            self.prepared.clear()  # their algorithms and peers were the old membership's
             if self.recorder is not None:
                 self.recorder.rank = reformed.rank  # its trace goes on across the change
         try:

@@ -196,22 +196,23 @@ def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp
 
 def test_a_cached_plan_is_found_by_one_lookup_whatever_the_world_size():
     from benchmarks.call_overhead import InstantTransport
-    from ray_collective.backends.base import GroupCall
+    from ray_collective.backends.base import CallViews
     from ray_collective.backends.transport_membership import TransportMembership
+    from ray_collective.group import Group
     from ray_collective.tensors import as_view
     from ray_collective.types import CallOptions, Collective
     for world_size in (8, 4096):
         transport = InstantTransport(0, world_size)
         backend = TransportMembership("g", transport,
                                       node_of=[r // 8 for r in range(world_size)],
-                                   forced={})
-        tensor = as_view(np.zeros(2, np.float32), writable=True)
+                                      forced={})
+        group = Group("g", world_size, 0, backend, 60.0, trace_size=0)
+        views = CallViews(as_view(np.zeros(2, np.float32), writable=True))
         options = CallOptions(Collective.ALLREDUCE, timeout=60.0)
-        backend.run(GroupCall(options, 0, tensor))
-        first = backend.prepared(options, tensor)
-        for seq in range(1, 4):
-            backend.run(GroupCall(options, seq, tensor))
-        assert backend.prepared(options, tensor) is first and backend.prepared_calls() == 1
+        first = group.prepare(None, options, views)
+        for _ in range(4):
+            group.submit(first, views.arrays(options.collective), False)
+        assert group.prepare(None, options, views) is first and len(group.prepared) == 1
 
 
 def test_fault_detection_kills_a_rank_and_every_survivor_names_it(ray_session):

@@ -15,11 +15,11 @@ from support.helpers import count_full_path
 
 
 def _runners():
-    return current_registry().get("default").shape_runners
+    return current_registry().get("default").prepared
 
 
 def _counting_full_path(monkeypatch):
-    """Count the calls that take the full path (``Membership.run``) in every rank."""
+    """Count the calls that take the full path (``Group.submit``) in every rank."""
     from ray_collective.backends.transport_membership import TransportMembership
     return count_full_path(monkeypatch, TransportMembership)
 

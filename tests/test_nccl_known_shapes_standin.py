@@ -2,8 +2,8 @@
 
 After an allreduce, reduce or broadcast on a GPU tensor (cupy, or torch on CUDA) has run once,
 later blocking calls on tensors of the same dtype, shape, strides and device skip the API's
-checks and the step building (``NcclMembership.shape_runner``). They must give the same results, keep the same
-stream order and fail the same way as the full path; the completion poll they end in must not
+checks and the step building (``NcclMembership.one_operation``). They must give the same
+results, keep the same stream order and fail the same way as the full path; the completion poll they end in must not
 sleep while it spins.
 """
 

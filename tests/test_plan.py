@@ -215,7 +215,7 @@ def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
         for _ in range(6):
             col.allreduce(x)                   # one shape: recorded once
         col.allreduce(np.zeros((2, 5), np.float32))   # another shape: a second plan
-        return x, current_registry().get("default").membership.prepared_calls()
+        return x, len(current_registry().get("default").prepared)
 
     for x, prepared in run_ranks(3, body):
         np.testing.assert_array_equal(x, np.full(10, 3 * 3 ** 5, np.float32))
@@ -224,15 +224,15 @@ def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
 
 
 def test_the_cache_of_prepared_calls_is_bounded(monkeypatch):
-    import ray_collective.backends.transport_membership as transport_membership
-    monkeypatch.setattr(transport_membership, "PLAN_CACHE_SIZE", 4)
+    import ray_collective.group as group
+    monkeypatch.setattr(group, "PREPARED_CACHE_SIZE", 4)
 
     def body(rank):
         for n in range(1, 10):
             x = np.full(n, 1.0)
             col.allreduce(x)
             assert (x == 2.0).all()
-        return current_registry().get("default").membership.prepared_calls()
+        return len(current_registry().get("default").prepared)
 
     assert run_ranks(2, body) == [4, 4]
 

@@ -1,8 +1,9 @@
 """What a backend is: one rank's engine for one group, and the factory that joins it.
 
-The API layer validates a call and hands the backend a :class:`GroupCall`; the backend runs it
-to completion (blocking) or raises. Asynchrony, sequence numbers and the broken state live in
-the group layer, so every backend gets them for free.
+The API layer validates a call; the group asks the backend to prepare its shape once
+(:meth:`Membership.prepare`), and runs every call of that shape through the
+:class:`PreparedCall` it got, to completion (blocking) or raising. Asynchrony, sequence
+numbers and the broken state live in the group layer, so every backend gets them for free.
 """
 
 from __future__ import annotations
@@ -16,32 +17,104 @@ from ..tensors import TensorView
 from ..types import CallOptions, Collective
 
 
-class GroupCall:
-    """One validated call as the backend sees it.
+class CallViews:
+    """The views of one call's tensors, as the API checked them.
 
     Attributes:
-        options: what was asked (collective, op, root/peer, tag, timeout).
-        seq: the call's sequence number (per group for collectives, per peer and tag for p2p).
         tensor: the single tensor argument (input and/or output), if the collective has one.
         inputs: the input list (reducescatter, scatter on the root, alltoall).
         outputs: the output list (allgather, gather on the root, alltoall).
 
-    A plain class with slots rather than a frozen dataclass, because one is built per call and
-    a frozen dataclass costs microseconds to build. Treat it as read-only.
+    A plain class with slots rather than a frozen dataclass: one is built per call of the full
+    path. Treat it as read-only.
     """
 
-    __slots__ = ("options", "seq", "tensor", "inputs", "outputs")
+    __slots__ = ("tensor", "inputs", "outputs")
 
-    def __init__(self, options: CallOptions, seq: int, tensor: Optional[TensorView] = None,
+    def __init__(self, tensor: Optional[TensorView] = None,
                  inputs: Tuple[TensorView, ...] = (), outputs: Tuple[TensorView, ...] = ()):
-        self.options = options
-        self.seq = seq
         self.tensor = tensor
         self.inputs = inputs
         self.outputs = outputs
 
-    def __repr__(self) -> str:
-        return f"GroupCall({self.options.collective.value} #{self.seq})"
+    def reference(self) -> Optional[TensorView]:
+        """The view that stands for the call's shape: its tensor, else the first entry of a
+        list, else None (a barrier)."""
+        if self.tensor is not None:
+            return self.tensor
+        return self.inputs[0] if self.inputs else self.outputs[0] if self.outputs else None
+
+    def arrays(self, collective: Collective) -> Any:
+        """The call's arrays in the form :attr:`PreparedCall.run` takes them (see there)."""
+        tensor = None if self.tensor is None else _payload(self.tensor)
+        if collective in _TAKES_OUTPUTS:
+            return tensor, [_payload(view) for view in self.outputs]
+        if collective in _TAKES_INPUTS:
+            return tensor, [_payload(view) for view in self.inputs]
+        if collective is Collective.ALLTOALL:
+            return ([_payload(view) for view in self.inputs],
+                    [_payload(view) for view in self.outputs])
+        return tensor
+
+
+def _payload(view: TensorView) -> Any:
+    """What a prepared call takes of a view: its numpy array on the CPU, else the tensor."""
+    return view.tensor if view.array is None else view.array
+
+
+_TAKES_OUTPUTS = (Collective.ALLGATHER, Collective.GATHER)
+_TAKES_INPUTS = (Collective.REDUCESCATTER, Collective.SCATTER)
+
+
+class PreparedCall:
+    """One call shape made ready to run: what a membership derives once per shape.
+
+    A membership prepares one per call shape (:meth:`Membership.prepare`); the group keeps
+    them (``Group.prepared``) and runs every call of the shape, blocking or queued, as
+    ``prepared.run(seq, arrays)``.
+
+    Attributes:
+        options: the calls' options.
+        run: ``run(seq, arrays)`` runs call ``seq`` of the shape to completion, or raises
+            ``CollectiveError`` (timeout, mismatch, dead peer, a group aborted elsewhere);
+            ``TypeError``/``ValueError`` for a call it refuses before sending anything.
+            ``arrays`` is, by collective: the tensor (allreduce, reduce, broadcast, send,
+            recv); None (barrier); ``(tensor, outputs)`` (allgather, gather: the list is
+            ignored off the root); ``(tensor, inputs)`` (reducescatter, scatter, likewise);
+            ``(inputs, outputs)`` (alltoall). A CPU tensor is a C-contiguous numpy array
+            (the view's flat array, or the caller's own array of the shape on the known-shape
+            path; a membership that also takes the caller's torch tensor or bfloat16 array
+            says so in its ``prepare``); a GPU tensor is the caller's object.
+    """
+
+    __slots__ = ("options", "run")
+
+    def __init__(self, options: CallOptions,
+                 run: Optional[Callable[[int, Any], None]] = None):
+        self.options = options
+        self.run = run
+
+    def describe(self) -> Tuple[str, Tuple[int, ...]]:
+        """How the calls run, for the flight recorder.
+
+        Returns:
+            ``(algorithm, peers)``: the algorithm's name and the ranks this rank exchanges
+            messages with, sorted (``("", ())`` when unknown, the default).
+        """
+        return "", ()
+
+    def on_submit(self, seq: int, arrays: Any) -> None:
+        """Called in the caller's thread when call ``seq`` is submitted, before it may be
+        queued to run on the group's worker thread.
+
+        A backend that needs the caller's thread state captures it here: the NCCL backend
+        records an event on the caller's current CUDA stream, which is per thread and would be
+        lost once the call runs on the worker thread. The default does nothing.
+
+        Args:
+            seq: the call's sequence number.
+            arrays: its arrays, as :attr:`run` takes them.
+        """
 
 
 class Membership(ABC):
@@ -69,61 +142,24 @@ class Membership(ABC):
         """
         return None
 
-    def shape_runner(self, options: CallOptions, view: Optional[TensorView]
-                     ) -> Optional[Callable[[int, Any], None]]:
-        """How to run the later calls of one shape without building a call each time.
-
-        Asked once per call shape, after a call with ``options`` on a tensor like ``view``
-        (None for a barrier) passed every check of the API; the group then runs each later
-        call of the same shape (numpy array, dtype, shape, strides, root, op; the peer and
-        tag of a send or recv, numbered per channel) as
-        ``runner(seq, array)``, with the same failure handling as :meth:`run`. The default
-        offers none: every call goes through :meth:`run`.
-
-        Args:
-            options: the calls' options.
-            view: the first call's tensor.
-
-        Returns:
-            ``runner(seq, array)``, or None.
-        """
-        return None
-
-    def describe(self, options: CallOptions, view: Optional[TensorView]
-                 ) -> Tuple[str, Tuple[int, ...]]:
-        """How calls with ``options`` on tensors like ``view`` run, for the flight recorder.
-
-        Asked once per call shape. The default says nothing.
-
-        Args:
-            options: the calls' options.
-            view: their tensor (the first of a list), None for none.
-
-        Returns:
-            ``(algorithm, peers)``: the algorithm's name and the ranks this rank exchanges
-            messages with, sorted (``("", ())`` when unknown).
-
-        Raises:
-            ValueError: the call cannot run as asked (as :meth:`run` would raise).
-        """
-        return "", ()
-
     @abstractmethod
-    def run(self, call: GroupCall) -> None:
-        """Run ``call`` to completion.
+    def prepare(self, options: CallOptions, views: CallViews) -> PreparedCall:
+        """Make calls with ``options`` on tensors like ``views`` ready to run, once per shape.
+
+        Asked at a shape's first call, after the API checked it; the group keeps what it
+        returns and runs every call of the shape through it (see :class:`PreparedCall`).
+
+        Args:
+            options: the calls' options.
+            views: the first call's tensors.
+
+        Returns:
+            The prepared call.
 
         Raises:
-            CollectiveError: timeout, mismatch, dead peer, or a group aborted elsewhere.
             ValueError: the call cannot run as asked (for example a forced algorithm that needs
                 a power-of-two group), detected before any communication.
-        """
-
-    def on_submit(self, call: GroupCall) -> None:
-        """Called in the caller's thread when ``call`` is submitted, before it may be queued.
-
-        A backend that needs the caller's thread state captures it here: the NCCL backend
-        records an event on the caller's current CUDA stream, which is per thread and would be
-        lost once the call runs on the group's worker thread. The default does nothing.
+            TypeError: a tensor this backend does not take (a CPU tensor on a GPU backend).
         """
 
     @abstractmethod

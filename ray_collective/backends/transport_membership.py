@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,13 +25,13 @@ from ..algorithms.selector import forced_algorithms, select
 from ..executor import run_plan
 from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
 from ..reductions import combiner, finalize_average
-from ..tensors import TensorView
+from ..tensors import TensorView, known_shape_input
 from ..transport.base import COLLECTIVE_TAG, Transport
 from ..native.runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
 from ..native.streams import StreamPlan
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
-from .base import GroupCall, Membership, node_map_or_none
+from .base import CallViews, Membership, PreparedCall, node_map_or_none
 
 _log = logging.getLogger(__name__)
 
@@ -52,16 +52,13 @@ rounds has peers both ways (``tests/test_plan.py``). The decision goes by the al
 so every rank takes it alike. ``hierarchical_pipeline`` is not among them: a leader forwards a
 chunk to the next node and to its node-mates in one round, so it runs over the transport."""
 
-PLAN_CACHE_SIZE = 64
-"""Call shapes a group keeps prepared; the oldest is dropped beyond this."""
 
-
-class PreparedCall:
-    """What every call of one shape shares.
+class PlannedCall(PreparedCall):
+    """A call shape prepared on a transport: what every call of the shape shares, and its
+    ``run`` (see :class:`~ray_collective.backends.base.PreparedCall`).
 
     Attributes:
-        options: the options the call shape was prepared for (kept so that the cache key,
-            which holds their identity, stays unique while the entry lives).
+        options: the options the call shape was prepared for.
         plan: the recorded algorithm.
         template: the packed header, stamped per call.
         combine: the reduction (reducing collectives), else None.
@@ -86,8 +83,8 @@ class PreparedCall:
             (``native.streams``), or None.
     """
 
-    __slots__ = ("options", "plan", "template", "combine", "blocks", "tag", "layout",
-                 "average", "native", "kept_buffer", "segments", "on_streams")
+    __slots__ = ("plan", "template", "combine", "blocks", "tag", "layout", "average", "native",
+                 "kept_buffer", "segments", "on_streams")
 
     def __init__(self, options: CallOptions, plan: Plan, template: HeaderTemplate, combine,
                  blocks: Blocks, tag: int, layout: str, average: bool,
@@ -95,7 +92,7 @@ class PreparedCall:
                  segments: Optional[Tuple[Tuple[Optional[NativePlan], Optional[Plan],
                                                 Optional[StreamPlan]], ...]] = None,
                  on_streams: Optional[StreamPlan] = None):
-        self.options = options
+        super().__init__(options)
         self.plan = plan
         self.template = template
         self.combine = combine
@@ -127,6 +124,11 @@ class PreparedCall:
         if self.layout == "exchange":
             return self.plan.slots(buffer[:total], buffer[total:])
         return self.plan.slots(buffer)
+
+    def describe(self) -> Tuple[str, Tuple[int, ...]]:
+        peers = {message.peer for step in self.plan.steps if type(step) is not Local
+                 for message in step}
+        return self.template.header.algorithm, tuple(sorted(peers))
 
 
 def _layout(collective: Collective, rank: int, root: int) -> str:
@@ -163,7 +165,69 @@ def _scatter_blocks(buf: np.ndarray, blocks: Blocks, outputs: Sequence[np.ndarra
         np.copyto(output, blocks.view(buf, i))
 
 
-def _list_runner(membership: "TransportMembership", prepared: PreparedCall, dtype_name: str):
+def _in_place_runner(membership: "TransportMembership", prepared: PlannedCall,
+                     view: Optional[TensorView]) -> Callable[[int, Any], None]:
+    """The ``run`` of an allreduce, reduce, broadcast, barrier, send or recv shape: the
+    plan on the caller's array itself (any C-contiguous shape)."""
+    plan, template = prepared.plan, prepared.template
+    if not plan.steps and membership.world_size == 1:
+        # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
+        return _nothing_to_run
+    options = prepared.options
+    timeout, what = options.timeout, options.collective.value
+    average, world_size, tag = prepared.average, membership.world_size, prepared.tag
+    dtype_name = "" if view is None else view.dtype_name
+    run_on_transport = membership._run_on_transport
+    native, native_run = prepared.native, membership.native and membership.native.run
+    tail = plan.fixed_tail()
+    if native is not None and tail is not None and not average:
+        # The core takes the caller's array as it is: no reshape, and the slots after it are
+        # the same every call.
+        nothing = plan.slots(None)[0]
+
+        def run_in_core(seq: int, array) -> None:
+            if native_run(native, [nothing if array is None else array, *tail], template,
+                          seq, timeout, what, tag):
+                run_on_transport(prepared, plan.slots(array.reshape(-1)), template.stamp(seq))
+
+        return run_in_core
+
+    def run(seq: int, array) -> None:
+        flat = None if array is None else array.reshape(-1)
+        if native is not None:
+            slots = plan.slots(flat)
+            if native_run(native, slots, template, seq, timeout, what, tag):
+                run_on_transport(prepared, slots, template.stamp(seq))
+        else:
+            run_on_transport(prepared, plan.slots(flat), template.stamp(seq))
+        if average:
+            finalize_average(flat, dtype_name, world_size)
+
+    return run
+
+
+def _wire_input(view: Optional[TensorView], layout: str) -> Optional[Callable[[Any], Any]]:
+    """What turns a call's arrays into numpy arrays of the wire dtype where the caller's
+    tensors are not (a torch CPU tensor of the known-shape path, a numpy bfloat16 array: its
+    bits as uint16), or None where they are. Arrays already in that form pass unchanged."""
+    if view is None or view.device != "cpu":
+        return None
+    to_numpy = known_shape_input(view)
+    if to_numpy is not None and layout == "in place":
+        return lambda tensor: tensor if type(tensor) is np.ndarray else to_numpy(tensor)
+    if view.kind != "numpy" or view.dtype_name != "bfloat16":
+        return None
+    wire = view.wire_dtype
+    if layout == "in place":
+        return lambda array: array.view(wire)
+    if layout == "exchange":
+        return lambda arrays: ([a.view(wire) for a in arrays[0]],
+                               [a.view(wire) for a in arrays[1]])
+    # Off their root, gather and scatter may be given no list (None): it is not used there.
+    return lambda arrays: (arrays[0].view(wire), arrays[1] and [a.view(wire) for a in arrays[1]])
+
+
+def _list_runner(membership: "TransportMembership", prepared: PlannedCall, dtype_name: str):
     """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
     (``(tensor, inputs)``), or alltoall (``(inputs, outputs)``) calls of one shape on
     ``membership``; gather and scatter ignore the list except at their root, as the full path
@@ -223,7 +287,7 @@ def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan]
               ) -> Tuple[Tuple[Optional[NativePlan], Optional[Plan], Optional[StreamPlan]],
                          ...]:
     """``plan`` of an algorithm of ``CUT_BY_WAY`` cut where its rounds change way
-    (``PreparedCall.segments``). Every member of the group cuts its plan alike: a message
+    (``PlannedCall.segments``). Every member of the group cuts its plan alike: a message
     between two ranks of a node goes through the core, one between nodes through the
     transport, on both ends. These algorithms never mix the two in a round (a test
     checks it over many layouts); a round that did would raise here. ``on_core`` prepares a
@@ -280,7 +344,7 @@ class TransportMembership(Membership):
             the core); None: the executor runs every plan over ``transport``, the pure-Python
             engine. In a group on one node every collective runs on the core; in one that
             spans nodes, only the node-aware algorithms' rounds between this node's ranks do
-            (``PreparedCall.segments``), the rest over the transport. Point-to-point calls
+            (``PlannedCall.segments``), the rest over the transport. Point-to-point calls
             between nodes take the transport; within a node a large one that its receiver
             does not read in place goes over the transport after the core
             (``NativeRunner.run`` returns True on both sides).
@@ -303,93 +367,30 @@ class TransportMembership(Membership):
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.native = native
-        self._prepared: Dict[Tuple, PreparedCall] = {}
 
-    def run(self, call: GroupCall) -> None:
-        reference = call.tensor if call.tensor is not None else (
-            call.inputs[0] if call.inputs else call.outputs[0] if call.outputs else None)
-        prepared = self.prepared(call.options, reference)
-        self._run_prepared(call, prepared, prepared.template.stamp(call.seq))
+    def prepare(self, options: CallOptions, views: CallViews) -> PlannedCall:
+        """Select, record and pack what every call of this shape needs, and how one runs.
 
-    def prepared(self, options: CallOptions, reference: Optional[TensorView]) -> PreparedCall:
-        """What calls with ``options`` on tensors like ``reference`` share, prepared at the first.
-
-        Args:
-            options: the call's options.
-            reference: the call's tensor (or first list entry), None for a barrier.
-
-        Returns:
-            The prepared call, from the cache or made and cached now.
+        Its ``run`` also takes the caller's own torch CPU tensor (allreduce, reduce,
+        broadcast) or numpy bfloat16 arrays, where the shape was prepared on one: it takes
+        their numpy memory, or the wire view of the bfloat16 bits, as the full path does.
         """
-        # The group hands out one options object per distinct request, so its identity stands
-        # for its fields without hashing them (enum hashing is Python code, microseconds).
-        if reference is None:
-            key = (id(options), "", ())
+        reference = views.reference()
+        prepared = self._prepare(options, reference)
+        if prepared.layout in _LIST_LAYOUTS:
+            run = _list_runner(self, prepared, reference.dtype_name)
         else:
-            key = (id(options), reference.dtype_name, reference.shape)
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            prepared = self._prepare(options, reference)
-            if len(self._prepared) >= PLAN_CACHE_SIZE:
-                del self._prepared[next(iter(self._prepared))]
-            self._prepared[key] = prepared
+            run = _in_place_runner(self, prepared, reference)
+        to_wire = _wire_input(reference, prepared.layout)
+        if to_wire is not None:
+            inner = run
+
+            def run(seq: int, arrays) -> None:
+                inner(seq, to_wire(arrays))
+        prepared.run = run
         return prepared
 
-    def shape_runner(self, options: CallOptions, view: Optional[TensorView]):
-        prepared = self.prepared(options, view)
-        if prepared.layout in _LIST_LAYOUTS:
-            return _list_runner(self, prepared, view.dtype_name)
-        if prepared.layout != "in place":
-            return None
-        plan, template = prepared.plan, prepared.template
-        if not plan.steps and self.world_size == 1:
-            # Nothing to send, and no one to tell that this rank came (AVG of one is itself).
-            return _nothing_to_run
-        timeout, what = options.timeout, options.collective.value
-        average, dtype_name, world_size, tag = prepared.average, "", self.world_size, prepared.tag
-        run_on_transport = self._run_on_transport
-        if view is not None:
-            dtype_name = view.dtype_name
-        native, native_run = prepared.native, self.native and self.native.run
-        tail = plan.fixed_tail()
-        if native is not None and tail is not None and not average:
-            # The core takes the caller's array as it is (any C-contiguous shape): no reshape,
-            # and the slots after it are the same every call.
-            nothing = plan.slots(None)[0]
-
-            def run_in_core(seq: int, array) -> None:
-                if native_run(native, [nothing if array is None else array, *tail], template,
-                              seq, timeout, what, tag):
-                    run_on_transport(prepared, plan.slots(array.reshape(-1)),
-                                     template.stamp(seq))
-
-            return run_in_core
-
-        def run(seq: int, array) -> None:
-            flat = None if array is None else array.reshape(-1)
-            if native is not None:
-                slots = plan.slots(flat)
-                if native_run(native, slots, template, seq, timeout, what, tag):
-                    run_on_transport(prepared, slots, template.stamp(seq))
-            else:
-                run_on_transport(prepared, plan.slots(flat), template.stamp(seq))
-            if average:
-                finalize_average(flat, dtype_name, world_size)
-
-        return run
-
-    def describe(self, options: CallOptions, view: Optional[TensorView]
-                 ) -> Tuple[str, Tuple[int, ...]]:
-        prepared = self.prepared(options, view)
-        peers = {message.peer for step in prepared.plan.steps if type(step) is not Local
-                 for message in step}
-        return prepared.template.header.algorithm, tuple(sorted(peers))
-
-    def prepared_calls(self) -> int:
-        """How many call shapes this membership keeps prepared."""
-        return len(self._prepared)
-
-    def _prepare(self, options: CallOptions, reference: Optional[TensorView]) -> PreparedCall:
+    def _prepare(self, options: CallOptions, reference: Optional[TensorView]) -> PlannedCall:
         """Select, record and pack what every call of this shape needs."""
         collective = options.collective
         p, rank = self.world_size, self.rank
@@ -414,7 +415,7 @@ class TransportMembership(Membership):
                 native = self.native.prepare(plan, collective.value, dtype_name, None)
             elif self.native is not None:
                 on_streams = self.native.prepare_streams(plan, dtype_name, None, self.node_of)
-            return PreparedCall(options, plan, HeaderTemplate(header), None, blocks,
+            return PlannedCall(options, plan, HeaderTemplate(header), None, blocks,
                                 options.tag, "in place", False, native, on_streams=on_streams)
         algorithm = select(collective.value, count, dtype.itemsize, p, self.node_of,
                            forced=self.forced.get(collective.value),
@@ -451,18 +452,11 @@ class TransportMembership(Membership):
         on_streams = None
         if self.native is not None and self.node_of is not None and segments is None:
             on_streams = self.native.prepare_streams(plan, dtype_name, op_or_none, self.node_of)
-        return PreparedCall(options, plan, HeaderTemplate(header), combine, blocks,
+        return PlannedCall(options, plan, HeaderTemplate(header), combine, blocks,
                             COLLECTIVE_TAG, layout, average, native, segments=segments,
                             on_streams=on_streams)
 
-    def _run_prepared(self, call: GroupCall, prepared: PreparedCall, stamp) -> None:
-        tensor = call.tensor.array if call.tensor is not None else None
-        self._execute(prepared, stamp, tensor, [v.array for v in call.inputs],
-                      [v.array for v in call.outputs])
-        if prepared.average:
-            finalize_average(tensor, call.tensor.dtype_name, self.world_size)
-
-    def _execute(self, prepared: PreparedCall, stamp, tensor: Optional[np.ndarray],
+    def _execute(self, prepared: PlannedCall, stamp, tensor: Optional[np.ndarray],
                  inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> None:
         """Lay a call's flat arrays out as its plan's buffers, run the plan, and write the
         results back (see ``_layout``); AVG's division is the caller's."""
@@ -511,7 +505,7 @@ class TransportMembership(Membership):
         elif layout != "in place":
             np.copyto(tensor, blocks.view(buf, self.rank))
 
-    def _run_on_transport(self, prepared: PreparedCall, slots: Sequence[np.ndarray],
+    def _run_on_transport(self, prepared: PlannedCall, slots: Sequence[np.ndarray],
                           stamp) -> None:
         """Run a call's plan over the transport (the Python engine); or run its segments,
         each on its way, one after the other within the call's deadline."""

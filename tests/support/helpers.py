@@ -51,16 +51,19 @@ class Member:
 
 
 def count_full_path(monkeypatch, membership_class):
-    """Record the collective of every call that takes the full path (``membership_class.run``)
-    in every rank, as a list the test reads afterwards."""
+    """Record the collective of every call that takes the full path (``Group.submit``) on a
+    group whose membership is a ``membership_class``, in every rank, as a list the test reads
+    afterwards."""
+    from ray_collective.group import Group
     taken = []
-    original = membership_class.run
+    original = Group.submit
 
-    def run(self, call):
-        taken.append(call.options.collective.value)
-        return original(self, call)
+    def submit(self, known, *args, **kwargs):
+        if isinstance(self.membership, membership_class):
+            taken.append(known[0].options.collective.value)
+        return original(self, known, *args, **kwargs)
 
-    monkeypatch.setattr(membership_class, "run", run)
+    monkeypatch.setattr(Group, "submit", submit)
     return taken
 
 

@@ -10,13 +10,38 @@ run before anything is launched and raise ``ArgumentTypeError``/``ArgumentValueE
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from ...errors import ArgumentTypeError, ArgumentValueError
 from ...tensors import TensorView, as_view
 from ...types import CallOptions
 from ...validation import check_index
-from ..base import GroupCall
+from ..base import PreparedCall
+
+
+class GroupCall:
+    """One call as the NCCL backend builds its steps from it.
+
+    Attributes:
+        options: what was asked (collective, op, root/peer, tag, timeout).
+        seq: the call's sequence number (per group for collectives, per peer and tag for p2p).
+        tensor: the single tensor argument (input and/or output), if the collective has one.
+        inputs: the input list (reducescatter, scatter on the root, alltoall).
+        outputs: the output list (allgather, gather on the root, alltoall).
+
+    A plain class with slots rather than a frozen dataclass: one is built per call. Treat it
+    as read-only.
+    """
+
+    __slots__ = ("options", "seq", "tensor", "inputs", "outputs")
+
+    def __init__(self, options: CallOptions, seq: int, tensor: Optional[TensorView] = None,
+                 inputs: Tuple[TensorView, ...] = (), outputs: Tuple[TensorView, ...] = ()):
+        self.options = options
+        self.seq = seq
+        self.tensor = tensor
+        self.inputs = inputs
+        self.outputs = outputs
 
 
 class MultiGpuCall(GroupCall):
@@ -106,12 +131,17 @@ class GpuArguments:
         devices: the GPUs this process uses in the group, in order.
         group_name: the group.
         world_size: processes in the group.
+        prepare: makes the prepared call of one ``*_multigpu`` call from the options and
+            what builds its record from its sequence number.
     """
 
-    def __init__(self, devices: Sequence[int], group_name: str, world_size: int):
+    def __init__(self, devices: Sequence[int], group_name: str, world_size: int,
+                 prepare: Callable[[CallOptions, Callable[[int, Any], MultiGpuCall]],
+                                   PreparedCall]):
         self.devices = tuple(devices)
         self.group_name = group_name
         self.world_size = world_size
+        self._prepare = prepare
 
     def _views_on(self, tensors: Sequence[Any], what: str,
                   expected: Sequence[int]) -> Tuple[TensorView, ...]:
@@ -229,15 +259,15 @@ class GpuArguments:
                              f"{view.count} elements (0 means all of them)")
         return view, n_elements or view.count
 
-    @staticmethod
-    def call(options: CallOptions, **fields: Any) -> Callable[[int], MultiGpuCall]:
-        """What ``Group.submit`` needs to build the call once it has a sequence number.
+    def call(self, options: CallOptions, **fields: Any) -> PreparedCall:
+        """The prepared call of one ``*_multigpu`` call, for ``Group.submit`` (its ``arrays``
+        are None: the tensors are in the record).
 
         Args:
             options: the call's options.
             **fields: the :class:`MultiGpuCall` fields beyond the options and the number.
 
         Returns:
-            A function of the sequence number.
+            The prepared call.
         """
-        return lambda seq: MultiGpuCall(options, seq, **fields)
+        return self._prepare(options, lambda seq, arrays: MultiGpuCall(options, seq, **fields))

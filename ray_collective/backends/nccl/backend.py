@@ -39,9 +39,9 @@ from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTime
                        PeerDiedError)
 from ...tensors import TensorView
 from ...types import CallOptions, Collective, ReduceOp
-from ..base import BackendFactory, GroupCall, Membership
+from ..base import BackendFactory, CallViews, Membership, PreparedCall
 from ..arrivals import Terms
-from .arguments import GpuArguments, MultiGpuCall, device_of
+from .arguments import GpuArguments, GroupCall, MultiGpuCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
 from .library import ADDRESS_OF, NcclLibrary, load_library
@@ -145,18 +145,26 @@ class NcclMembership(Membership):
 
     def multi_gpu_arguments(self) -> GpuArguments:
         """Checks of the ``*_multigpu`` calls' arguments against this process's GPUs."""
-        return GpuArguments(self.devices, self.group_name, self.world_size)
+        return GpuArguments(self.devices, self.group_name, self.world_size,
+                            lambda options, make_call: NcclCall(self, options, make_call))
 
     def _lane(self, device: int, communicator: Any) -> _Lane:
         return _Lane(device, communicator, self._streams[device], self._done_events[device])
 
     # ------------------------------------------------------------ caller order
 
-    def on_submit(self, call: GroupCall) -> None:
-        """Record where ``call`` must start on each GPU: the caller's streams, now."""
+    def submitted(self, key: Tuple[int, int], call: GroupCall) -> None:
+        """Record where ``call`` must start on each GPU: the caller's streams, now (kept
+        under ``key`` until it runs)."""
         order = self._record_caller_order(call)
         with self._lock:
-            self._orders[id(call)] = order
+            self._orders[key] = order
+
+    def _submitted_order(self, key: Tuple[int, int]) -> Optional[CallerOrder]:
+        if not self._orders:
+            return None
+        with self._lock:
+            return self._orders.pop(key, None)
 
     def _record_caller_order(self, call: GroupCall) -> CallerOrder:
         order: CallerOrder = {}
@@ -184,48 +192,53 @@ class NcclMembership(Membership):
             for device, (_, event) in order.items():
                 self._spare_events[device].append(event)
 
-    # ------------------------------------------------------------ calls of a known shape
+    # ------------------------------------------------------------ prepared calls
 
-    def shape_runner(self, options: CallOptions, view: Optional[TensorView]
-                     ) -> Optional[Callable[[int, Any], None]]:
-        """Later allreduce, reduce and broadcast calls on GPU tensors of one shape: the call's
-        one NCCL operation on the tensor's address, without building its steps again.
+    def prepare(self, options: CallOptions, views: CallViews) -> "NcclCall":
+        """The calls of one shape: their steps built per call from each call's tensors; an
+        allreduce, reduce or broadcast, once its first call ran, as its one NCCL operation on
+        the tensor's address (:meth:`one_operation`).
 
-        Args:
-            options: the calls' options.
-            view: the first call's tensor (its GPU's clique exists: that call ran).
-
-        Returns:
-            ``runner(seq, array)``, or None for any other call.
+        Raises:
+            ArgumentTypeError: a CPU tensor; ArgumentValueError: a GPU this process does not
+                use in the group (before anything is launched).
         """
-        collective = options.collective
-        if (view is None or view.kind not in ADDRESS_OF or not view.device.startswith("cuda:")
-                or not view.count or collective not in _KNOWN_SHAPE_OPERATIONS):
+        like = CallViews(_like(views.tensor), tuple(_like(v) for v in views.inputs),
+                         tuple(_like(v) for v in views.outputs))
+        self._device_of_call(GroupCall(options, 0, like.tensor, like.inputs, like.outputs))
+        return NcclCall(self, options, functools.partial(_call_of, options, like),
+                        like.tensor if options.collective in _KNOWN_SHAPE_OPERATIONS else None)
+
+    def one_operation(self, prepared: "NcclCall", like: TensorView
+                      ) -> Optional[Callable[[int, Any], None]]:
+        """The ``run`` of later allreduce, reduce and broadcast calls on GPU tensors like
+        ``like``: the call's one NCCL operation on the tensor's address, without building its
+        steps again; None where the call is not one (an empty tensor, no clique yet)."""
+        options, collective = prepared.options, prepared.options.collective
+        if like.kind not in ADDRESS_OF or not like.count:
             return None
-        lane = self._single.get(device_of(view, self.devices, self.group_name, "tensor"))
+        lane = self._single.get(device_of(like, self.devices, self.group_name, "tensor"))
         if lane is None:
             return None
         if collective is Collective.BROADCAST:
-            fmt, trailing = self._movement(view), (options.root, lane.stream)
+            fmt, trailing = self._movement(like), (options.root, lane.stream)
         else:
-            fmt = self._reduction(view, options.op)
+            fmt = self._reduction(like, options.op)
             trailing = (fmt.op, options.root, lane.stream) if collective is Collective.REDUCE \
                 else (fmt.op, lane.stream)
         operation = getattr(lane.communicator, _KNOWN_SHAPE_OPERATIONS[collective])
-        address_of = ADDRESS_OF[view.kind]
-        count, datatype = view.count * fmt.per_element, fmt.datatype
+        address_of = ADDRESS_OF[like.kind]
+        count, datatype = like.count * fmt.per_element, fmt.datatype
         peers = tuple(r for r in range(self.world_size) if r != self.rank)
-        # The view stands for every later array of the shape in the caller order's lookup and
-        # in error messages; it must not keep the first array alive.
-        like = TensorView(None, None, view.dtype_name, view.wire_dtype, view.shape, view.device,
-                          view.kind)
+        ident = id(prepared)
 
         def run(seq: int, array: Any) -> None:
             address = address_of(array)
             steps = _CallSteps((lane,), peers, launches=[functools.partial(
                 operation, address, address, count, datatype, *trailing)])
+            # The like view stands for the call's array in the caller order and in messages.
             call = GroupCall(options, seq, tensor=like)
-            order = self._record_caller_order(call)
+            order = self._submitted_order((ident, seq)) or self._record_caller_order(call)
             try:
                 self._execute(call, steps, order)
             finally:
@@ -236,9 +249,10 @@ class NcclMembership(Membership):
 
     # ------------------------------------------------------------ running a call
 
-    def run(self, call: GroupCall) -> None:
-        with self._lock:
-            order = self._orders.pop(id(call), None)
+    def run_call(self, key: Tuple[int, int], call: GroupCall) -> None:
+        """Build ``call``'s steps and run them, after the work its caller queued (recorded
+        when it was submitted under ``key``, else now)."""
+        order = self._submitted_order(key)
         try:
             steps = self._steps(call)
             if order is None:
@@ -565,6 +579,73 @@ class NcclMembership(Membership):
             self._library.destroy_event(event)
         for stream in streams:
             self._library.destroy_stream(stream)
+
+
+class NcclCall(PreparedCall):
+    """A call shape prepared on an NCCL membership (see :meth:`NcclMembership.prepare`).
+
+    Args:
+        membership: the membership.
+        options: the calls' options.
+        make_call: builds a call's record from its sequence number and arrays.
+        like: for an allreduce, reduce or broadcast, the tensor's view without its array:
+            after the first call, ``run`` becomes the one NCCL operation; else None.
+    """
+
+    __slots__ = ("_membership", "_make_call", "_like")
+
+    def __init__(self, membership: NcclMembership, options: CallOptions,
+                 make_call: Callable[[int, Any], GroupCall], like: Optional[TensorView] = None):
+        super().__init__(options, self._run_steps)
+        self._membership = membership
+        self._make_call = make_call
+        self._like = like
+
+    def on_submit(self, seq: int, arrays: Any) -> None:
+        self._membership.submitted((id(self), seq), self._make_call(seq, arrays))
+
+    def _run_steps(self, seq: int, arrays: Any) -> None:
+        self._membership.run_call((id(self), seq), self._make_call(seq, arrays))
+        if self._like is not None:
+            # Its GPU's clique exists now: that call ran.
+            self.run = self._membership.one_operation(self, self._like) or self._run_steps
+            self._like = None
+
+
+def _like(view: Optional[TensorView]) -> Optional[TensorView]:
+    """``view`` without its tensor, standing for every call's tensor of the shape (a prepared
+    call must not keep the first call's tensor alive)."""
+    if view is None:
+        return None
+    return TensorView(None, None, view.dtype_name, view.wire_dtype, view.shape, view.device,
+                      view.kind)
+
+
+def _as(like: TensorView, tensor: Any) -> TensorView:
+    return TensorView(tensor, None, like.dtype_name, like.wire_dtype, like.shape, like.device,
+                      like.kind)
+
+
+def _call_of(options: CallOptions, like: CallViews, seq: int, arrays: Any) -> GroupCall:
+    """The record of call ``seq`` of a shape whose tensors are like ``like``, on ``arrays``
+    (in the form ``PreparedCall.run`` takes them)."""
+    collective = options.collective
+    if arrays is None:
+        return GroupCall(options, seq)
+    if collective is Collective.ALLTOALL:
+        inputs, outputs = arrays
+        return GroupCall(options, seq, None, tuple(map(_as, like.inputs, inputs)),
+                         tuple(map(_as, like.outputs, outputs)))
+    if like.outputs or like.inputs or collective in _LISTED:
+        tensor, entries = arrays
+        entries = tuple(map(_as, like.outputs or like.inputs, entries or ()))
+        return GroupCall(options, seq, _as(like.tensor, tensor),
+                         () if like.outputs else entries, entries if like.outputs else ())
+    return GroupCall(options, seq, _as(like.tensor, arrays))
+
+
+_LISTED = (Collective.ALLGATHER, Collective.GATHER, Collective.REDUCESCATTER,
+           Collective.SCATTER)
 
 
 def _add_launch(steps: _CallSteps, view: TensorView, nccl_call: Callable, *args: Any) -> None:
