@@ -11,8 +11,9 @@ behind a 1 Gbit/s link, two ranks each; its driver (tests/support/netbed_job.py)
   within ``DETECTION_BOUND_S``, long before the call's deadline; node 1's ranks raise too.
 - A cable out for 2 s during a loop of 64 MiB allreduces: every rank ends with right results,
   or with ``PeerDiedError`` naming ranks; none hangs.
-- With the cable back, a new group of the same members works; once the bed is closed nothing
-  of it is left (namespaces, directory, processes).
+- With the cable back, a new group of the same members works, and the ranks on node 0 shrink
+  a group the cut broke to themselves, and it works; once the bed is closed nothing of it is
+  left (namespaces, directory, processes).
 """
 
 import json
@@ -139,6 +140,14 @@ def test_a_flapping_link_gives_right_results_or_names_the_cut_node(summary):
 @pytest.mark.multinode
 def test_a_new_group_works_once_the_link_is_back(summary):
     assert summary["regroup"]["correct"] == [True] * 4
+
+
+@pytest.mark.multinode
+def test_the_survivors_of_a_cut_shrink_to_a_group_that_works(summary):
+    seen = summary["shrink"]
+    assert seen["errors"][:netbed_job.RANKS_PER_NODE] == ["PeerDiedError"] * 2, seen
+    assert seen["named"][:netbed_job.RANKS_PER_NODE] == [CUT_NODE_RANKS] * 2, seen
+    assert seen["survivors"] == [[0, 2, True], [1, 2, True]], seen
 
 
 @pytest.mark.multinode

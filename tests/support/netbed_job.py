@@ -15,7 +15,10 @@ prints one ``SUMMARY {json}`` line.
 - ``flap``: node 1's cable out for 2 s while every rank loops on checked allreduces of 64 MiB:
   each rank's outcome, every result right or the error and the ranks it names;
 - ``regroup``: after the cable is back, a new group of the same members, one allreduce checked
-  against numpy.
+  against numpy;
+- ``shrink``: node 1's cable cut during a loop of 8 B allreduces; once node 0's ranks have
+  raised, the cable is plugged back and node 0's ranks shrink the group to themselves
+  (``shrink_collective_group`` in each) and run an allreduce in it, checked against numpy.
 """
 
 import json
@@ -83,6 +86,35 @@ def regroup(members: list) -> dict:
     return {"correct": correct}
 
 
+def _shrink_and_check(group: str) -> list:
+    """Inside a survivor: shrink ``group``, then one checked allreduce in what it became:
+    [new rank, new world size, result right]."""
+    rank = col.shrink_collective_group(group, timeout=CALL_TIMEOUT_S)
+    world_size = col.get_collective_group_size(group)
+    return [rank, world_size, _checked_allreduce(rank, group, world_size, 1000)]
+
+
+def shrink(members: list, layout) -> dict:
+    """Node 1's cable cut during 8 B allreduces; with it back, node 0's ranks shrink the group
+    to themselves and allreduce in it (``netbed_faults.collect``: node 0's outcomes, then
+    the cable, then node 1's)."""
+    group = "netbed-shrink"
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    markers = [f"{layout.directory}/shrink-{r}.started" for r in range(len(members))]
+    refs = [m.__ray_call__.remote(
+        lambda _self, r=r: netbed_faults.loop_until_error(group, 2, markers[r]))
+        for r, m in enumerate(members)]
+    netbed_faults.wait_for_files(markers, OUTCOME_TIMEOUT_S)
+    cut_at = time.time()
+    netbed.set_link(layout, 1, up=False)
+    cut = netbed_faults.collect(refs, cut_at, layout)
+    survivors = ray.get([m.__ray_call__.remote(lambda _self: _shrink_and_check(group))
+                         for m in members[:RANKS_PER_NODE]], timeout=OUTCOME_TIMEOUT_S)
+    col.destroy_collective_group(group)
+    netbed_faults.wait_for_members(members)
+    return {"errors": cut["errors"], "named": cut["named"], "survivors": survivors}
+
+
 def _checked_loop(rank: int, group: str, world_size: int, count: int, calls: int,
                   marker: str) -> tuple:
     """Inside a member: ``calls`` allreduces of ``count`` float32, each checked against numpy,
@@ -138,6 +170,7 @@ def main(name: str, nodes: int, rate: str) -> dict:
     summary["cut_before"] = cut_before(members, layout)
     summary["flap"] = flap(members, layout)
     summary["regroup"] = regroup(members)
+    summary["shrink"] = shrink(members, layout)
     return summary
 
 
