@@ -1,5 +1,5 @@
 """Calls of a known shape: after a shape's first call, later blocking calls on numpy arrays of
-the same dtype, shape and strides skip the API's per-call checks (``api._run_known_shape``).
+the same dtype, shape and strides skip the API's per-call checks (``api._collective``).
 They must give the same results and fail the same way as the full path."""
 
 import time

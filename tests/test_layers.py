@@ -226,7 +226,8 @@ LAYERS = (
     ("backends",),
     ("group",),
     ("declared", "elastic"),
-    ("api", "refs", "batch", "actor_pool", "interop", "ray_util_group", "testing", "__init__",
+    ("api", "api_groups", "api_multigpu", "refs", "batch", "actor_pool", "interop",
+     "ray_util_group", "testing", "__init__",
      "status", "__main__", "weight_sync", "functional", "torch", "objects"),
     ("integrations",),
 )
@@ -253,13 +254,16 @@ def test_every_module_imports_only_its_layer_and_those_below():
 
 
 def test_the_api_layer_imports_no_backend_only_the_registry():
-    """api.py dispatches through the registry (``backends``) and the backend interface
-    (``backends.base``); a backend's own modules would make it the only one."""
+    """The public functions (``api.py``, ``api_groups.py``, ``api_multigpu.py``) dispatch
+    through the registry (``backends``) and the backend interface (``backends.base``); a
+    backend's own modules would make it the only one."""
     allowed = {"ray_collective.backends", "ray_collective.backends.base"}
-    top, inner = IMPORTS["ray_collective.api"]
-    wrong = [t for t in top + [t for _, t in inner]
+    wrong = [f"{module} imports {t}"
+             for module in ("ray_collective.api", "ray_collective.api_groups",
+                            "ray_collective.api_multigpu")
+             for t in IMPORTS[module][0] + [t for _, t in IMPORTS[module][1]]
              if t.startswith("ray_collective.backends") and t not in allowed]
-    assert not wrong, "api.py imports " + ", ".join(wrong)
+    assert not wrong, "\n".join(wrong)
 
 
 MAX_CLASS_LINES = 300
