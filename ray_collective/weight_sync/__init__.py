@@ -20,6 +20,8 @@ everywhere), ``plan`` cuts the model into buckets and deals them to the publishe
 moves them with the library's ``broadcast`` (pipelined chains across nodes, one copy per
 subscriber on a node), ``digest`` lets a publisher skip what did not change, ``member`` holds a
 process's part and the steps of one sync, ``driver`` forms and changes syncs from the driver.
+On ``backend="nccl"`` the same calls take CuPy arrays and torch CUDA tensors, and ``gpu``
+keeps every bucket in GPU memory (no digest there; subscribers cannot be added or removed).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .agreement import PUBLISHER, ROLE_NAMES, SUBSCRIBER
 from .driver import (add_weight_subscribers, declare_weight_sync, destroy_declared,
                      join_member, leave_member, remove_weight_subscribers)
 from .member import (SyncConfig, SyncReport, WeightSyncMember, check_bucket_bytes,
-                     in_registry)
+                     in_registry, runs_on_gpu)
 
 __all__ = ["declare_weight_sync", "add_weight_subscribers", "remove_weight_subscribers",
            "destroy_weight_sync", "init_weight_sync", "publish_weights", "receive_weights",
@@ -77,7 +79,7 @@ def _check_index(value: Any, count: int, what: str) -> int:
 def init_weight_sync(name: str, role: str, index: int, num_publishers: int,
                      num_subscribers: int, backend: Union[str, Backend, BackendFactory] = "ray",
                      timeout: Optional[float] = None, *,
-                     bucket_bytes: Optional[int] = None) -> None:
+                     bucket_bytes: Optional[int] = None, cupy: Any = None) -> None:
     """Join this process to a weight sync, inside an actor; returns once every member joined.
 
     Args:
@@ -86,11 +88,14 @@ def init_weight_sync(name: str, role: str, index: int, num_publishers: int,
         index: this member's index among its role: ``[0, num_publishers)`` or
             ``[0, num_subscribers)``.
         num_publishers, num_subscribers: the members of each role (at least one each).
-        backend: the collectives' backend (``"ray"``; or a backend factory, as for
-            ``init_collective_group``).
+        backend: the collectives' backend: ``"ray"`` (CPU tensors) or ``"nccl"`` (CuPy arrays
+            and torch CUDA tensors, buckets in GPU memory), or a backend factory of either, as
+            for ``init_collective_group``.
         timeout: the default deadline of every step of a sync, in seconds (default 1800).
         bucket_bytes: the size buckets are cut to (default: chosen by the model's size, 4 to
             32 MiB); the same in every member.
+        cupy: on ``nccl``, the CuPy module the GPU copies go through (default: ``import
+            cupy``; the tests pass the NCCL stand-in's model of it).
 
     Returns:
         None.
@@ -111,8 +116,8 @@ def init_weight_sync(name: str, role: str, index: int, num_publishers: int,
     index = _check_index(index, num_publishers if code == PUBLISHER else num_subscribers,
                          "index")
     config = SyncConfig(name, code, index, num_publishers, group_timeout(timeout, None),
-                        check_bucket_bytes(bucket_bytes))
-    join_member(config, config.fresh_ranks(num_subscribers), backend)
+                        check_bucket_bytes(bucket_bytes), runs_on_gpu(backend))
+    join_member(config, config.fresh_ranks(num_subscribers), backend, cupy)
 
 
 def _member(name: str, what: str) -> WeightSyncMember:
@@ -127,13 +132,15 @@ def _member(name: str, what: str) -> WeightSyncMember:
 def publish_weights(state_dict: Any, name: str = "weights", *, version: int,
                     async_op: bool = False, timeout: Optional[float] = None,
                     unchanged: Optional[Collection[str]] = None,
-                    digest: bool = True) -> Union[int, WeightSyncWork]:
+                    digest: Optional[bool] = None) -> Union[int, WeightSyncWork]:
     """Publish ``state_dict`` as ``version``, in every publisher at once; returns once this
     publisher's bytes are sent and every member has closed the sync.
 
     Args:
-        state_dict: names to tensors (numpy arrays, torch CPU tensors; C-contiguous). Every
-            publisher passes the whole model (replicas: each sends a share) or its own shard.
+        state_dict: names to C-contiguous tensors: numpy arrays and torch CPU tensors on the
+            ``ray`` backend, CuPy arrays and torch CUDA tensors (of one kind, on one GPU) on
+            ``nccl``. Every publisher passes the whole model (replicas: each sends a share) or
+            its own shard.
         name: the weight sync.
         version: this version's number, larger than the last one published.
         async_op: return a :class:`WeightSyncWork` at once (do not change the tensors until
@@ -142,7 +149,9 @@ def publish_weights(state_dict: Any, name: str = "weights", *, version: int,
         unchanged: names of tensors the caller knows did not change since the last version:
             with ``digest`` their buckets are checked and skipped if their digest agrees;
             without, skipped on the caller's word.
-        digest: skip buckets whose bytes did not change (a digest per bucket, at memory speed).
+        digest: skip buckets whose bytes did not change (a digest per bucket, at memory
+            speed). None (the default): on for ``ray``; off for ``nccl``, which keeps no
+            digest of GPU buckets and refuses ``True`` (on every member).
 
     Returns:
         The version, or a :class:`WeightSyncWork` with ``async_op``.
@@ -157,8 +166,8 @@ def publish_weights(state_dict: Any, name: str = "weights", *, version: int,
     """
     member = _member(name, "publish_weights")
     timeout = check_call_timeout(timeout)
-    if not isinstance(digest, bool):
-        raise ArgumentTypeError(f"digest must be True or False, not {digest!r}")
+    if digest is not None and not isinstance(digest, bool):
+        raise ArgumentTypeError(f"digest must be None, True or False, not {digest!r}")
     return _run(member, async_op, PUBLISHER, state_dict, version, unchanged, digest, timeout)
 
 
@@ -168,7 +177,8 @@ def receive_weights(state_dict: Any, name: str = "weights", *, async_op: bool = 
     the publishers publish it.
 
     Args:
-        state_dict: names to writable CPU tensors: the model's names, shapes and dtypes.
+        state_dict: names to writable tensors (CPU on ``ray``, GPU on ``nccl``, as for
+            :func:`publish_weights`): the model's names, shapes and dtypes.
         name: the weight sync.
         async_op: return a :class:`WeightSyncWork` at once (do not read the tensors until its
             ``wait`` returns).
@@ -184,16 +194,18 @@ def receive_weights(state_dict: Any, name: str = "weights", *, async_op: bool = 
     """
     member = _member(name, "receive_weights")
     timeout = check_call_timeout(timeout)
-    return _run(member, async_op, SUBSCRIBER, state_dict, -1, None, True, timeout)
+    return _run(member, async_op, SUBSCRIBER, state_dict, -1, None, None, timeout)
 
 
-def _run(member: WeightSyncMember, async_op: bool, role: int, *args):
+def _run(member: WeightSyncMember, async_op: bool, role: int, state_dict: Any, *args):
     if not isinstance(async_op, bool):
         raise ArgumentTypeError(f"async_op must be True or False, not {async_op!r}")
     if async_op:
         registry = current_registry()
-        return WeightSyncWork(member.submit(in_registry, registry, member.sync, role, *args))
-    return member.sync(role, *args)
+        caller = member.caller_stream(state_dict)     # on the GPU: the caller's, not the thread's
+        return WeightSyncWork(member.submit(in_registry, registry, member.sync, role,
+                                            state_dict, *args, caller))
+    return member.sync(role, state_dict, *args)
 
 
 

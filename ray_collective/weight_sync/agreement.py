@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import api
 from .layout import Layout, difference
 from .plan import PlanError, SyncPlan, make_plan
 
@@ -92,16 +91,16 @@ def header(role: int, index: int, layout: Layout, version: int, last: int, key: 
     return words
 
 
-def allgather_words(words: np.ndarray, group: str, world: int, timeout: Optional[float]
-                    ) -> np.ndarray:
-    """Every member's ``words``, one row per control rank."""
-    rows = [np.empty_like(words) for _ in range(world)]
-    api.allgather(rows, words, group, timeout=timeout)
-    return np.stack(rows)
+def allgather_words(words: np.ndarray, group: str, world: int, timeout: Optional[float],
+                    memory: Any) -> np.ndarray:
+    """Every member's ``words``, one row per control rank, through ``memory`` (host memory,
+    or device buffers on the nccl backend: ``transfer.HostBuckets``, ``gpu.GpuBuckets``)."""
+    return memory.allgather(words, group, world, timeout)
 
 
 def agree(headers: np.ndarray, description: bytes, plan: Optional[SyncPlan], key: int,
-          group: str, timeout: Optional[float]) -> Tuple[Optional[Verdict], Optional[str]]:
+          group: str, timeout: Optional[float], memory: Any
+          ) -> Tuple[Optional[Verdict], Optional[str]]:
     """The verdict of one sync from every member's header, or the error every member raises.
 
     Args:
@@ -110,6 +109,7 @@ def agree(headers: np.ndarray, description: bytes, plan: Optional[SyncPlan], key
         plan, key: the plan this member holds, and its key (0: none).
         group: the control group.
         timeout: the deadline of the second allgather, where one is needed.
+        memory: what the allgather goes through (see :func:`allgather_words`).
 
     Returns:
         ``(verdict, None)``, or ``(None, the error's text)``: the same on every member.
@@ -128,7 +128,7 @@ def agree(headers: np.ndarray, description: bytes, plan: Optional[SyncPlan], key
         need = any(tuple(headers[r, [H_FP0, H_FP1]]) != model_fp
                    for r, (role, _) in enumerate(roster.members) if role == SUBSCRIBER)
     if need:
-        layouts = _descriptions(headers, description, group, timeout)
+        layouts = _descriptions(headers, description, group, timeout, memory)
         errors = [f"{roster.name(r)}: {layout.error}" for r, layout in enumerate(layouts)
                   if layout.error]
         if errors:
@@ -159,11 +159,10 @@ def agree(headers: np.ndarray, description: bytes, plan: Optional[SyncPlan], key
 
 
 def _descriptions(headers: np.ndarray, description: bytes, group: str,
-                  timeout: Optional[float]) -> List[Layout]:
+                  timeout: Optional[float], memory: Any) -> List[Layout]:
     width = int(headers[:, H_DESC_BYTES].max())
     mine = np.zeros(width, np.uint8)
     mine[:len(description)] = np.frombuffer(description, np.uint8)
-    rows = [np.empty(width, np.uint8) for _ in range(len(headers))]
-    api.allgather(rows, mine, group, timeout=timeout)
+    rows = allgather_words(mine, group, len(headers), timeout, memory)
     return [Layout.decode(row[:int(n)].tobytes())
             for row, n in zip(rows, headers[:, H_DESC_BYTES])]

@@ -24,25 +24,28 @@ from .. import api
 from ..backends.base import BackendFactory
 from ..elastic import DRIVER_MARGIN_S
 from ..errors import (ArgumentTypeError, ArgumentValueError, CollectiveTimeoutError,
-                      GroupAlreadyInitializedError, WeightSyncError,
+                      GroupAlreadyInitializedError, UnsupportedOperationError, WeightSyncError,
                       WeightSyncNotInitializedError)
 from ..group import GroupRegistry, current_registry
 from ..types import Backend
 from ..validation import check_call_timeout, check_group_name, group_timeout
 from .agreement import PUBLISHER, SUBSCRIBER
-from .member import SyncConfig, WeightSyncMember, check_bucket_bytes, control_group
+from .member import (SyncConfig, WeightSyncMember, check_bucket_bytes, control_group,
+                     runs_on_gpu)
 
 # --------------------------------------------------------------------- in a member
 
 
 def join_member(config: SyncConfig, ranks: Dict[str, Tuple[int, int]],
-                backend: Union[str, Backend, BackendFactory]) -> WeightSyncMember:
+                backend: Union[str, Backend, BackendFactory], cupy: Any = None
+                ) -> WeightSyncMember:
     """Join this process to every group of its weight sync and register its membership.
 
     Args:
         config: the member's place in the sync.
         ranks: ``{group: (rank, world size)}`` for each of ``config.groups``.
         backend: the collectives' backend.
+        cupy: on the nccl backend, the CuPy module (default: imported on first use).
 
     Returns:
         The membership.
@@ -55,7 +58,7 @@ def join_member(config: SyncConfig, ranks: Dict[str, Tuple[int, int]],
     registry = current_registry()
     if config.name in registry.weight_syncs:
         raise GroupAlreadyInitializedError(config.name)
-    member = WeightSyncMember(config)
+    member = WeightSyncMember(config, cupy)
     registry.weight_syncs[config.name] = member
     try:
         for group in config.groups:
@@ -148,6 +151,15 @@ def _check_actors(actors: Any, what: str) -> List[Any]:
     return list(actors)
 
 
+def _check_elastic(record: DeclaredWeightSync, what: str) -> None:
+    if runs_on_gpu(record.backend):
+        raise UnsupportedOperationError(
+            f"weight sync '{record.name}' runs on the 'nccl' backend, whose groups cannot "
+            f"shrink or grow (CuPy exposes neither ncclCommShrink nor grow), so subscribers "
+            f"cannot be {what}: destroy the weight sync and declare it again with the "
+            f"subscribers you want")
+
+
 def _record(name: str) -> DeclaredWeightSync:
     record = current_registry().declared_weight_syncs.get(check_group_name(name))
     if record is None:
@@ -176,7 +188,8 @@ def declare_weight_sync(publishers: Sequence[Any], subscribers: Sequence[Any],
         publishers: the actors that publish (trainer ranks), in publisher-index order.
         subscribers: the actors that receive (inference engines), in subscriber-index order.
         name: the weight sync's name.
-        backend: the collectives' backend, ``"ray"``.
+        backend: the collectives' backend: ``"ray"`` (CPU tensors) or ``"nccl"`` (GPU
+            tensors; the subscribers cannot then be changed, see ``add_weight_subscribers``).
         timeout: the default deadline of every step of a sync, in seconds (default 1800).
         bucket_bytes: the bucket size (default: chosen by the model's size).
 
@@ -203,7 +216,8 @@ def declare_weight_sync(publishers: Sequence[Any], subscribers: Sequence[Any],
                                 timeout, bucket, len(subscribers))
     refs = []
     for actor, role, index in record.members():
-        config = SyncConfig(name, role, index, len(publishers), timeout, bucket)
+        config = SyncConfig(name, role, index, len(publishers), timeout, bucket,
+                            runs_on_gpu(backend))
         refs.append(actor.__ray_call__.remote(_join_in_actor, config,
                                               config.fresh_ranks(len(subscribers)), backend))
     try:
@@ -261,10 +275,13 @@ def add_weight_subscribers(name: str, actors: Sequence[Any],
     Raises:
         ArgumentValueError, ArgumentTypeError: bad actors (one that is a member already).
         WeightSyncNotInitializedError: this driver did not declare ``name``.
+        UnsupportedOperationError: the sync runs on the ``nccl`` backend (before anything is
+            sent).
         WeightSyncError, CollectiveError: the change failed (a publisher is dead, a member
             did not answer in time).
     """
     record = _record(name)
+    _check_elastic(record, "added")
     actors = _check_actors(actors, "actors")
     if set(actors) & {a for a, _, _ in record.members()}:
         raise ArgumentValueError(f"an actor in actors is a member of weight sync '{name}' "
@@ -301,10 +318,13 @@ def remove_weight_subscribers(name: str, actors: Sequence[Any],
     Raises:
         ArgumentValueError, ArgumentTypeError: an actor that is no subscriber, or all of them.
         WeightSyncNotInitializedError: this driver did not declare ``name``.
+        UnsupportedOperationError: the sync runs on the ``nccl`` backend (before anything is
+            sent).
         WeightSyncError, CollectiveError: the change failed.
     """
     import ray
     record = _record(name)
+    _check_elastic(record, "removed")
     actors = _check_actors(actors, "actors")
     index_of = {a: i for i, a in record.subscribers.items()}
     strangers = [a for a in actors if a not in index_of]

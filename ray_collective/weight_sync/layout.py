@@ -1,9 +1,10 @@
 """A member's state dict as weight sync sees it: the tensors' names, dtypes and shapes, their
 bytes, and the fingerprint and description the members compare before any byte moves.
 
-A state dict is a mapping of names (non-empty strings) to CPU tensors (numpy arrays, torch CPU
-tensors) that are C-contiguous; a subscriber's must be writable, since its tensors are filled in
-place. Each member checks its own here (:func:`read_state_dict`); what it finds wrong becomes
+A state dict is a mapping of names (non-empty strings) to C-contiguous tensors: CPU tensors
+(numpy arrays, torch CPU tensors) on the ``ray`` backend, GPU tensors of one kind on one GPU
+(CuPy arrays, torch CUDA tensors) on ``nccl``; a subscriber's must be writable, since its
+tensors are filled in place. Each member checks its own here (:func:`read_state_dict`); what it finds wrong becomes
 its description's ``error``, which every member sees and raises, so that bad input on one member
 is refused on all of them before anything is sent.
 
@@ -23,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ArgumentError
-from ..tensors import as_view
+from ..tensors import TensorView, as_view
 
 
 @dataclass(frozen=True)
@@ -80,44 +81,69 @@ class Layout:
         return {t.name: t for t in self.tensors}
 
 
-def read_state_dict(state_dict: Any, writable: bool, what: str
-                    ) -> Tuple[Layout, Dict[str, np.ndarray]]:
-    """Check a member's state dict and view its tensors as bytes.
+def read_state_dict(state_dict: Any, writable: bool, what: str, on_gpu: bool = False
+                    ) -> Tuple[Layout, Dict[str, Any]]:
+    """Check a member's state dict and take its tensors' memory.
 
     Args:
         state_dict: the caller's mapping of names to tensors.
         writable: whether the tensors are written (a subscriber's).
         what: how messages name the call, e.g. ``"publish_weights"``.
+        on_gpu: whether the sync runs on the ``nccl`` backend (GPU tensors, all on one GPU)
+            rather than ``ray`` (CPU tensors).
 
     Returns:
-        ``(layout, bytes_of)``: the layout (with ``error`` set and nothing else when the input
-        is bad) and, for a good one, each name's flat uint8 view sharing the tensor's memory.
+        ``(layout, memory)``: the layout (with ``error`` set and nothing else when the input
+        is bad) and, for a good one, each name's tensor view (``TensorView``; on the GPU) or
+        flat uint8 view sharing the tensor's memory (on the CPU).
     """
     if not isinstance(state_dict, Mapping):
         return Layout(error=f"{what}: state_dict must be a mapping of names to tensors, not "
                             f"{type(state_dict).__name__}"), {}
     specs: List[TensorSpec] = []
-    bytes_of: Dict[str, np.ndarray] = {}
+    memory: Dict[str, Any] = {}
     for name in state_dict:
         if not isinstance(name, str) or not name:
             return Layout(error=f"{what}: every key of state_dict must be a non-empty "
                                 f"string, not {name!r}"), {}
+    first = None
     for name in sorted(state_dict):
         try:
             view = as_view(state_dict[name], writable=writable, what=f"state_dict[{name!r}]")
         except ArgumentError as err:
             return Layout(error=f"{what}: {err}"), {}
-        if view.array is None:
-            return Layout(error=f"{what}: state_dict[{name!r}] is a {view.kind} tensor on "
-                                f"{view.device}; this weight sync runs on the CPU: pass CPU "
-                                f"tensors"), {}
-        flat = view.array.view(np.uint8)
+        wrong = _wrong_place(view, first, name, what, on_gpu)
+        if wrong:
+            return Layout(error=wrong), {}
+        first = first or (name, view)
+        nbytes = view.count * view.wire_dtype.itemsize
         specs.append(TensorSpec(name, view.dtype_name, tuple(int(d) for d in view.shape),
-                                int(flat.nbytes)))
-        bytes_of[name] = flat
+                                int(nbytes)))
+        memory[name] = view if on_gpu else view.array.view(np.uint8)
     if not specs:
         return Layout(error=f"{what}: state_dict is empty; pass at least one tensor"), {}
-    return Layout(tuple(specs)), bytes_of
+    return Layout(tuple(specs)), memory
+
+
+def _wrong_place(view: TensorView, first: Optional[Tuple[str, TensorView]], name: str,
+                 what: str, on_gpu: bool) -> str:
+    """Why a tensor cannot be synced where this sync runs ("" when it can)."""
+    tensor = f"state_dict[{name!r}]"
+    if not on_gpu and view.array is None:
+        return (f"{what}: {tensor} is a {view.kind} tensor on {view.device}; this weight sync "
+                f"runs on the 'ray' backend, on the CPU: pass CPU tensors, or declare the sync "
+                f"with backend='nccl' for GPU tensors")
+    if on_gpu and view.array is not None:
+        return (f"{what}: {tensor} is a {view.kind} tensor on the CPU; this weight sync runs "
+                f"on the 'nccl' backend, which moves GPU memory: pass cupy arrays or torch "
+                f"CUDA tensors, or declare the sync with backend='ray' for CPU tensors")
+    if on_gpu and first is not None:
+        other, like = first
+        if (view.device, view.kind) != (like.device, like.kind):
+            return (f"{what}: {tensor} is a {view.kind} tensor on {view.device} but "
+                    f"state_dict[{other!r}] a {like.kind} tensor on {like.device}; a member's "
+                    f"tensors must be of one kind on one GPU")
+    return ""
 
 
 def difference(expected: Layout, actual: Layout, expected_side: str, actual_side: str

@@ -17,6 +17,13 @@ One sync (:meth:`WeightSyncMember.sync`):
    receives from every publisher at once, one thread per data group.
 4. The close: one more allgather on the control group, so that every member ends the same way;
    a member that died is named to all, and the next sync goes on without it.
+
+On the ``nccl`` backend (``config.gpu``) the same steps run on the GPU (``gpu``), with two
+differences the backend's groups impose: NCCL aborts a group's communicators at any failure
+and the nccl backend's groups cannot shrink or grow (CuPy exposes neither ncclCommShrink nor
+grow), so a failed sync (a timeout, a dead member) leaves the weight sync broken, to be
+destroyed and declared again, and NCCL cannot say which member failed, so none is named; and
+there is no change digest on the GPU (see ``_read``).
 """
 
 from __future__ import annotations
@@ -29,15 +36,18 @@ from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from .. import api
+from ..backends.base import BackendFactory
 from ..elastic import grow_member, shrink_member
 from ..errors import (ArgumentValueError, CollectiveError, PeerDiedError, RankExcludedError,
                       WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError)
 from ..group import current_registry, use_registry
+from ..types import Backend
 from .agreement import (H_PLAN, PUBLISHER, ROLE_NAMES, SUBSCRIBER, Roster, Verdict, agree,
                         allgather_words, header, member_name)
+from .gpu import MemberGpus, device_bytes_of
 from .layout import Layout, read_state_dict
 from .plan import SyncPlan
-from .transfer import choose_buckets, receive_buckets, send_buckets
+from .transfer import HostBuckets, choose_buckets, receive_buckets, send_buckets
 
 
 def control_group(name: str) -> str:
@@ -61,6 +71,7 @@ class SyncConfig:
         publishers: the number of publishers.
         timeout: the default deadline of a sync's every step, in seconds.
         bucket_bytes: the bucket size (0: chosen by the model's size).
+        gpu: whether the sync runs on the ``nccl`` backend (GPU tensors).
     """
 
     name: str
@@ -69,6 +80,7 @@ class SyncConfig:
     publishers: int
     timeout: float
     bucket_bytes: int = 0
+    gpu: bool = False
 
     @property
     def groups(self) -> List[str]:
@@ -91,6 +103,18 @@ class SyncConfig:
             place = {groups[0]: (publishers + self.index, publishers + subscribers)}
             place.update({g: (1 + self.index, 1 + subscribers) for g in groups[1:]})
         return place
+
+
+def runs_on_gpu(backend: Any) -> bool:
+    """Whether a sync on ``backend`` (a name, ``Backend`` or factory) runs on the GPU: the
+    ``nccl`` backend's."""
+    name = getattr(backend, "name", None) if isinstance(backend, BackendFactory) else backend
+    if isinstance(name, str):
+        try:
+            return Backend(name) is Backend.NCCL
+        except ValueError:
+            return False
+    return False
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> int:
@@ -125,11 +149,25 @@ class SyncReport:
     full: bool
 
 
-class WeightSyncMember:
-    """This process's part in one weight sync (see the module docstring)."""
+NCCL_BROKEN = ("on the 'nccl' backend a failed sync breaks the weight sync: NCCL aborts the "
+               "groups' communicators, and the nccl backend's groups cannot shrink or grow "
+               "(CuPy exposes neither ncclCommShrink nor grow); destroy the weight sync and "
+               "declare it again")
+NO_GPU_DIGEST = ("the 'nccl' backend keeps no change digest of GPU buckets; pass digest=False "
+                 "(its default on nccl) and name what did not change with unchanged=")
 
-    def __init__(self, config: SyncConfig):
+
+class WeightSyncMember:
+    """This process's part in one weight sync (see the module docstring).
+
+    Args:
+        config: the member's place in the sync.
+        cupy: on the nccl backend, the CuPy module (default: imported on first use).
+    """
+
+    def __init__(self, config: SyncConfig, cupy: Any = None):
         self.config = config
+        self._gpu = MemberGpus(cupy, config.groups) if config.gpu else None
         self.me = member_name(config.role, config.index)
         self._plan: Optional[SyncPlan] = None
         self._key = 0
@@ -164,15 +202,38 @@ class WeightSyncMember:
         for pool in (self._async, self._receivers):
             if pool is not None:
                 pool.shutdown(wait=False)
+        if self._gpu is not None:
+            self._gpu.close()
 
     def _error(self, cls, detail: str, version: Optional[int] = None, **extra) -> WeightSyncError:
         return cls(self.config.name, self.me, version, detail=detail, **extra)
 
     # ------------------------------------------------------------------ one sync
 
+    def caller_stream(self, state_dict: Any) -> Optional[int]:
+        """On the nccl backend, the stream the calling thread queues its work on for the GPU
+        of ``state_dict``'s tensors (a sync starts after that work, and the caller's later
+        work waits for the sync); None on the CPU or where there is no GPU tensor."""
+        where = self._gpu.where(state_dict) if self._gpu else None
+        return None if where is None else self._gpu.caller_stream(where)
+
+    @property
+    def control(self) -> str:
+        """The control group's name."""
+        return control_group(self.config.name)
+
+    def _buckets(self, group: str, where: Optional[Tuple[int, str]]):
+        """Where this sync's buckets and control words of ``group`` live."""
+        return self._gpu.buckets(group, where) if self._gpu else HostBuckets()
+
     def sync(self, role: int, state_dict: Any, version: int, unchanged: Optional[Collection[str]],
-             use_digest: bool, timeout: Optional[float]) -> int:
+             use_digest: Optional[bool], timeout: Optional[float],
+             caller: Optional[int] = None) -> int:
         """Publish (``role`` PUBLISHER) or receive one version; see ``publish_weights``.
+
+        ``use_digest`` None: the backend's default (on for ``ray``, off for ``nccl``);
+        ``caller``: on the nccl backend, the caller's stream taken where the call was made
+        (an ``async_op`` call), else the calling thread's.
 
         Returns:
             The version delivered.
@@ -188,22 +249,38 @@ class WeightSyncMember:
             deadline = self.config.timeout if timeout is None else timeout
             if self._repair:
                 self._shrink(deadline)
-            layout, bytes_of = self._read(role, state_dict, version, unchanged)
-            verdict = self._agree(layout, version, deadline)
-            failure = self._move(verdict, bytes_of, unchanged, use_digest, deadline)
-            self._close(verdict, failure, deadline)
+            if use_digest is None:
+                use_digest = not self.config.gpu
+            layout, bytes_of = self._read(role, state_dict, version, unchanged, use_digest)
+            where = self._gpu.where(state_dict) if self._gpu else None
+            ordered = where is not None and not layout.error
+            if ordered:
+                bytes_of = device_bytes_of(bytes_of)
+                caller = self._gpu.caller_stream(where) if caller is None else caller
+                self._gpu.after_caller(where, caller)
+            control = self._buckets(self.control, where)
+            try:
+                verdict = self._agree(layout, version, deadline, control)
+                failure = self._move(verdict, bytes_of, unchanged, use_digest, deadline, where)
+                self._close(verdict, failure, deadline, control)
+            finally:
+                if ordered:
+                    self._gpu.before_caller(where, caller)
             return verdict.version
 
     def _read(self, role: int, state_dict: Any, version: int,
-              unchanged: Optional[Collection[str]]):
+              unchanged: Optional[Collection[str]], use_digest: bool):
         call = "publish_weights" if role == PUBLISHER else "receive_weights"
         if role != self.config.role:
             right = "publish_weights" if self.config.role == PUBLISHER else "receive_weights"
             return Layout(error=f"{self.me} called {call}; a {ROLE_NAMES[self.config.role]} "
                                 f"calls {right}"), {}
-        layout, bytes_of = read_state_dict(state_dict, role == SUBSCRIBER, call)
+        layout, bytes_of = read_state_dict(state_dict, role == SUBSCRIBER, call,
+                                           self.config.gpu)
         if layout.error or role == SUBSCRIBER:
             return layout, bytes_of
+        if self.config.gpu and use_digest:
+            return Layout(error=f"{call}: digest=True: {NO_GPU_DIGEST}"), {}
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or \
                 not 0 <= version < 2 ** 63:
             return Layout(error=f"{call}: version must be an int in [0, 2^63), not "
@@ -218,7 +295,7 @@ class WeightSyncMember:
                                     f"state_dict"), {}
         return layout, bytes_of
 
-    def _agree(self, layout: Layout, version: int, deadline: float) -> Verdict:
+    def _agree(self, layout: Layout, version: int, deadline: float, control: Any) -> Verdict:
         config = self.config
         description = layout.encode()
         proposed = int(version) if config.role == PUBLISHER and not layout.error else -1
@@ -226,10 +303,12 @@ class WeightSyncMember:
                        proposed if config.role == PUBLISHER else self._version,
                        self._version if config.role == PUBLISHER else -1, self._key,
                        description, config.bucket_bytes, config.publishers)
-        control = control_group(config.name)
         try:
-            headers = self._allgather(words, deadline)
+            headers = self._allgather(words, deadline, control)
         except CollectiveError as err:
+            if config.gpu:
+                self._broken = NCCL_BROKEN
+                raise self._error(WeightSyncError, f"{err}; {NCCL_BROKEN}") from err
             dead = dead_members(self.config, err, None)
             if not dead:
                 self._repair = True
@@ -245,20 +324,27 @@ class WeightSyncMember:
             # all: every survivor finds out here, shrinks, and the sync goes on without it.
             self._shrink(deadline)
             words[H_PLAN] = self._key
-            headers = self._allgather(words, deadline)
-        verdict, problem = agree(headers, description, self._plan, self._key, control, deadline)
+            headers = self._allgather(words, deadline, control)
+        try:
+            verdict, problem = agree(headers, description, self._plan, self._key, self.control,
+                                     deadline, control)
+        except CollectiveError as err:
+            if not config.gpu:
+                raise
+            self._broken = NCCL_BROKEN
+            raise self._error(WeightSyncError, f"{err}; {NCCL_BROKEN}") from err
         if problem:
             raise self._error(WeightSyncMismatchError, problem,
                               proposed if proposed >= 0 else None)
         return verdict
 
-    def _allgather(self, words: np.ndarray, deadline: float) -> np.ndarray:
-        control = control_group(self.config.name)
-        return allgather_words(words, control, api.get_collective_group_size(control), deadline)
+    def _allgather(self, words: np.ndarray, deadline: float, control: Any) -> np.ndarray:
+        return allgather_words(words, self.control, api.get_collective_group_size(self.control),
+                               deadline, control)
 
-    def _move(self, verdict: Verdict, bytes_of: Dict[str, np.ndarray],
+    def _move(self, verdict: Verdict, bytes_of: Dict[str, Any],
               unchanged: Optional[Collection[str]], use_digest: bool,
-              deadline: float) -> Optional[BaseException]:
+              deadline: float, where: Optional[Tuple[int, str]]) -> Optional[BaseException]:
         """The sync's bytes; the failure, if any, for the close to tell everyone."""
         config, plan = self.config, verdict.plan
         try:
@@ -272,28 +358,30 @@ class WeightSyncMember:
                     send = choose_buckets(plan, mine, bytes_of, unchanged, use_digest,
                                           self._digests, known)
                 self._moved = sum(b.nbytes for b, goes in zip(mine, send) if goes)
-                send_buckets(plan, mine, send, bytes_of,
-                             data_group(config.name, config.index, config.publishers),
-                             deadline, known)
+                group = data_group(config.name, config.index, config.publishers)
+                send_buckets(plan, mine, send, bytes_of, group, deadline, known,
+                             self._buckets(group, where))
                 self._digests.update(known)
             else:
-                self._moved = self._receive_all(plan, bytes_of, deadline)
+                self._moved = self._receive_all(plan, bytes_of, deadline, where)
         except CollectiveError as err:
             return err
         return None
 
-    def _receive_all(self, plan: SyncPlan, bytes_of: Dict[str, np.ndarray],
-                     deadline: float) -> int:
+    def _receive_all(self, plan: SyncPlan, bytes_of: Dict[str, Any], deadline: float,
+                     where: Optional[Tuple[int, str]]) -> int:
         config = self.config
         groups = [data_group(config.name, p, config.publishers) for p in range(config.publishers)]
         if len(groups) == 1:
-            return receive_buckets(plan, plan.buckets_of(0), bytes_of, groups[0], deadline)
+            return receive_buckets(plan, plan.buckets_of(0), bytes_of, groups[0], deadline,
+                                   self._buckets(groups[0], where))
         if self._receivers is None:
             self._receivers = ThreadPoolExecutor(len(groups),
                                                  thread_name_prefix=f"weight-sync[{self.me}]")
         registry = current_registry()
         futures = [self._receivers.submit(in_registry, registry, receive_buckets, plan,
-                                          plan.buckets_of(p), bytes_of, group, deadline)
+                                          plan.buckets_of(p), bytes_of, group, deadline,
+                                          self._buckets(group, where))
                    for p, group in enumerate(groups)]
         errors = [f.exception() for f in futures]
         for error in errors:
@@ -302,16 +390,27 @@ class WeightSyncMember:
         return sum(f.result() for f in futures)
 
     def _close(self, verdict: Verdict, failure: Optional[BaseException],
-               deadline: float) -> None:
+               deadline: float, control: Any) -> None:
         roster = verdict.roster
+        if failure is not None and self.config.gpu:
+            # NCCL has aborted the group: no close to send, and no member it could name.
+            self._broken = NCCL_BROKEN
+            if self.config.role == SUBSCRIBER:
+                self._version = -1
+            raise self._error(WeightSyncError, f"{failure}; {NCCL_BROKEN}",
+                              verdict.version) from failure
         world = len(roster.members)
         words = np.zeros(world + 1, np.uint8)
         dead = dead_members(self.config, failure, roster) if failure is not None else set()
         words[0] = failure is not None
         words[[1 + r for r in dead]] = 1
         try:
-            rows = allgather_words(words, control_group(self.config.name), world, deadline)
+            rows = allgather_words(words, self.control, world, deadline, control)
         except CollectiveError as err:
+            if self.config.gpu:
+                self._broken = NCCL_BROKEN
+                raise self._error(WeightSyncError, f"{err}; {NCCL_BROKEN}",
+                                  verdict.version) from err
             dead |= dead_members(self.config, err, roster)
             failure = failure or err
         else:
@@ -359,6 +458,12 @@ class WeightSyncMember:
         """
         if self._broken:
             raise self._error(WeightSyncError, self._broken)
+        if self.config.gpu:
+            raise self._error(WeightSyncError, f"subscribers cannot be added or removed: the "
+                                               f"nccl backend's groups cannot shrink or grow "
+                                               f"(CuPy exposes neither ncclCommShrink nor grow); "
+                                               f"destroy the weight sync and declare it again "
+                                               f"with the subscribers you want")
         if self._repair:
             self._shrink(timeout)
         control = control_group(self.config.name)
