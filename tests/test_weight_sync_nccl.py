@@ -366,3 +366,48 @@ def test_subscribers_cannot_be_added_or_removed_on_nccl_and_the_driver_says_so()
                 call("g", [Handle()])
     finally:
         del registry.declared_weight_syncs["g"]
+
+
+def test_large_tensors_move_from_and_into_their_own_memory():
+    world = World(1, 1)
+    pub, sub = values(9), values(90)
+    tensors = {}
+
+    def publisher():
+        world.join("publisher", 0)
+        arrays = tensors["publisher"] = world.arrays(pub, 0)
+        col.publish_weights(arrays, world.name, version=0)
+        col.destroy_weight_sync(world.name)
+
+    def subscriber():
+        world.join("subscriber", 0)
+        arrays = tensors["subscriber"] = world.arrays(sub, 1)
+        col.receive_weights(arrays, world.name)
+        col.destroy_weight_sync(world.name)
+        return world.host(arrays)
+
+    _, got = world.run([publisher, subscriber])
+    assert_bits(got, pub)
+    embed = pub["embed"].nbytes                       # 8448 bytes: 9 pieces of a bucket
+    for rank, role, buffer in ((0, "publisher", "sendbuf"), (1, "subscriber", "recvbuf")):
+        start = tensors[role]["embed"].data.ptr
+        pieces = [c[4][buffer] - start for c in world.broadcasts()
+                  if c[2] == rank and start <= c[4][buffer] < start + embed]
+        assert pieces == list(range(0, embed, BUCKET))
+
+
+def test_the_race_check_finds_an_unordered_pair_and_accepts_an_event_wait():
+    gpus = StandInGpus(device_count=1)
+    cupy = standin_cupy(gpus)
+    runtime = cupy.cuda.runtime
+    a, b = gpus.array(np.arange(8, dtype=np.uint8)), gpus.array(np.zeros(8, np.uint8))
+    first, second = gpus.new_stream(0), gpus.new_stream(0)
+    runtime.memcpyAsync(b.data.ptr, a.data.ptr, 8, 3, first)
+    runtime.memcpyAsync(a.data.ptr, b.data.ptr, 8, 3, second)       # b read, a written: racing
+    assert len(races(gpus)) == 2
+    event = runtime.eventCreateWithFlags(0)
+    runtime.eventRecord(event, first)
+    runtime.streamWaitEvent(second, event, 0)
+    runtime.memcpyAsync(a.data.ptr, b.data.ptr, 8, 3, second)       # ordered by the event
+    assert len(races(gpus)) == 2
+    gpus.close()
