@@ -327,27 +327,34 @@ def test_a_member_that_never_comes_ends_in_the_callers_timeout_then_the_sync_is_
     assert came and came[0] < 10
 
 
-def test_async_syncs_on_the_gpu_return_the_version():
+def test_async_syncs_order_with_the_stream_current_where_the_call_was_made():
     world = World(1, 1)
     pub, sub = values(8), values(80)
 
     def publisher():
         world.join("publisher", 0)
-        work = col.publish_weights(world.arrays(pub, 0), world.name, version=3, async_op=True)
+        world.gpus.use_stream(0, world.gpus.new_stream(0))      # the trainer's own stream
+        arrays = world.arrays(values(0), 0)
+        for name, new in world.arrays(pub, 0).items():
+            world.on_caller_stream(arrays[name], new)             # the step, still queued
+        work = col.publish_weights(arrays, world.name, version=3, async_op=True)
         version = work.wait(30)
         col.destroy_weight_sync(world.name)
         return version
 
     def subscriber():
         world.join("subscriber", 0)
+        world.gpus.use_stream(1, world.gpus.new_stream(1))
         arrays = world.arrays(sub, 1)
         version = col.receive_weights(arrays, world.name, async_op=True).wait(30)
+        got = world.read(arrays)
         col.destroy_weight_sync(world.name)
-        return version, world.host(arrays)
+        return version, got
 
     first, (version, got) = world.run([publisher, subscriber])
     assert first == version == 3
     assert_bits(got, pub)
+    assert races(world.gpus) == []
 
 
 def test_subscribers_cannot_be_added_or_removed_on_nccl_and_the_driver_says_so():
