@@ -241,6 +241,8 @@ def _refused_everywhere(world, publisher_arrays, subscriber_arrays, publish_kwar
 @pytest.mark.parametrize("bad, message", [
     ("cpu", "subscriber 1: receive_weights: state_dict['head'] is a numpy tensor on the CPU; "
             "this weight sync runs on the 'nccl' backend"),
+    ("all on the cpu", "subscriber 1: receive_weights: state_dict['embed'] is a numpy tensor "
+                       "on the CPU"),
     ("shape", "tensor 'layer.0.w' is float32[300] in publisher 0 but float32[301] in "
               "subscriber 1"),
     ("digest", "publisher 0: publish_weights: digest=True: the 'nccl' backend keeps no change "
@@ -258,6 +260,8 @@ def test_bad_input_is_refused_on_every_member_before_any_broadcast(bad, message)
         arrays = world.arrays(state, world.device("subscriber", j))
         if j and bad == "cpu":
             arrays["head"] = state["head"]
+        if j and bad == "all on the cpu":
+            return state
         if j and bad == "devices":
             arrays["head"] = world.gpus.array(state["head"], device=0)
         return arrays
