@@ -91,6 +91,26 @@ def _from_my_side(cause: BaseException, rank: int) -> Optional[BaseException]:
     return None
 
 
+def _record_failure(recorder: Optional[FlightRecorder], shape: Optional[CallShape], seq: int,
+                    start: float, error: BaseException) -> None:
+    """Record the failed call, and hand the error this rank's recent calls."""
+    if recorder is None:
+        return
+    recorder.failed(shape, seq, start, error)
+    try:
+        error.trace = recorder.trace()
+    except AttributeError:
+        pass  # an error type that takes no attributes
+
+
+def _unsupported(group: "Group", collective: Collective) -> UnsupportedOperationError:
+    collectives = group.membership.collectives
+    return UnsupportedOperationError(
+        f"group '{group.name}' (rank {group.rank}) runs on a backend "
+        f"({type(group.membership).__name__}) that has no {collective.value}; it runs "
+        f"{', '.join(sorted(c.value for c in collectives))}")
+
+
 class Group:
     """This process's membership of one group.
 
@@ -122,8 +142,9 @@ class Group:
         self._queued = 0
         self._options: Dict[Tuple, CallOptions] = {}
         self.prepared: Dict[Tuple, Known] = {}
+        # The prepared calls hold the recorded shapes: dropped when the recorder folds them.
         self.recorder = FlightRecorder(name, rank, backend, trace_size, counting,
-                                       self._forget_shapes) if trace_size else None
+                                       self.prepared.clear) if trace_size else None
 
     @property
     def broken(self) -> Optional[BaseException]:
@@ -150,10 +171,7 @@ class Group:
         options = self._options.get(key)
         if options is None:
             if collective not in self.membership.collectives:
-                raise UnsupportedOperationError(
-                    f"group '{self.name}' (rank {self.rank}) runs on a backend "
-                    f"({type(self.membership).__name__}) that has no {collective.value}; it runs "
-                    f"{', '.join(sorted(c.value for c in self.membership.collectives))}")
+                raise _unsupported(self, collective)
             if len(self._options) >= OPTIONS_CACHE_SIZE:
                 self._options.clear()
                 self.prepared.clear()  # their keys hold the identity of the options
@@ -182,10 +200,9 @@ class Group:
         """The prepared call of a shape, from the cache or prepared by the membership now.
 
         Args:
-            key: the API's key of the shape (collective, op, root, the tensors' type, dtype,
-                shape and strides), under which a later blocking call of the shape finds it;
-                None for a call that cannot take that path (asynchronous, its own deadline,
-                a read-only array...): it is kept under its options and its tensor's layout.
+            key: the API's key of the shape, under which a later blocking call finds it; None
+                for a call that cannot take that path (asynchronous, its own deadline...):
+                then the options and the tensor's layout are its key.
             options: the call's options.
             views: the call's tensors, checked.
 
@@ -270,20 +287,16 @@ class Group:
         """Run one call to completion in this thread, recorded, turning its failure into the
         group's broken state (see :meth:`_failed`).
 
-        Called with no ``seq`` for a blocking call of a shape the API found in
-        :attr:`prepared` (the known-shape path): it is numbered here, unless asynchronous
-        calls are still queued ahead of it.
-
         Args:
-            known: the call's prepared call and shape.
+            known: the call's prepared call and shape (:attr:`prepared`).
             arrays: its arrays, as ``PreparedCall.run`` takes them.
-            channel: ``("send"|"recv", peer, tag)`` for a point-to-point call of the known
-                shape path (numbered per channel), None for a collective.
-            seq: the call's number, given by :meth:`submit`; -1 to number it here.
+            channel: ``("send"|"recv", peer, tag)`` for a point-to-point call, else None.
+            seq: its number from :meth:`submit`; -1 (a call of a known shape, straight from
+                the API) numbers it here, unless asynchronous calls are still queued.
 
         Returns:
-            True once the call ran; False when it must take :meth:`submit` instead
-            (asynchronous calls are still queued ahead of it): nothing was done then.
+            True once the call ran; False when it must go through :meth:`submit` (calls are
+            queued ahead of it): nothing was done then.
 
         Raises:
             GroupBrokenError: the group failed earlier.
@@ -322,14 +335,14 @@ class Group:
         if isinstance(err, GroupBrokenError):
             self._broken = err.cause
             raised = _from_my_side(err.cause, self.rank) or err
-            self._record_failure(shape, seq, start, raised)
+            _record_failure(self.recorder, shape, seq, start, raised)
             raise raised from None
         if isinstance(err, (TypeError, ValueError)):
             raise err
         self._broken = err
         _log.debug("group %r rank %d: call #%d broke the group: %s: %s", self.name, self.rank,
                    seq, type(err).__name__, err)
-        self._record_failure(shape, seq, start, err)
+        _record_failure(self.recorder, shape, seq, start, err)
         self.membership.abort(err)
         raise err
 
@@ -339,21 +352,6 @@ class Group:
         """This rank's last calls on the group, oldest first (empty with no recorder); see
         ``FlightRecorder.trace``."""
         return [] if self.recorder is None else self.recorder.trace()
-
-    def _record_failure(self, shape: Optional[CallShape], seq: int, start: float,
-                        error: BaseException) -> None:
-        """Record the failed call, and hand the error this rank's recent calls."""
-        if self.recorder is None:
-            return
-        self.recorder.failed(shape, seq, start, error)
-        try:
-            error.trace = self.recorder.trace()
-        except AttributeError:
-            pass  # an error type that takes no attributes
-
-    def _forget_shapes(self) -> None:
-        """Drop the prepared calls, which hold the recorded shapes (the recorder folded them)."""
-        self.prepared.clear()
 
     def fail(self, error: BaseException) -> None:
         """Break the group with ``error`` raised outside a call, and tell the other members.

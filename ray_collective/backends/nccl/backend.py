@@ -32,65 +32,30 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...errors import (BackendNotAvailableError, CollectiveError, CollectiveTimeoutError,
                        PeerDiedError)
 from ...tensors import TensorView
-from ...types import CallOptions, Collective, ReduceOp
+from ...types import CallOptions, Collective
 from ..base import BackendFactory, CallViews, Membership, PreparedCall
 from ..arrivals import Terms
-from .arguments import GpuArguments, GroupCall, MultiGpuCall, device_of
+from .arguments import GpuArguments, GroupCall, device_of
 from .bootstrap import CliqueJoin
 from .completion import LaunchWatchdog, NcclOptions, wait_for_events
 from .library import ADDRESS_OF, NcclLibrary, load_library
 from .rendezvous import InProcessRendezvous, RayRendezvous, Rendezvous
-from .wire import WireFormat, movement_format, reduction_format
+from .steps import CallSteps, Lane, StepBuilding, call_name, views_of
 
 # NCCL result codes that mean the call itself was wrong, not that a peer or the network failed.
 _NCCL_INVALID_ARGUMENT = 4
 _NCCL_INVALID_USAGE = 5
 
-_LIST_NAMES = {Collective.ALLTOALL: ("input_tensor_list", "output_tensor_list")}
-
-
-@dataclass(frozen=True)
-class _Lane:
-    """One communicator on one GPU, with the GPU's dedicated stream and completion event."""
-
-    device: int
-    communicator: Any
-    stream: int
-    done: int
-
-
-@dataclass
-class _CallSteps:
-    """What one call queues, in order, on the streams of its lanes.
-
-    Attributes:
-        lanes: the communicators taking part, one per GPU.
-        peers: the ranks a timeout or a peer failure names.
-        before: device copies into scratch memory, ahead of the NCCL calls.
-        launches: the NCCL calls (grouped when there are several).
-        after: device copies out of scratch memory.
-        scratch: allocations that must live until the call completes.
-    """
-
-    lanes: Tuple[_Lane, ...]
-    peers: Tuple[int, ...]
-    before: List[Callable[[], None]] = field(default_factory=list)
-    launches: List[Callable[[], None]] = field(default_factory=list)
-    after: List[Callable[[], None]] = field(default_factory=list)
-    scratch: List[Any] = field(default_factory=list)
-
-
 # ``device -> (caller's stream, event recorded on it)``: where a call must start on each GPU.
 CallerOrder = Dict[int, Tuple[int, int]]
 
 
-class NcclMembership(Membership):
+class NcclMembership(StepBuilding, Membership):
     """One process's membership of an NCCL group.
 
     Args:
@@ -140,7 +105,7 @@ class NcclMembership(Membership):
                            for device, communicator in zip(self.devices, communicators,
                                                            strict=True))
         # With one GPU per process the main clique is also the single-GPU clique.
-        self._single: Dict[int, _Lane] = (
+        self._single: Dict[int, Lane] = (
             {self.devices[0]: self._main[0]} if len(self.devices) == 1 else {})
 
     def multi_gpu_arguments(self) -> GpuArguments:
@@ -148,8 +113,8 @@ class NcclMembership(Membership):
         return GpuArguments(self.devices, self.group_name, self.world_size,
                             lambda options, make_call: NcclCall(self, options, make_call))
 
-    def _lane(self, device: int, communicator: Any) -> _Lane:
-        return _Lane(device, communicator, self._streams[device], self._done_events[device])
+    def _lane(self, device: int, communicator: Any) -> Lane:
+        return Lane(device, communicator, self._streams[device], self._done_events[device])
 
     # ------------------------------------------------------------ caller order
 
@@ -168,7 +133,7 @@ class NcclMembership(Membership):
 
     def _record_caller_order(self, call: GroupCall) -> CallerOrder:
         order: CallerOrder = {}
-        for view in _views_of(call):
+        for view in views_of(call):
             if not view.device.startswith("cuda:"):
                 continue  # run() refuses it with a message
             device = int(view.device.split(":", 1)[1])
@@ -234,7 +199,7 @@ class NcclMembership(Membership):
 
         def run(seq: int, array: Any) -> None:
             address = address_of(array)
-            steps = _CallSteps((lane,), peers, launches=[functools.partial(
+            steps = CallSteps((lane,), peers, launches=[functools.partial(
                 operation, address, address, count, datatype, *trailing)])
             # The like view stands for the call's array in the caller order and in messages.
             call = GroupCall(options, seq, tensor=like)
@@ -262,7 +227,7 @@ class NcclMembership(Membership):
             if order:
                 self._release(order)
 
-    def _execute(self, call: GroupCall, steps: _CallSteps, order: CallerOrder) -> None:
+    def _execute(self, call: GroupCall, steps: CallSteps, order: CallerOrder) -> None:
         library = self._library
         for lane in steps.lanes:
             if lane.device in order:
@@ -306,12 +271,12 @@ class NcclMembership(Membership):
         finally:
             self._library.group_end()
 
-    def _failure(self, call: GroupCall, steps: _CallSteps,
+    def _failure(self, call: GroupCall, steps: CallSteps,
                  error: Optional[BaseException]) -> Exception:
         """Abort the communicators and return the error the call raises."""
         timed_out = error is None or self._watchdog.expired
         self._abort_communicators()
-        name, seq, rank = _call_name(call), call.seq, self.rank
+        name, seq, rank = call_name(call), call.seq, self.rank
         if timed_out:
             return CollectiveTimeoutError(self.group_name, rank, name, seq, steps.peers,
                                           call.options.timeout)
@@ -326,213 +291,6 @@ class NcclMembership(Membership):
             f"rank {rank} of group '{self.group_name}': {name} #{seq} failed on the GPU "
             f"({type(error).__name__}: {error}). The communicators are aborted and the group "
             f"is broken: destroy it and create it again.")
-
-    # ------------------------------------------------------------ building the steps
-
-    def _steps(self, call: GroupCall) -> _CallSteps:
-        if isinstance(call, MultiGpuCall):
-            return self._steps_multigpu(call)
-        collective = call.options.collective
-        device = self._device_of_call(call)
-        lane = self._single_lane(device, call)
-        others = tuple(r for r in range(self.world_size) if r != self.rank)
-        peers = (call.options.peer,) if collective in (Collective.SEND, Collective.RECV) \
-            else others
-        steps = _CallSteps((lane,), peers)
-        if collective is Collective.BARRIER:
-            self._add_barrier(steps, lane)
-        else:
-            _SINGLE_PLANNERS[collective](self, steps, lane, call)
-        return steps
-
-    def _device_of_call(self, call: GroupCall) -> int:
-        # The API layer has checked that every tensor of a call shares the first one's kind
-        # and device, so the first tells where the call runs.
-        for name, view in _named_views(call):
-            return device_of(view, self.devices, self.group_name, name)
-        return self.devices[0]  # barrier: no tensor; any GPU of the process will do
-
-    def _single_lane(self, device: int, call: GroupCall) -> _Lane:
-        lane = self._single.get(device)
-        if lane is None:
-            index = self.devices.index(device)
-            join = CliqueJoin(self._rendezvous, self._library, self.group_name, f"gpu{index}",
-                              self.world_size, self.rank, [device], _call_name(call),
-                              call.seq, call.options.timeout)
-            communicator = join.run()[0]
-            with self._lock:
-                self._communicators.append(communicator)
-            lane = self._single[device] = self._lane(device, communicator)
-        return lane
-
-    def _reduction(self, view: TensorView, op: ReduceOp) -> WireFormat:
-        return reduction_format(self._library, view.dtype_name, op)
-
-    def _movement(self, view: TensorView) -> WireFormat:
-        return movement_format(self._library, view.dtype_name, view.wire_dtype.itemsize)
-
-    def _add_barrier(self, steps: _CallSteps, lane: _Lane) -> None:
-        # NCCL has no barrier: a one-byte allreduce completes only once every rank has joined.
-        scratch = self._barrier_scratch.get(lane.device)
-        if scratch is None:
-            scratch = self._barrier_scratch[lane.device] = self._library.allocate(lane.device, 1)
-        uint8, nccl_max = self._library.constant("NCCL_UINT8"), self._library.constant("NCCL_MAX")
-        steps.launches.append(functools.partial(lane.communicator.allReduce, scratch.ptr,
-                                               scratch.ptr, 1, uint8, nccl_max, lane.stream))
-
-    def _add_allreduce(self, steps: _CallSteps, lane: _Lane, view: TensorView,
-                       op: ReduceOp) -> None:
-        fmt = self._reduction(view, op)
-        _add_launch(steps, view, lane.communicator.allReduce, self._ptr(view), self._ptr(view),
-                    view.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream)
-
-    def _add_reduce(self, steps: _CallSteps, lane: _Lane, view: TensorView, op: ReduceOp,
-                    root: int) -> None:
-        fmt = self._reduction(view, op)
-        _add_launch(steps, view, lane.communicator.reduce, self._ptr(view), self._ptr(view),
-                    view.count * fmt.per_element, fmt.datatype, fmt.op, root, lane.stream)
-
-    def _add_broadcast(self, steps: _CallSteps, lane: _Lane, view: TensorView, root: int) -> None:
-        fmt = self._movement(view)
-        _add_launch(steps, view, lane.communicator.broadcast, self._ptr(view), self._ptr(view),
-                    view.count * fmt.per_element, fmt.datatype, root, lane.stream)
-
-    def _allreduce(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        self._add_allreduce(steps, lane, call.tensor, call.options.op)
-
-    def _reduce(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        self._add_reduce(steps, lane, call.tensor, call.options.op, call.options.root)
-
-    def _broadcast(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        self._add_broadcast(steps, lane, call.tensor, call.options.root)
-
-    def _allgather(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        self._gather_through_scratch(steps, lane, call.tensor, call.outputs)
-
-    def _reducescatter(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        self._reduce_scatter_through_scratch(steps, lane, call.inputs, call.tensor,
-                                             call.options.op)
-
-    def _point_to_point(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        if call.options.collective is Collective.SEND:
-            self._add_send(steps, lane, call.tensor, call.options.peer)
-        else:
-            self._add_recv(steps, lane, call.tensor, call.options.peer)
-
-    def _gather(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        view, root = call.tensor, call.options.root
-        if self.rank != root:
-            self._add_send(steps, lane, view, root)
-            return
-        for peer, output in enumerate(call.outputs):
-            if peer == self.rank:
-                self._add_copy(steps.before, lane, output, view)
-            else:
-                self._add_recv(steps, lane, output, peer)
-
-    def _scatter(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        view, root = call.tensor, call.options.root
-        if self.rank != root:
-            self._add_recv(steps, lane, view, root)
-            return
-        for peer, part in enumerate(call.inputs):
-            if peer == self.rank:
-                self._add_copy(steps.before, lane, view, part)
-            else:
-                self._add_send(steps, lane, part, peer)
-
-    def _alltoall(self, steps: _CallSteps, lane: _Lane, call: GroupCall) -> None:
-        for peer, (part, output) in enumerate(zip(call.inputs, call.outputs, strict=True)):
-            if peer == self.rank:
-                self._add_copy(steps.before, lane, output, part)
-            else:
-                self._add_send(steps, lane, part, peer)
-                self._add_recv(steps, lane, output, peer)
-
-    def _add_send(self, steps: _CallSteps, lane: _Lane, view: TensorView, peer: int) -> None:
-        fmt = self._movement(view)
-        _add_launch(steps, view, lane.communicator.send, self._ptr(view),
-                    view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
-
-    def _add_recv(self, steps: _CallSteps, lane: _Lane, view: TensorView, peer: int) -> None:
-        fmt = self._movement(view)
-        _add_launch(steps, view, lane.communicator.recv, self._ptr(view),
-                    view.count * fmt.per_element, fmt.datatype, peer, lane.stream)
-
-    def _add_copy(self, steps: List[Callable[[], None]], lane: _Lane, destination: TensorView,
-                  source: TensorView) -> None:
-        nbytes = _nbytes(source)
-        if nbytes:
-            steps.append(functools.partial(self._library.copy, self._ptr(destination),
-                                           self._ptr(source), nbytes, lane.stream))
-
-    def _gather_through_scratch(self, steps: _CallSteps, lane: _Lane, source: TensorView,
-                                outputs: Sequence[TensorView]) -> None:
-        nbytes = _nbytes(source)
-        if not nbytes:
-            return
-        fmt = self._movement(source)
-        scratch = self._library.allocate(lane.device, nbytes * len(outputs))
-        steps.scratch.append(scratch)
-        steps.launches.append(functools.partial(
-            lane.communicator.allGather, self._ptr(source), scratch.ptr,
-            source.count * fmt.per_element, fmt.datatype, lane.stream))
-        for i, output in enumerate(outputs):
-            steps.after.append(functools.partial(self._library.copy, self._ptr(output),
-                                                scratch.ptr + i * nbytes, nbytes, lane.stream))
-
-    def _reduce_scatter_through_scratch(self, steps: _CallSteps, lane: _Lane,
-                                        inputs: Sequence[TensorView], output: TensorView,
-                                        op: ReduceOp) -> None:
-        nbytes = _nbytes(output)
-        fmt = self._reduction(output, op)
-        if not nbytes:
-            return
-        scratch = self._library.allocate(lane.device, nbytes * len(inputs))
-        steps.scratch.append(scratch)
-        for i, part in enumerate(inputs):
-            steps.before.append(functools.partial(self._library.copy, scratch.ptr + i * nbytes,
-                                                 self._ptr(part), nbytes, lane.stream))
-        steps.launches.append(functools.partial(
-            lane.communicator.reduceScatter, scratch.ptr, self._ptr(output),
-            output.count * fmt.per_element, fmt.datatype, fmt.op, lane.stream))
-
-    def _ptr(self, view: TensorView) -> int:
-        return self._library.pointer(view)
-
-    # ------------------------------------------------------------ multi-GPU steps
-
-    def _steps_multigpu(self, call: MultiGpuCall) -> _CallSteps:
-        options = call.options
-        gpus = len(self.devices)
-        if options.collective in (Collective.SEND, Collective.RECV):
-            view = call.device_tensors[0]
-            lane = self._main[self.devices.index(int(view.device.split(":", 1)[1]))]
-            steps = _CallSteps((lane,), (options.peer,))
-            fmt = self._movement(view)
-            nccl_call = (lane.communicator.send if options.collective is Collective.SEND
-                         else lane.communicator.recv)
-            if call.n_elements:
-                steps.launches.append(functools.partial(
-                    nccl_call, self._ptr(view), call.n_elements * fmt.per_element,
-                    fmt.datatype, options.peer * gpus + call.peer_index, lane.stream))
-            return steps
-        steps = _CallSteps(self._main, tuple(r for r in range(self.world_size) if r != self.rank))
-        # GPU i of rank r is NCCL rank r * gpus + i of the main clique.
-        root = options.root * gpus + call.root_index
-        for i, (lane, view) in enumerate(zip(self._main, call.device_tensors, strict=True)):
-            if options.collective is Collective.ALLGATHER:
-                self._gather_through_scratch(steps, lane, view, call.device_lists[i])
-            elif options.collective is Collective.REDUCESCATTER:
-                self._reduce_scatter_through_scratch(steps, lane, call.device_lists[i], view,
-                                                     options.op)
-            elif options.collective is Collective.BROADCAST:
-                self._add_broadcast(steps, lane, view, root)
-            elif options.collective is Collective.REDUCE:
-                self._add_reduce(steps, lane, view, options.op, root)
-            else:
-                self._add_allreduce(steps, lane, view, options.op)
-        return steps
 
     # ------------------------------------------------------------ failure and release
 
@@ -648,57 +406,9 @@ _LISTED = (Collective.ALLGATHER, Collective.GATHER, Collective.REDUCESCATTER,
            Collective.SCATTER)
 
 
-def _add_launch(steps: _CallSteps, view: TensorView, nccl_call: Callable, *args: Any) -> None:
-    # An empty tensor moves nothing; every rank holds the same shape, so all skip alike.
-    if view.count:
-        steps.launches.append(functools.partial(nccl_call, *args))
-
-
-def _nbytes(view: TensorView) -> int:
-    return view.count * view.wire_dtype.itemsize
-
-
-def _call_name(call: GroupCall) -> str:
-    name = call.options.collective.value
-    return f"{name}_multigpu" if isinstance(call, MultiGpuCall) else name
-
-
-def _named_views(call: GroupCall) -> Iterator[Tuple[str, TensorView]]:
-    inputs_name, outputs_name = _LIST_NAMES.get(call.options.collective,
-                                                ("tensor_list", "tensor_list"))
-    if call.tensor is not None:
-        yield "tensor", call.tensor
-    for i, view in enumerate(call.inputs):
-        yield f"{inputs_name}[{i}]", view
-    for i, view in enumerate(call.outputs):
-        yield f"{outputs_name}[{i}]", view
-
-
-def _views_of(call: GroupCall) -> Iterator[TensorView]:
-    for _, view in _named_views(call):
-        yield view
-    if isinstance(call, MultiGpuCall):
-        yield from call.device_tensors
-        for views in call.device_lists:
-            yield from views
-
-
 # The collectives a known-shape runner serves, and the communicator's method of each.
 _KNOWN_SHAPE_OPERATIONS = {Collective.ALLREDUCE: "allReduce", Collective.REDUCE: "reduce",
                            Collective.BROADCAST: "broadcast"}
-
-_SINGLE_PLANNERS = {
-    Collective.ALLREDUCE: NcclMembership._allreduce,
-    Collective.REDUCE: NcclMembership._reduce,
-    Collective.BROADCAST: NcclMembership._broadcast,
-    Collective.ALLGATHER: NcclMembership._allgather,
-    Collective.REDUCESCATTER: NcclMembership._reducescatter,
-    Collective.GATHER: NcclMembership._gather,
-    Collective.SCATTER: NcclMembership._scatter,
-    Collective.ALLTOALL: NcclMembership._alltoall,
-    Collective.SEND: NcclMembership._point_to_point,
-    Collective.RECV: NcclMembership._point_to_point,
-}
 
 
 class NcclBackendFactory(BackendFactory):
