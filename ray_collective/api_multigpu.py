@@ -45,6 +45,27 @@ def _submit_multigpu(group: Group, prepared: Any, async_op: bool,
     return group.submit(group.unshared(prepared, None), None, async_op, seq_key)
 
 
+def _on_every_gpu(collective: Collective, group_name: str, tensor_list: Any, async_op: bool,
+                  timeout: Optional[float], op: Any = None, root: Any = None,
+                  root_index: Any = 0) -> Optional[Work]:
+    """allreduce (no ``root``), reduce, or broadcast (no ``op``) on one tensor per GPU, the
+    root's GPU being ``root_index`` of rank ``root``."""
+    group, gpu = _multigpu_group(f"{collective.value}_multigpu", group_name)
+    fields = {}
+    if op is not None:
+        op = fields["op"] = check_reduce_op(op)
+    if root is not None:
+        side = "src" if collective is Collective.BROADCAST else "dst"
+        fields["root"] = _check_rank(root, group, f"{side}_rank")
+        root_index = gpu.index(root_index, f"{side}_tensor")
+    views = gpu.tensors(tensor_list, "tensor_list")
+    if op is not None:
+        check_op(op, views[0].dtype_name)
+    options = _options(group, collective, timeout, **fields)
+    prepared = gpu.call(options, device_tensors=views, root_index=root_index)
+    return _submit_multigpu(group, prepared, async_op)
+
+
 def _point_to_point_multigpu(collective: Collective, tensor: Any, peer: int, peer_index: int,
                              group_name: str, n_elements: int, async_op: bool,
                              timeout: Optional[float]) -> Optional[Work]:
@@ -89,13 +110,7 @@ def allreduce_multigpu(tensor_list: List[Any], group_name: str = "default",
             dtype).
         CollectiveError: timeout, dead peer or broken group.
     """
-    group, gpu = _multigpu_group("allreduce_multigpu", group_name)
-    op = check_reduce_op(op)
-    views = gpu.tensors(tensor_list, "tensor_list")
-    check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.ALLREDUCE, timeout, op=op)
-    prepared = gpu.call(options, device_tensors=views)
-    return _submit_multigpu(group, prepared, async_op)
+    return _on_every_gpu(Collective.ALLREDUCE, group_name, tensor_list, async_op, timeout, op)
 
 
 def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int = 0,
@@ -119,15 +134,8 @@ def reduce_multigpu(tensor_list: List[Any], dst_rank: int = 0, dst_tensor: int =
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    group, gpu = _multigpu_group("reduce_multigpu", group_name)
-    op = check_reduce_op(op)
-    dst_rank = _check_rank(dst_rank, group, "dst_rank")
-    dst_tensor = gpu.index(dst_tensor, "dst_tensor")
-    views = gpu.tensors(tensor_list, "tensor_list")
-    check_op(op, views[0].dtype_name)
-    options = _options(group, Collective.REDUCE, timeout, op=op, root=dst_rank)
-    prepared = gpu.call(options, device_tensors=views, root_index=dst_tensor)
-    return _submit_multigpu(group, prepared, async_op)
+    return _on_every_gpu(Collective.REDUCE, group_name, tensor_list, async_op, timeout, op,
+                         dst_rank, dst_tensor)
 
 
 def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: int = 0,
@@ -149,13 +157,8 @@ def broadcast_multigpu(tensor_list: List[Any], src_rank: int = 0, src_tensor: in
         UnsupportedOperationError, GroupNotInitializedError, ArgumentTypeError,
             ArgumentValueError, CollectiveError: see :func:`allreduce_multigpu`.
     """
-    group, gpu = _multigpu_group("broadcast_multigpu", group_name)
-    src_rank = _check_rank(src_rank, group, "src_rank")
-    src_tensor = gpu.index(src_tensor, "src_tensor")
-    views = gpu.tensors(tensor_list, "tensor_list")
-    options = _options(group, Collective.BROADCAST, timeout, root=src_rank)
-    prepared = gpu.call(options, device_tensors=views, root_index=src_tensor)
-    return _submit_multigpu(group, prepared, async_op)
+    return _on_every_gpu(Collective.BROADCAST, group_name, tensor_list, async_op, timeout,
+                         None, src_rank, src_tensor)
 
 
 def allgather_multigpu(output_tensor_lists: List[List[Any]], input_tensor_list: List[Any],
