@@ -18,8 +18,10 @@ How it works (docs/weight-sync.md): ``layout`` reads a state dict, ``agreement``
 member agree on the plan and the version before a byte moves (bad input anywhere is refused
 everywhere), ``plan`` cuts the model into buckets and deals them to the publishers, ``transfer``
 moves them with the library's ``broadcast`` (pipelined chains across nodes, one copy per
-subscriber on a node), ``digest`` lets a publisher skip what did not change, ``member`` holds a
-process's part and the steps of one sync, ``driver`` forms and changes syncs from the driver.
+subscriber on a node), ``digest`` lets a publisher skip what did not change, ``config`` names a
+sync's groups and a member's place in them, ``member`` holds a process's part and the steps
+of one sync, ``reform`` changes a member's groups between syncs, ``driver`` forms and changes
+syncs from the driver.
 On ``backend="nccl"`` the same calls take CuPy arrays and torch CUDA tensors, and ``gpu``
 keeps every bucket in GPU memory (no digest there; subscribers cannot be added or removed).
 """
@@ -36,8 +38,8 @@ from ..validation import check_call_timeout, check_group_name, group_timeout
 from .agreement import PUBLISHER, ROLE_NAMES, SUBSCRIBER
 from .driver import (add_weight_subscribers, declare_weight_sync, destroy_declared,
                      join_member, leave_member, remove_weight_subscribers)
-from .member import (SyncConfig, SyncReport, WeightSyncMember, check_bucket_bytes,
-                     in_registry, runs_on_gpu)
+from .config import SyncConfig, check_bucket_bytes, runs_on_gpu
+from .member import SyncReport, WeightSyncMember, in_registry
 
 __all__ = ["declare_weight_sync", "add_weight_subscribers", "remove_weight_subscribers",
            "destroy_weight_sync", "init_weight_sync", "publish_weights", "receive_weights",

@@ -30,8 +30,8 @@ from ..group import GroupRegistry, current_registry
 from ..types import Backend
 from ..validation import check_call_timeout, check_group_name, group_timeout
 from .agreement import PUBLISHER, SUBSCRIBER
-from .member import (SyncConfig, WeightSyncMember, check_bucket_bytes, control_group,
-                     runs_on_gpu)
+from .config import SyncConfig, check_bucket_bytes, control_group, runs_on_gpu
+from .member import WeightSyncMember
 
 # --------------------------------------------------------------------- in a member
 

@@ -31,105 +31,22 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Optional, Set, Tuple
+from typing import Any, Collection, Dict, Optional, Tuple
 
 import numpy as np
 
 from .. import api
-from ..backends.base import BackendFactory
-from ..elastic import grow_member, shrink_member
-from ..errors import (ArgumentValueError, CollectiveError, PeerDiedError, RankExcludedError,
-                      WeightSyncError, WeightSyncMemberDiedError, WeightSyncMismatchError)
+from ..errors import (CollectiveError, WeightSyncError, WeightSyncMemberDiedError,
+                      WeightSyncMismatchError)
 from ..group import current_registry, use_registry
-from ..types import Backend
-from .agreement import (H_PLAN, PUBLISHER, ROLE_NAMES, SUBSCRIBER, Roster, Verdict, agree,
+from .agreement import (H_PLAN, PUBLISHER, ROLE_NAMES, SUBSCRIBER, Verdict, agree,
                         allgather_words, header, member_name)
+from .config import SyncConfig, control_group, data_group, dead_members
 from .gpu import MemberGpus, device_bytes_of
 from .layout import Layout, read_state_dict
 from .plan import SyncPlan
+from .reform import MembershipChanges
 from .transfer import HostBuckets, choose_buckets, receive_buckets, send_buckets
-
-
-def control_group(name: str) -> str:
-    """The control group of weight sync ``name``."""
-    return f"weight-sync:{name}"
-
-
-def data_group(name: str, publisher: int, publishers: int) -> str:
-    """The data group of ``publisher`` in weight sync ``name``."""
-    return control_group(name) if publishers == 1 else f"weight-sync:{name}:from-{publisher}"
-
-
-@dataclass(frozen=True)
-class SyncConfig:
-    """What a member was made with.
-
-    Attributes:
-        name: the weight sync.
-        role: ``PUBLISHER`` or ``SUBSCRIBER``.
-        index: the member's index among its role.
-        publishers: the number of publishers.
-        timeout: the default deadline of a sync's every step, in seconds.
-        bucket_bytes: the bucket size (0: chosen by the model's size).
-        gpu: whether the sync runs on the ``nccl`` backend (GPU tensors).
-    """
-
-    name: str
-    role: int
-    index: int
-    publishers: int
-    timeout: float
-    bucket_bytes: int = 0
-    gpu: bool = False
-
-    @property
-    def groups(self) -> List[str]:
-        """The groups this member is in: the control group first, then its data groups."""
-        control = control_group(self.name)
-        if self.publishers == 1:
-            return [control]
-        mine = [self.index] if self.role == PUBLISHER else range(self.publishers)
-        return [control] + [data_group(self.name, p, self.publishers) for p in mine]
-
-    def fresh_ranks(self, subscribers: int) -> Dict[str, Tuple[int, int]]:
-        """``{group: (rank, world size)}`` of this member in a newly formed sync of
-        ``subscribers`` subscribers (publishers first in the control group; in a data group
-        its publisher, then the subscribers)."""
-        groups, publishers = self.groups, self.publishers
-        if self.role == PUBLISHER:
-            place = {groups[0]: (self.index, publishers + subscribers)}
-            place.update({g: (0, 1 + subscribers) for g in groups[1:]})
-        else:
-            place = {groups[0]: (publishers + self.index, publishers + subscribers)}
-            place.update({g: (1 + self.index, 1 + subscribers) for g in groups[1:]})
-        return place
-
-
-def runs_on_gpu(backend: Any) -> bool:
-    """Whether a sync on ``backend`` (a name, ``Backend`` or factory) runs on the GPU: the
-    ``nccl`` backend's."""
-    name = getattr(backend, "name", None) if isinstance(backend, BackendFactory) else backend
-    if isinstance(name, str):
-        try:
-            return Backend(name) is Backend.NCCL
-        except ValueError:
-            return False
-    return False
-
-
-def check_bucket_bytes(bucket_bytes: Any) -> int:
-    """``bucket_bytes`` as a config holds it (0: chosen by the model's size).
-
-    Raises:
-        ArgumentValueError: not None or an int in [1, 2^40].
-    """
-    if bucket_bytes is None:
-        return 0
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or \
-            not 1 <= bucket_bytes <= 1 << 40:
-        raise ArgumentValueError(f"bucket_bytes must be an int in [1, 2^40], not "
-                                 f"{bucket_bytes!r}")
-    return bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -157,7 +74,7 @@ NO_GPU_DIGEST = ("the 'nccl' backend keeps no change digest of GPU buckets; pass
                  "(its default on nccl) and name what did not change with unchanged=")
 
 
-class WeightSyncMember:
+class WeightSyncMember(MembershipChanges):
     """This process's part in one weight sync (see the module docstring).
 
     Args:
@@ -442,89 +359,6 @@ class WeightSyncMember:
         raise self._error(WeightSyncError, f"{failure}; the next sync shrinks the groups and "
                                            f"goes on", verdict.version) from failure
 
-    # ------------------------------------------------------------------ membership
-
-    def settle(self, timeout: float) -> Dict[str, int]:
-        """Make this member's groups whole before the driver changes the members: shrink them
-        if the last sync failed, then find with one barrier a member that died since and
-        shrink again without it (every member does the same at once). Call with
-        :attr:`lock` held.
-
-        Returns:
-            ``{group: world size}`` of this member's groups.
-
-        Raises:
-            WeightSyncError: the sync cannot go on, or shrinking failed.
-        """
-        if self._broken:
-            raise self._error(WeightSyncError, self._broken)
-        if self.config.gpu:
-            raise self._error(WeightSyncError, f"subscribers cannot be added or removed: the "
-                                               f"nccl backend's groups cannot shrink or grow "
-                                               f"(CuPy exposes neither ncclCommShrink nor grow); "
-                                               f"destroy the weight sync and declare it again "
-                                               f"with the subscribers you want")
-        if self._repair:
-            self._shrink(timeout)
-        control = control_group(self.config.name)
-        try:
-            api.barrier(control, timeout=timeout)
-        except CollectiveError as err:
-            dead = dead_members(self.config, err, None)
-            if not dead:
-                raise
-            self._shrink(timeout)
-            api.barrier(control, timeout=timeout)
-        return {g: api.get_collective_group_size(g) for g in self.config.groups}
-
-    def grow(self, added: int, timeout: float) -> None:
-        """Grow every group of this member by ``added`` new subscribers (which join as the
-        next ranks meanwhile). Call with :attr:`lock` held, after :meth:`settle`."""
-        registry = current_registry()
-        for group in self.config.groups:
-            grow_member(registry, group, api.get_collective_group_size(group) + added, timeout)
-        self._key = 0
-
-    def shrink_out(self, timeout: float) -> None:
-        """Shrink every group of this member after subscribers left it. Call with
-        :attr:`lock` held, after :meth:`settle`."""
-        self._shrink(timeout)
-
-    def _shrink(self, deadline: float) -> None:
-        """Shrink every group of this member, leaving out the members that failed."""
-        registry = current_registry()
-        try:
-            for group in self.config.groups:
-                shrink_member(registry, group, deadline)
-        except RankExcludedError as err:
-            self._broken = (f"the other members went on without {self.me} ({err}); it is no "
-                            f"longer a member: destroy the weight sync here")
-            raise self._error(WeightSyncError, self._broken) from err
-        except CollectiveError as err:
-            raise self._error(WeightSyncError, f"shrinking the groups after a failure failed: "
-                                               f"{err}; call again") from err
-        self._repair = False
-        self._key = 0
-
-
-def dead_members(config: SyncConfig, error: Optional[BaseException],
-                 roster: Optional[Roster]) -> Set[int]:
-    """The control ranks ``error`` (or an error it wraps) names dead; ranks of a data group
-    only with a roster to map them."""
-    found: Set[int] = set()
-    seen = set()
-    control = control_group(config.name)
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, PeerDiedError):
-            if error.group_name == control:
-                found |= set(error.dead_ranks)
-            elif roster is not None:
-                for p in range(config.publishers):
-                    if error.group_name == data_group(config.name, p, config.publishers):
-                        found |= {roster.control_rank(p, r) for r in error.dead_ranks}
-        error = getattr(error, "cause", None) or error.__cause__
-    return found
 
 
 def in_registry(registry, run, *args):
