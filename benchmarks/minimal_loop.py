@@ -44,6 +44,10 @@ disagreed (the results page, benchmarks/README.md, "Across nodes"):
 - ``--libraries ray,gloo`` (default; the order the groups are joined in and the first
   block's order), or one library alone, or ``ray@ALGORITHM`` beside them.
 
+On the network bed (``benchmarks.netbed``): ``--netbed 1gbit`` runs each layout on a bed of
+its nodes, every node in a network namespace of its own behind a link of that rate (or
+``unlimited``), this loop re-run as the driver in the head node's namespace.
+
 The modes of a user's history: ``--block-warmup N`` untimed calls at the start of every block,
 after its barrier (``--warmup 0 --block-warmup 1 --barrier block --libraries gloo,ray``: one
 warm-up per block, Gloo joined first); ``--pause-ms MS`` of sleep before each timed call (a
@@ -121,6 +125,10 @@ class LoopOptions:
         block_warmup: untimed calls at the start of every block, after its barrier.
         pause_s: seconds of sleep before each timed call.
         first_calls: calls of each new group timed one by one right after the joins.
+        netbed: a link rate (``tc`` notation, or ``unlimited``): each layout runs on a network
+            bed of its nodes with links of that rate; None: on this machine's own network.
+        ray_address: a running cluster to drive instead of starting one (the bed's head, in
+            the loop the bed runs).
     """
 
     layouts: Tuple[Tuple[int, int], ...] = ((2, 2), (1, 2), (1, 4))
@@ -140,6 +148,8 @@ class LoopOptions:
     block_warmup: int = 0
     pause_s: float = 0.0
     first_calls: int = 10
+    netbed: Optional[str] = None
+    ray_address: Optional[str] = None
 
 
 def _nothing() -> None:
@@ -305,9 +315,13 @@ class AsyncLoopRank(LoopRank):
 
 
 @contextlib.contextmanager
-def ray_for(nodes: int, cluster: str) -> Iterator[Optional[List[str]]]:
+def ray_for(nodes: int, cluster: str,
+            address: Optional[str] = None) -> Iterator[Optional[List[str]]]:
     """Ray for one layout, this process its driver; yields the node ids ranks are pinned to
     (None on one node: wherever Ray puts them).
+
+    ``address``: the running cluster at that address (the network bed's), its nodes as
+    ``benchmarks.nodes`` orders them.
 
     ``bench``: as ``python -m benchmarks`` starts it (one node: ``ray.init`` without the
     dashboard or the workers' logs; several: ``benchmarks.nodes``' cluster, head 1 CPU, the
@@ -318,6 +332,13 @@ def ray_for(nodes: int, cluster: str) -> Iterator[Optional[List[str]]]:
     bench = cluster == "bench"
     quiet = {"include_dashboard": False, "log_to_driver": False,
              "logging_level": logging.WARNING} if bench else {}
+    if address is not None:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            yield pick_nodes(nodes) if nodes > 1 else None
+        finally:
+            ray.shutdown()
+        return
     if nodes == 1:
         ray.init(address="local", **quiet)
         try:
@@ -488,8 +509,12 @@ def run(options: LoopOptions) -> List[dict]:
     """
     results = []
     for layout in options.layouts:
-        with ray_for(layout[0], options.cluster) as node_ids:
-            measured = measure_layout(options, layout, node_ids)
+        if options.netbed is not None:
+            from .netbed_bench import minimal_loop_on_bed
+            measured = minimal_loop_on_bed(options, layout)
+        else:
+            with ray_for(layout[0], options.cluster, options.ray_address) as node_ids:
+                measured = measure_layout(options, layout, node_ids)
         for figures in measured["libraries"].values():
             figures.update(summarize(figures["durations"], figures["cpu_s"]))
             if "first_calls" in figures:
@@ -572,7 +597,11 @@ def build_parser() -> argparse.ArgumentParser:
                          ("--gloo-group", GLOO_GROUPS)):
         parser.add_argument(flag, type=one_value(choice(values)), default=values[0],
                             help=f"trial option, of {', '.join(values)} (default {values[0]})")
+    parser.add_argument("--netbed", default=None, metavar="LINK",
+                        help="run each layout on a network bed of its nodes with links of "
+                             "this rate (1gbit, 10gbit, unlimited): benchmarks.netbed")
     parser.add_argument("--json", type=str, default=None, help="write every figure here")
+    parser.add_argument("--options", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -585,6 +614,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if forced and forced not in catalog.names(arguments.collective):
             parser.error(f"{library}: {arguments.collective} has no algorithm {forced!r} (it "
                          f"has {', '.join(catalog.names(arguments.collective))})")
+    if arguments.netbed is not None:
+        try:
+            from . import netbed
+            netbed.parse_rate(arguments.netbed)
+        except ValueError as exc:
+            parser.error(str(exc))
     options = LoopOptions(layouts=arguments.layouts, libraries=arguments.libraries,
                           collective=arguments.collective, nbytes=arguments.bytes,
                           iterations=arguments.iters, warmup=arguments.warmup,
@@ -594,7 +629,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           placement=arguments.placement, gloo_group=arguments.gloo_group,
                           block_warmup=arguments.block_warmup,
                           pause_s=arguments.pause_ms / 1000.0,
-                          first_calls=arguments.first_calls)
+                          first_calls=arguments.first_calls, netbed=arguments.netbed)
+    if arguments.options is not None:
+        # The loop a network bed runs in its head node's namespace (``netbed_bench``).
+        given = json.loads(arguments.options)
+        options = LoopOptions(**dict(given, layouts=tuple(map(tuple, given["layouts"])),
+                                     libraries=tuple(given["libraries"])))
     results = run(options)
     print(format_results(results))
     if arguments.json:

@@ -15,7 +15,9 @@ collective, whatever the algorithm, divided by the rate (every link full duplex 
 - allreduce of S bytes over N nodes: each node sends (and receives) ``2 (N-1)/N S``;
 - broadcast: the root's node sends S, every other node receives S;
 - allgather (S the gathered output) and reducescatter (S the input): ``(N-1)/N S``;
-- sendrecv: S.
+- sendrecv (``benchmarks.peers.round_trip``: rank 0 sends S to rank 1, which sends it back):
+  2 S, one way and then the other, so the round trip takes at least 2 S over the rate (run it
+  with one rank per node, or ranks 0 and 1 share a node and no link).
 
 ``ratio_to_bound`` is the row's p50 over that time (1.0: the link's speed, never below);
 ``bound_fraction`` its inverse, the share of the link bound's bandwidth reached. An unlimited
@@ -25,12 +27,13 @@ link (veth at memory speed, on this machine's cores) has no bound.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from . import netbed
 
@@ -39,9 +42,10 @@ LINK_BYTES = {
     "broadcast": lambda nbytes, nodes: float(nbytes),
     "allgather": lambda nbytes, nodes: (nodes - 1) / nodes * nbytes,
     "reducescatter": lambda nbytes, nodes: (nodes - 1) / nodes * nbytes,
-    "sendrecv": lambda nbytes, nodes: float(nbytes),
+    "sendrecv": lambda nbytes, nodes: 2.0 * nbytes,
 }
-"""Bytes the busiest link carries one way, by collective, for ``nbytes`` over ``nodes``."""
+"""Bytes the busiest link carries one way, by collective, for ``nbytes`` over ``nodes`` (the
+round trip's two ways one after the other, as if one way)."""
 LARGE_BYTES = 16 << 20
 """From this size on, a point runs ``--large-iters`` timed iterations."""
 SWEEP_TIMEOUT_S = 3600
@@ -164,6 +168,37 @@ def format_rows(rows: List[dict]) -> str:
             f"{(row.get('busbw_gbps') or float('nan')):>10.3f}"
             + (f"  error: {row['error'][:80]}" if row.get("error") else ""))
     return "\n".join(lines)
+
+
+def minimal_loop_on_bed(options, layout: Tuple[int, int]) -> dict:
+    """``python -m benchmarks.minimal_loop --netbed LINK``'s layout: the loop a user writes on a
+    network bed of the layout's nodes, links at ``options.netbed``, re-run as the driver in the
+    head node's namespace (its options passed as JSON), the bed removed afterwards, also on
+    failure.
+
+    Args:
+        options: the loop's ``LoopOptions``.
+        layout: (nodes, ranks per node).
+
+    Returns:
+        As ``minimal_loop.measure_layout``, with the ``link``.
+
+    Raises:
+        RuntimeError: the loop on the bed failed (its output's end is in the message).
+    """
+    rate = None if netbed.parse_rate(options.netbed) is None else options.netbed
+    with netbed.Bed(layout[0], rate, env=netbed.checkout_environment()) as bed:
+        inner = dataclasses.replace(options, layouts=(layout,), netbed=None,
+                                    ray_address=bed.layout.head_address)
+        out = f"{bed.layout.directory}/minimal-loop.json"
+        done = bed.run([sys.executable, "-m", "benchmarks.minimal_loop", "--options",
+                        json.dumps(dataclasses.asdict(inner)), "--json", out],
+                       timeout=options.timeout_s * (4 + options.blocks))
+        if done.returncode:
+            raise RuntimeError(f"the loop on the bed failed ({done.returncode}): "
+                               f"{(done.stdout + done.stderr)[-3000:]}")
+        with open(out) as handle:
+            return dict(json.load(handle)["results"][0], link=options.netbed)
 
 
 PAGE_SIZES = (8, 64 << 20, 256 << 20)

@@ -1,5 +1,5 @@
 """Where a collective's bytes go on the network bed (``benchmarks.netbed``): for each algorithm
-asked for, the time of a few calls and how many bytes each node's link carried per call.
+and size asked for, the time of a few calls and the bytes each node's link carried per call.
 
 ``python -m benchmarks.netbed_profile --nodes 4 --link 1gbit --collective broadcast --bytes 256M
 --algorithms auto,hierarchical_pipeline`` brings up a bed of ``--nodes`` nodes of two ranks
@@ -55,9 +55,9 @@ def _time_calls(group: str, collective: str, count: int, iterations: int) -> flo
     return (time.perf_counter() - started) / max(iterations, 1)
 
 
-def drive(name: str, nodes: int, collective: str, nbytes: int, algorithms: List[str],
+def drive(name: str, nodes: int, collective: str, sizes: List[int], algorithms: List[str],
           iterations: int) -> List[dict]:
-    """The driver, in node 0's namespace of bed ``name``: one row per algorithm."""
+    """The driver, in node 0's namespace of bed ``name``: one row per size and algorithm."""
     import ray
     import ray_collective as col
     layout = netbed.Layout(name, nodes, (None,) * nodes)
@@ -65,8 +65,8 @@ def drive(name: str, nodes: int, collective: str, nbytes: int, algorithms: List[
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     members = netbed_faults.start_members(nodes)
     rows = []
-    for algorithm in algorithms:
-        group = f"profile-{algorithm}"
+    for nbytes, algorithm in ((n, a) for n in sizes for a in algorithms):
+        group = f"profile-{algorithm}-{nbytes}"
         forced = None if algorithm == AUTO else algorithm
         ray.get([m.__ray_call__.remote(lambda _self, f=forced: _force(collective, f))
                  for m in members], timeout=CALL_TIMEOUT_S)
@@ -82,7 +82,7 @@ def drive(name: str, nodes: int, collective: str, nbytes: int, algorithms: List[
         after = [netbed.link_bytes(layout, node) for node in range(nodes)]
         col.destroy_collective_group(group)
         # Each timed call's warm-up allreduce of 8 B is noise beside the counters' megabytes.
-        rows.append({"algorithm": algorithm, "seconds_per_call": max(seconds),
+        rows.append({"algorithm": algorithm, "nbytes": nbytes, "seconds_per_call": max(seconds),
                      "tx_per_call_over_size": [round((a["tx"] - b["tx"]) / iterations / nbytes,
                                                      3) for a, b in zip(after, before)],
                      "rx_per_call_over_size": [round((a["rx"] - b["rx"]) / iterations / nbytes,
@@ -102,16 +102,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--link", default="1gbit")
     parser.add_argument("--collective", choices=("broadcast", "allreduce"), default="broadcast")
-    parser.add_argument("--bytes", default="256M")
+    parser.add_argument("--bytes", default="256M", help="sizes, comma-separated")
     parser.add_argument("--algorithms", default=AUTO)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", dest="json_path", type=pathlib.Path, default=None)
     parser.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
-    nbytes = parse_size(arguments.bytes)
+    sizes = [parse_size(text) for text in arguments.bytes.split(",") if text]
     algorithms = [a for a in arguments.algorithms.split(",") if a]
     if arguments.driver is not None:
-        rows = drive(arguments.driver, arguments.nodes, arguments.collective, nbytes, algorithms,
+        rows = drive(arguments.driver, arguments.nodes, arguments.collective, sizes, algorithms,
                      arguments.iters)
         print("ROWS " + json.dumps(rows), flush=True)
         return 0
@@ -125,26 +125,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                         str(arguments.nodes), "--collective", arguments.collective, "--bytes",
                         arguments.bytes, "--algorithms", arguments.algorithms, "--iters",
                         str(arguments.iters), "--driver", bed.layout.name],
-                       timeout=CALL_TIMEOUT_S * (arguments.iters + 2) * len(algorithms))
+                       timeout=CALL_TIMEOUT_S * (arguments.iters + 2) * len(algorithms)
+                       * len(sizes))
     lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
     if done.returncode or not lines:
         print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
         return 1
-    bound = netbed_bench.link_bound_s(arguments.collective, nbytes, arguments.nodes,
-                                      arguments.link)
-    rows = [dict(row, ratio_to_bound=row["seconds_per_call"] / bound if bound else None)
-            for row in json.loads(lines[-1][len("ROWS "):])]
+    rows = []
+    for row in json.loads(lines[-1][len("ROWS "):]):
+        bound = netbed_bench.link_bound_s(arguments.collective, row["nbytes"], arguments.nodes,
+                                          arguments.link)
+        rows.append(dict(row, link_bound_s=bound,
+                         ratio_to_bound=row["seconds_per_call"] / bound if bound else None))
     for row in rows:
         ratio = row["ratio_to_bound"]
-        print(f"{row['algorithm']:>22} {row['seconds_per_call'] * 1e3:9.1f} ms"
+        print(f"{row['nbytes']:>10} {row['algorithm']:>22} "
+              f"{row['seconds_per_call'] * 1e3:9.1f} ms"
               f"{f' ({ratio:.2f}x bound)' if ratio else ''}  tx/S {row['tx_per_call_over_size']}"
               f"  rx/S {row['rx_per_call_over_size']}")
     if arguments.json_path is not None:
         arguments.json_path.write_text(json.dumps({
             "command": " ".join(["python -m benchmarks.netbed_profile", *(argv or sys.argv[1:])]),
             "nodes": arguments.nodes, "ranks_per_node": netbed_faults.RANKS_PER_NODE,
-            "link": arguments.link, "collective": arguments.collective, "nbytes": nbytes,
-            "link_bound_s": bound, "rows": rows}, indent=1) + "\n")
+            "link": arguments.link, "collective": arguments.collective, "rows": rows},
+            indent=1) + "\n")
         print(f"wrote {arguments.json_path}")
     return 0
 

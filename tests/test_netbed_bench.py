@@ -24,7 +24,7 @@ def test_a_bad_rate_is_refused(text):
 @pytest.mark.parametrize("collective, nodes, link_bytes", [
     ("allreduce", 2, 64 * MIB), ("allreduce", 4, 1.5 * 64 * MIB),
     ("broadcast", 4, 64 * MIB), ("allgather", 4, 0.75 * 64 * MIB),
-    ("reducescatter", 2, 0.5 * 64 * MIB), ("sendrecv", 2, 64 * MIB)])
+    ("reducescatter", 2, 0.5 * 64 * MIB), ("sendrecv", 2, 2 * 64 * MIB)])
 def test_the_link_bound_is_the_busiest_links_bytes_over_the_rate(collective, nodes, link_bytes):
     assert netbed_bench.link_bound_s(collective, 64 * MIB, nodes, "1gbit") == pytest.approx(
         link_bytes * 8 / 1e9)
@@ -72,3 +72,11 @@ def test_a_bed_names_everything_it_makes_under_its_prefix():
     made = [layout.switch, layout.namespace(0), layout.namespace(1), layout.directory]
     assert all(name.split("/")[-1].startswith(netbed.PREFIX) for name in made)
     assert layout.head_address == "10.213.0.1:6379" and netbed.address(1) == "10.213.0.2"
+
+
+def test_the_minimal_loop_takes_a_bed_link_and_refuses_a_bad_one(capsys):
+    from benchmarks import minimal_loop
+    assert minimal_loop.build_parser().parse_args(["--netbed", "1gbit"]).netbed == "1gbit"
+    with pytest.raises(SystemExit) as exited:
+        minimal_loop.main(["--netbed", "fast"])
+    assert exited.value.code == 2 and "not a link rate" in capsys.readouterr().err
