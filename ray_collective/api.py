@@ -192,6 +192,7 @@ class _Kind:
             root only), ``"others"`` (elsewhere); ``""`` for a call without one.
         entries: its list: ``"outputs"`` (written), ``"inputs"`` (read), ``""`` for none.
         list_at_root: the list is used on the root only (elsewhere it may be None).
+        peer: a send or recv: ``root`` is its peer, and it is numbered per peer and tag.
     """
 
     collective: Collective
@@ -201,6 +202,7 @@ class _Kind:
     tensor: str = "always"
     entries: str = ""
     list_at_root: bool = False
+    peer: bool = False
 
 
 def _single(collective: Collective, **fields) -> _Kind:
@@ -215,7 +217,7 @@ def _listed(collective: Collective, entries: str, **fields) -> _Kind:
 
 def _peer(collective: Collective, root: str, tensor: str) -> _Kind:
     return _Kind(collective, functools.partial(_point_to_point_key, collective.value),
-                 root=root, tensor=tensor)
+                 root=root, tensor=tensor, peer=True)
 
 
 _ALLREDUCE = _single(Collective.ALLREDUCE, reduces=True)
@@ -240,25 +242,24 @@ def _collective(kind: _Kind, group_name: Any, arrays: Any, async_op: bool,
     are the call's as ``PreparedCall.run`` takes them; ``root`` is the peer of a send or
     recv."""
     key = None if async_op or timeout is not None else kind.key(arrays, op, root, tag)
-    peer = kind.collective in _PEER_TO_PEER
     if key is not None and type(group_name) is str:
         group = find_group(group_name)
         known = None if group is None else group.prepared.get(key)
-        if known is not None and group.run(known, arrays,
-                                           (kind.collective.value, root, tag) if peer else None):
+        channel = (kind.collective.value, root, tag) if kind.peer else None
+        if known is not None and group.run(known, arrays, channel):
             return None
     group = _group(group_name)
     if kind.reduces:
         op = check_reduce_op(op)
     if kind.root:
         root = check_rank(root, group.world_size, group.name, kind.root)
-    if peer:
+    if kind.peer:
         _check_peer(group, kind, root, tag)
     views = _call_views(kind, group, arrays, root)
     if kind.reduces:
         check_op(op, views.reference().dtype_name)
     timeout = check_call_timeout(timeout)
-    if peer:
+    if kind.peer:
         options = group.options(kind.collective, timeout, peer=root, tag=tag)
         seq_key = (kind.collective.value, root, tag)
     else:
@@ -266,9 +267,6 @@ def _collective(kind: _Kind, group_name: Any, arrays: Any, async_op: bool,
         seq_key = ("", -1, 0)
     known = group.prepare(key, options, views)
     return group.submit(known, views.arrays(options.collective), async_op, seq_key)
-
-
-_PEER_TO_PEER = (Collective.SEND, Collective.RECV)
 
 
 def _check_peer(group: Group, kind: _Kind, peer: int, tag: Any) -> None:

@@ -277,6 +277,10 @@ class Group:
 
     def _run_queued(self, known: Known, arrays: Any, seq: int) -> None:
         try:
+            # Queued calls run one at a time on this thread, and no other call runs meanwhile
+            # (a blocking one queues behind them): what broke the group broke it before this.
+            if self._broken is not None:
+                raise GroupBrokenError(self.name, self.rank, self._broken)
             self.run(known, arrays, seq=seq)
         finally:
             with self._lock:
@@ -316,8 +320,6 @@ class Group:
         prepared, shape = known
         recorder = self.recorder
         with self._running:
-            if self._broken is not None:  # broken while the call was queued
-                raise GroupBrokenError(self.name, self.rank, self._broken)
             start = clock() if recorder is not None else 0.0
             try:
                 prepared.run(seq, arrays)
