@@ -2,10 +2,11 @@
 
     flock /tmp/ray_collective_bench.lock python -m benchmarks.torch_backend \
         [--world-sizes 2,4] [--bytes 8,1K,64K,1M,16M] [--params 1M,10M] [--blocks 3]
-        [--json benchmarks/results/torch-backend.json]
+        [--nodes 2] [--json benchmarks/results/torch-backend.json]
     python -m benchmarks.torch_backend --table benchmarks/results/torch-backend.json
 
-Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
+Each world size gets its own plain rank actors (``num_cpus=0``); with ``--nodes K``, on a local
+cluster of K nodes (``benchmarks.nodes``), the ranks spread evenly in blocks. Each rank joins
 ``init_process_group("ray_collective")`` and, on the same ranks, a Gloo group
 (``dist.new_group(backend="gloo")``); the library group under the torch one
 (``ProcessGroupRayCollective.library_group``) is called directly as a third peer. Three parts:
@@ -29,6 +30,7 @@ Each world size gets its own plain rank actors (``num_cpus=0``). Each rank joins
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -43,6 +45,7 @@ from typing import Dict, List
 import numpy as np
 
 from .cli import comma_list, parse_size
+from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 from .stats import iteration_latencies, percentiles
 
 PEERS = ("ray_collective", "gloo", "col")
@@ -313,27 +316,42 @@ def main(argv=None) -> None:
     parser.add_argument("--ddp-steps", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--overhead-iters", type=int, default=20000)
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="a local cluster of this many nodes, the ranks spread in blocks")
     args = parse_with_report(parser, argv, "--table", "print a run's tables")
     if args.table:
         print_report(args.table, markdown_tables)
         return
+    if args.nodes < 1 or any(size % args.nodes for size in args.world_sizes + args.ddp_ranks):
+        parser.error(f"--nodes {args.nodes} must divide every world size")
+    with contextlib.ExitStack() as stack:
+        if args.nodes > 1:
+            stack.enter_context(local_cluster_driver(args.nodes))
+        else:
+            import ray
+            ray.init(address="local", include_dashboard=False, logging_level="ERROR")
+            stack.callback(ray.shutdown)
+        _run(args, argv)
 
+
+def _run(args: argparse.Namespace, argv) -> None:
     import ray
     import torch
-    ray.init(address="local", include_dashboard=False, logging_level="ERROR")
     result = {"command": "python -m benchmarks.torch_backend " + " ".join(
         sys.argv[1:] if argv is None else argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "ray": ray.__version__},
-        "allreduce": [], "ddp": []}
+        "nodes": args.nodes, "allreduce": [], "ddp": []}
     rank_actor = ray.remote(num_cpus=0)(Rank)
+    node_ids = pick_nodes(args.nodes)
     lone = rank_actor.remote()
     result["layer_overhead"] = ray.get(lone.layer_overhead.remote(args.overhead_iters))
     print(json.dumps(result["layer_overhead"]["p50_s"]), flush=True)
     ray.kill(lone)
     for size in sorted(set(args.world_sizes) | set(args.ddp_ranks)):
-        actors = [rank_actor.remote() for _ in range(size)]
+        actors = [rank_actor.options(**pinned(node_ids[node])).remote()
+                  for node in rank_nodes(size, args.nodes)]
         init_method = ray.get(actors[0].address.remote())
         ray.get([a.join.remote(r, size, init_method) for r, a in enumerate(actors)])
         if size in args.world_sizes:
@@ -345,7 +363,7 @@ def main(argv=None) -> None:
         ray.get([a.leave.remote() for a in actors])
         for actor in actors:
             ray.kill(actor)
-    finish(ray, result, args.json)
+    write_json(result, args.json)
 
 
 def parse_with_report(parser: argparse.ArgumentParser, argv, flag: str, what: str):
@@ -366,6 +384,11 @@ def print_report(path: str, render) -> None:
 def finish(ray, result: dict, path) -> None:
     """Stop Ray, then write ``result`` to ``path`` (if one was given) as indented JSON."""
     ray.shutdown()
+    write_json(result, path)
+
+
+def write_json(result: dict, path) -> None:
+    """Write ``result`` to ``path`` (if one was given) as indented JSON."""
     if path:
         with open(path, "w") as out:
             json.dump(result, out, indent=1)
