@@ -30,7 +30,7 @@ import numpy as np
 
 import ray_collective
 from ray_collective.backends.base import CallViews
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.group import Group
 from ray_collective.tensors import as_view
 from ray_collective.testing import run_ranks

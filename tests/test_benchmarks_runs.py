@@ -197,7 +197,7 @@ def test_call_overhead_reports_world_size_one_and_plan_choice_per_world_size(tmp
 def test_a_cached_plan_is_found_by_one_lookup_whatever_the_world_size():
     from benchmarks.call_overhead import InstantTransport
     from ray_collective.backends.base import CallViews
-    from ray_collective.backends.transport_membership import TransportMembership
+    from ray_collective.engine.cpu import TransportMembership
     from ray_collective.group import Group
     from ray_collective.tensors import as_view
     from ray_collective.types import CallOptions, Collective

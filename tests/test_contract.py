@@ -15,7 +15,7 @@ from support.contract import CASES, check_every_collective, every_collective
 from support.nccl_ranks import run_nccl_ranks, values_of
 from support.nccl_standin import StandInGpus, StandInKind
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 from ray_collective.types import Collective

@@ -11,7 +11,7 @@ import pytest
 
 import ray_collective as col
 from ray_collective.backends.base import BackendFactory, Reformed
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.testing import run_ranks
 from ray_collective.transport.local import LocalFabric
 from support.nccl_ranks import run_nccl_ranks

@@ -156,7 +156,7 @@ def test_a_large_allgather_receives_into_its_list_unless_the_entries_overlap(shm
                                                                              world_size):
     """Large blocks go straight into the caller's list (no buffer); a list whose entries
     share memory takes the buffer, as the Python engine does, the last entry written last."""
-    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    from ray_collective.engine.native_runner import DIRECT_BLOCK_BYTES
     length = DIRECT_BLOCK_BYTES // 4 + 3
 
     def body(rank):
@@ -193,7 +193,7 @@ def test_large_gather_and_scatter_agree_on_both_engines_at_every_root(shm_direct
     receives into the caller's arrays (gather: at 2 ranks both ranks, at 4 the leaves of the
     tree; scatter, linear there: every rank); scatter's root may pass its tensor as its own
     entry."""
-    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    from ray_collective.engine.native_runner import DIRECT_BLOCK_BYTES
     length = DIRECT_BLOCK_BYTES // 8 + 5
 
     def body(rank):
@@ -237,7 +237,7 @@ def test_a_large_reducescatter_agrees_on_both_engines_whatever_its_tensor_aliase
     into the tensor itself (4 ranks forward partial sums through the buffer). The tensor may
     be a separate array, this rank's own entry, or another rank's entry (which it is sent
     from: the buffered plan then runs); SUM and AVG."""
-    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    from ray_collective.engine.native_runner import DIRECT_BLOCK_BYTES
     length = DIRECT_BLOCK_BYTES // 8 + 5
 
     def entries_of(rank):
@@ -274,7 +274,7 @@ def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory,
     full path, the others by the known-shape path): separate lists, read-only inputs, the
     outputs being the inputs (in place: the buffered plan runs), and one array for every
     output (the last block written last, as on the Python engine)."""
-    from ray_collective.native.runner import DIRECT_BLOCK_BYTES
+    from ray_collective.engine.native_runner import DIRECT_BLOCK_BYTES
     monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", f"alltoall={algorithm}")
     rows = 2 if blocks == "small" else DIRECT_BLOCK_BYTES // 16 + 3
 
@@ -316,7 +316,7 @@ def test_alltoall_agrees_on_both_engines_whatever_its_lists_alias(shm_directory,
 def test_only_written_arrays_may_not_share_memory():
     """A call runs on the caller's arrays unless a written one shares memory with another
     array; arrays that are only read may share (``[x] * p`` as an input list)."""
-    from ray_collective.native.runner import entries_overlap
+    from ray_collective.engine.native_runner import entries_overlap
     whole = np.zeros(100)
     a, b, inside = whole[:50], whole[50:], whole[10:20]
     assert not entries_overlap([a, b])
@@ -336,7 +336,7 @@ def test_a_repeated_input_array_runs_on_the_callers_arrays_with_the_same_bits(
     """An input list of one array repeated (``[x] * p``, large blocks): alltoall, scatter's
     root and reducescatter (pairwise, as on one node) still send from it without the
     buffer, and agree with the Python engine and numpy."""
-    from ray_collective.native.runner import DIRECT_BLOCK_BYTES, NativeRunner
+    from ray_collective.engine.native_runner import DIRECT_BLOCK_BYTES, NativeRunner
     length = DIRECT_BLOCK_BYTES // 8 + 5
     monkeypatch.setenv("RAY_COLLECTIVE_ALGORITHM", "reducescatter=pairwise")
     direct = []
@@ -564,7 +564,7 @@ def test_a_read_only_input_is_sent_from_but_never_written(shm_directory):
     """A reduce's input on a rank that gets no result may be read-only (Ray hands actors
     read-only arrays); a plan that would write into it is refused before anything is sent."""
     from ray_collective.native import _core, codes
-    from ray_collective.plan import point_to_point
+    from ray_collective.engine.plan import point_to_point
     from ray_collective.transport.wire import CallHeader
 
     def body(rank):
@@ -626,7 +626,7 @@ def test_a_native_call_whose_peer_never_comes_times_out_naming_it(shm_directory,
 
 def _core_tags(monkeypatch):
     """The tag of every call the native core runs from now on (a list that fills up)."""
-    from ray_collective.native.runner import NativeRunner
+    from ray_collective.engine.native_runner import NativeRunner
     tags = []
     run = NativeRunner.run
 
@@ -838,6 +838,6 @@ def _join_error():
 
 
 def test_a_crowded_machine_gets_longer_slices_from_25_ranks_a_core():
-    from ray_collective.native.runner import SLICE_S, slice_s_for
+    from ray_collective.engine.native_runner import SLICE_S, slice_s_for
     assert slice_s_for(0.5) == slice_s_for(25) == SLICE_S
     assert slice_s_for(200) == pytest.approx(0.4)  # 400 ranks on 2 cores

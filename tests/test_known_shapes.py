@@ -20,7 +20,7 @@ def _runners():
 
 def _counting_full_path(monkeypatch):
     """Count the calls that take the full path (``Group.submit``) in every rank."""
-    from ray_collective.backends.transport_membership import TransportMembership
+    from ray_collective.engine.cpu import TransportMembership
     return count_full_path(monkeypatch, TransportMembership)
 
 

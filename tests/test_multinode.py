@@ -75,7 +75,7 @@ def test_hierarchical_path_is_taken(summary, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_rounds_between_nodes_run_in_the_native_core_over_streams(summary, scenario):
     """Every rank that crosses nodes runs some of its rounds between nodes in the core
-    (``native.streams``); none over the object store."""
+    (``engine.stream_rounds``); none over the object store."""
     seen = summary[scenario]
     rounds = seen["stream_rounds_in_core"]
     if scenario == "declared_object_store":

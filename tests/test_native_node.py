@@ -18,7 +18,8 @@ import pytest
 from ray_collective import native
 from ray_collective.algorithms.catalog import ALGORITHMS
 from ray_collective.algorithms.core import Blocks, Team
-from ray_collective.plan import Local, Message, Place, Plan, StridedPlace, point_to_point, record
+from ray_collective.engine.plan import (Local, Message, Place, Plan, StridedPlace, point_to_point,
+                                        record)
 from ray_collective.transport import wire
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 from ray_collective.types import ReduceOp

@@ -22,8 +22,8 @@ from ray_collective import native
 from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice
 from ray_collective.algorithms.core import Blocks, Context, Team
 from ray_collective.algorithms.selector import select
-from ray_collective.executor import run_plan
-from ray_collective.plan import Local, Message, Place, Plan, record
+from ray_collective.engine.executor import run_plan
+from ray_collective.engine.plan import Local, Message, Place, Plan, record
 from ray_collective.reductions import combiner
 from ray_collective.transport.base import COLLECTIVE_TAG
 from ray_collective.transport.local import LocalFabric

@@ -1,4 +1,4 @@
-"""Rounds between nodes on the native core (``native/streams.c``, ``native.streams``).
+"""Rounds between nodes on the native core (``native/streams.c``, ``engine.stream_rounds``).
 
 First the core's ``stream_round`` alone, over socket pairs: its frames byte for byte those of
 ``transport.tcp``, frames made by ``transport.tcp`` read, checked, copied or reduced as numpy
@@ -24,7 +24,7 @@ from support.contract import check_every_collective, every_collective
 from support.helpers import numpy_reduce
 from ray_collective import native
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.errors import CollectiveError, CollectiveMismatchError, PeerDiedError
 from ray_collective.testing import run_ranks
 from ray_collective.transport import tcp, wire
@@ -37,8 +37,9 @@ pytestmark = pytest.mark.skipif(
 
 if native.available():
     from ray_collective.native import codes
-    from ray_collective.native.runner import CORE_SPIN_S, SLICE_S, NativeRunner, native_node
-    from ray_collective.native.streams import StreamRounds
+    from ray_collective.engine.native_runner import (CORE_SPIN_S, SLICE_S, NativeRunner,
+                                                     native_node)
+    from ray_collective.engine.stream_rounds import StreamRounds
     CORE = native.core()
 
 PART = tcp.STREAM_PART_BYTES

@@ -20,7 +20,7 @@ import pytest
 import ray_collective as col
 from support.helpers import act_while_waiting, numpy_reduce, rank_data
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks

@@ -11,7 +11,7 @@ import pytest
 
 from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice, start
 from ray_collective.algorithms.core import Blocks, Context, Recv, Send, Team
-from ray_collective.plan import KEEP_SCRATCH_BYTES, Local, record, view
+from ray_collective.engine.plan import KEEP_SCRATCH_BYTES, Local, record, view
 from ray_collective.sim.engine import run_lockstep
 from ray_collective.reductions import combiner
 from ray_collective.group import current_registry
@@ -195,7 +195,7 @@ def test_an_algorithm_naming_foreign_memory_is_refused():
 def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
     import threading
 
-    import ray_collective.backends.transport_membership as transport_membership
+    import ray_collective.engine.cpu as cpu_engine
     counted = {"select": 0, "record": 0}
     lock = threading.Lock()
 
@@ -207,8 +207,7 @@ def test_calls_of_one_shape_reuse_one_plan_and_never_select_again(monkeypatch):
         return wrapper
 
     for name in ("select", "record"):
-        monkeypatch.setattr(transport_membership, name,
-                            counting(name, getattr(transport_membership, name)))
+        monkeypatch.setattr(cpu_engine, name, counting(name, getattr(cpu_engine, name)))
 
     def body(rank):
         x = np.full(10, rank, np.float32)
@@ -286,8 +285,8 @@ def test_the_plans_cut_by_way_never_mix_node_and_remote_peers_in_a_round(name, n
                                                                         oversubscribed):
     """A group on the native core across nodes runs these algorithms' rounds within a node on
     the core and the others over the transport, one after the other
-    (``transport_membership._segments``): no round of any rank may have peers both ways."""
-    from ray_collective.backends.transport_membership import CUT_BY_WAY
+    (``engine.cpu._segments``): no round of any rank may have peers both ways."""
+    from ray_collective.engine.cpu import CUT_BY_WAY
     assert name in CUT_BY_WAY
     for collective, by_name in ALGORITHMS.items():
         if name in by_name:
@@ -300,7 +299,7 @@ def test_the_pipelined_broadcast_mixes_ways_so_it_is_not_cut():
     """Its leaders forward a chunk to the next node and to their node-mates in one round: it
     must run over the transport as a whole (a cut would raise, or hang the ranks that do not
     cut)."""
-    from ray_collective.backends.transport_membership import CUT_BY_WAY
+    from ray_collective.engine.cpu import CUT_BY_WAY
     mixed, _ = _rounds_mixing_ways(ALGORITHMS["broadcast"]["hierarchical_pipeline"],
                                    (0, 0, 1, 1, 2, 2, 3, 3), (1 << 20,), True)
     assert mixed and "hierarchical_pipeline" not in CUT_BY_WAY

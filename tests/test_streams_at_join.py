@@ -12,7 +12,7 @@ import pytest
 import ray_collective as col
 from ray_collective import native
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.errors import CollectiveTimeoutError, PeerDiedError
 from ray_collective.testing import run_ranks
 from ray_collective.transport.base import COLLECTIVE_TAG
@@ -139,8 +139,9 @@ class JoinedFactory(BackendFactory):
     name = "joined-streams-test"
 
     def __init__(self, tmp_path, world_size, forced=None):
-        from ray_collective.native.runner import CORE_SPIN_S, SLICE_S, NativeRunner, native_node
-        from ray_collective.native.streams import StreamRounds
+        from ray_collective.engine.native_runner import (CORE_SPIN_S, SLICE_S, NativeRunner,
+                                                         native_node)
+        from ray_collective.engine.stream_rounds import StreamRounds
         self.transports = two_node_transports(tmp_path, world_size)
         self.joined = threading.Barrier(world_size)
         self.runners = [None] * world_size

@@ -16,7 +16,7 @@ import ray_collective as col
 from support.helpers import act_while_waiting, numpy_reduce, rank_data
 from support.contract import check_every_collective, every_collective
 from ray_collective.backends.base import BackendFactory
-from ray_collective.backends.transport_membership import TransportMembership
+from ray_collective.engine.cpu import TransportMembership
 from ray_collective.errors import CollectiveError, PeerDiedError, error_record
 from ray_collective.testing import run_ranks
 from ray_collective.transport import handshake, tcp, uds, wire

@@ -71,7 +71,7 @@ on 2 cores against MPICH in the same run (ray / MPICH p50, medians of four runs 
 two at 8, receivers then reading 256 KiB or more out of the root's memory): at 4
 ranks, 256 KiB 0.99 against scatter+allgather's 1.13 and binomial's 1.15, 1 MiB 0.91 (1.22,
 0.83), 4 MiB 0.74 (0.99, 0.77), 16 MiB 0.46 (0.61, 0.53); at 8 ranks, 1 MiB 0.58 (0.81,
-0.63), 16 MiB 0.64 (0.62, 0.60). Through the rings (``native.runner.REMOTE_MIN_BYTES``), 1 MiB
+0.63), 16 MiB 0.64 (0.62, 0.60). Through the rings (``engine.native_runner.REMOTE_MIN_BYTES``), 1 MiB
 at 4 ranks 0.31-0.40 in six runs. Not measured beyond 8 ranks, where scatter+allgather
 stays."""
 

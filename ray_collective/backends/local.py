@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from ..native.runner import NativeRunner, native_node
+from ..engine.native_runner import NativeRunner, native_node
 from ..transport.local import LocalFabric
 from .base import BackendFactory, Membership
-from .transport_membership import TransportMembership
+from ..engine.cpu import TransportMembership
 
 
 class LocalBackendFactory(BackendFactory):

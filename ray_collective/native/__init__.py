@@ -78,7 +78,8 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   the message was found at the head of a ring before any receive from that peer: same call
   number, other header).
 - ``stream_round(...)`` runs one round of messages over connected, authenticated stream
-  sockets ``fds`` (``streams.c``; :mod:`.streams` is its caller): ``table`` an int64 array of
+  sockets ``fds`` (``streams.c``; ``engine.stream_rounds`` is its caller): ``table`` an int64
+  array of
   rows ``stream, flags, step, slot, start, stop`` (the stream an index into ``fds``, flags and
   elements as in the plan code), ``slots`` and ``header`` as for ``start``; sends are framed
   as ``transport.tcp`` frames them, in parts of ``part_bytes``, and frames longer than

@@ -22,7 +22,7 @@ from typing import List, Mapping
 
 import numpy as np
 
-from ..plan import Local, Place, Plan
+from ..engine.plan import Local, Place, Plan
 from ..reductions import check_op
 from ..tensors import SUPPORTED_DTYPES
 from ..types import ReduceOp

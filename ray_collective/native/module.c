@@ -131,7 +131,7 @@ static PyMethodDef core_methods[] = {
      "stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes, "
      "max_frame_bytes, timeout_s, slice_s, on_event, watched, spin_s): one round of messages "
      "over TCP streams "
-     "(see ray_collective.native.streams); the indices of the messages still pending at "
+     "(see ray_collective.engine.stream_rounds); the indices of the messages still pending at "
      "timeout_s, empty once all are done"},
     {NULL, NULL, 0, NULL},
 };

@@ -11,7 +11,8 @@
 extern PyTypeObject rc_node_type;
 
 /* stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes,
- * max_frame_bytes, timeout_s, slice_s, on_event, watched) (see ray_collective.native.streams). */
+ * max_frame_bytes, timeout_s, slice_s, on_event, watched)
+ * (see ray_collective.engine.stream_rounds). */
 PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 /* The events a round hands to its on_event callback (the module's STREAM_* constants). */

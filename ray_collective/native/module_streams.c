@@ -1,5 +1,5 @@
 /* stream_round of ray_collective.native._core: one round of messages over the TCP streams
- * between nodes (ray_collective/native/streams.py). The round runs in streams.c with the GIL
+ * between nodes (ray_collective/engine/stream_rounds.py). The round runs in streams.c with the GIL
  * released, taken back only for its events. */
 #include "module.h"
 

@@ -1,4 +1,4 @@
-/* The plan code: a recorded plan (ray_collective.plan.Plan) as int64 words, written by
+/* The plan code: a recorded plan (ray_collective.engine.plan.Plan) as int64 words, written by
  * codes.encode_plan, checked here before a call runs anything, and its local steps.
  *
  * Layout: code[0] is the number of steps, then one record per step:

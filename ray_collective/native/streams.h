@@ -1,6 +1,6 @@
 /* One round of a call's messages over the TCP streams between nodes, in C (streams.c); the
  * stream round's Python face is module_streams.c's stream_round, its caller
- * native/streams.py. Plain C, no Python. */
+ * engine/stream_rounds.py. Plain C, no Python. */
 #ifndef RC_STREAMS_H
 #define RC_STREAMS_H
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..algorithms.core import AlgorithmGen, Recv
 from ..errors import SimulationDeadlockError
-from ..executor import post_round
+from ..engine.executor import post_round
 from ..transport.base import Request
 from ..transport.wire import CallStamp
 from ..transport.local import LocalFabric

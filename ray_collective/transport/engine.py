@@ -34,7 +34,7 @@ POLL_INTERVAL_S = 0.1
 
 ENGINE_SPIN_S = 50e-6
 """How long a rank with a core of its own polls the Python engine's carriers without sleeping
-before it blocks (the native core's rings have their own, ``native.runner.CORE_SPIN_S``)."""
+before it blocks (the native core's rings have their own, ``engine.native_runner.CORE_SPIN_S``)."""
 
 
 class Engine:

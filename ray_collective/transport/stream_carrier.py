@@ -328,7 +328,7 @@ class StreamCarrier(Carrier):
                       ) -> Optional[Tuple[tcp.Stream, tcp.Stream]]:
         """(the stream this rank sends to ``peer`` on, the one ``peer`` sends on) if the
         native core may write the first (``sends``) and read the second (``receives``) from
-        their next frames on (``native.streams``); one of the two stands for the other where
+        their next frames on (``engine.stream_rounds``); one of the two stands for the other where
         it is not needed. Quiet: open and whole, nothing queued to send, nothing read ahead,
         no receive posted or part waiting on (``peer``, ``tag``), and which of two streams
         the peer sends on known (from the join, or its first message). None otherwise."""

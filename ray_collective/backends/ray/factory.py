@@ -39,8 +39,8 @@ from ..arrivals import Arrivals, Terms
 from ..base import BackendFactory, Declaration, Membership
 from . import private_dirs, rendezvous
 from ... import native
-from ...native.runner import CORE_SPIN_S, NativeRunner, native_node, slice_s_for
-from ...native.streams import StreamRounds
+from ...engine.native_runner import CORE_SPIN_S, NativeRunner, native_node, slice_s_for
+from ...engine.stream_rounds import StreamRounds
 from .environment import (NATIVE, STREAMS, cross_node_transport, engine_wanted, finished_jobs,
                           ray_module, runtime)
 from .machines import ranks_over_cores, ranks_per_core

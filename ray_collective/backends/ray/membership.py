@@ -14,11 +14,11 @@ import shutil
 from typing import FrozenSet, Mapping, Optional, Sequence
 
 from ...errors import error_record
-from ...native.runner import NativeRunner
+from ...engine.native_runner import NativeRunner
 from ...transport.link_transport import LinkTransport
 from ...transport.processes import process_alive
 from ..base import BackendFactory, Reformed
-from ..transport_membership import TransportMembership
+from ...engine.cpu import TransportMembership
 from . import elastic, private_dirs, rendezvous
 from .machines import oversubscribed
 from .post_offices import shut_post_office

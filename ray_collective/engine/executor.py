@@ -1,8 +1,8 @@
 """Runs algorithms over a transport: a recorded plan for a call, a generator for the simulator.
 
 This is the one place where algorithms (rounds of Send/Recv) meet a transport (which moves
-messages). A call replays its :class:`~ray_collective.plan.Plan` (:func:`run_plan`): post each
-round's messages, wait for all of them, run the local operations between rounds. The simulator
+messages). A call replays its :class:`~ray_collective.engine.plan.Plan` (:func:`run_plan`): post
+each round's messages, wait for all of them, run the local operations between rounds. The simulator
 drives the generators themselves, thousands of ranks in one thread (``sim.engine``), and posts
 their rounds through :func:`post_round`.
 """
@@ -14,14 +14,15 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .algorithms.core import Recv, Round
-from .errors import CollectiveTimeoutError
+from ..algorithms.core import Recv, Round
+from ..errors import CollectiveTimeoutError
+from ..transport.base import COLLECTIVE_TAG, Request, Transport
+from ..transport.wire import CallStamp
 from .plan import Local, Plan
-from .transport.base import COLLECTIVE_TAG, Request, Transport
-from .transport.wire import CallStamp
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
-RoundRunner = Callable[[int, Sequence[np.ndarray], CallStamp, float], Optional[Sequence[int]]]
+RoundInCore = Callable[[int, Sequence[np.ndarray], CallStamp, float], Optional[Sequence[int]]]
+"""Runs one round of a plan in the native core where it can (``run_plan``'s ``rounds``)."""
 
 
 def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
@@ -40,7 +41,7 @@ def post_round(transport: Transport, round_: Round, tag: int, stamp: CallStamp,
 def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag: int,
              stamp: CallStamp, combine: Optional[Combine], timeout: float, what: str,
              watch: Optional[Callable[[], None]] = None, watch_every_s: float = 0.05,
-             rounds: Optional[RoundRunner] = None) -> None:
+             rounds: Optional[RoundInCore] = None) -> None:
     """Run one rank's part of a call by replaying ``plan`` on ``slots``, blocking.
 
     Args:
@@ -56,7 +57,7 @@ def run_plan(plan: Plan, slots: Sequence[np.ndarray], transport: Transport, tag:
             the transport cannot see (a peer's part of another call on the native core).
         watch_every_s: seconds between two calls of ``watch``.
         rounds: runs a round itself where it can (the native core over the streams between
-            nodes, ``native.streams``): given the round's index in ``plan.steps``, the slots,
+            nodes, ``engine.stream_rounds``): given the round's index in ``plan.steps``, the slots,
             the stamp and the deadline, it returns None where it cannot (the round then goes
             over ``transport``), else the peers still pending at the deadline (empty: done).
 

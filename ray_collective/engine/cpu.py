@@ -1,4 +1,4 @@
-"""A backend made of a transport and the transport-free algorithms.
+"""The CPU engine: a membership that runs the transport-free algorithms over a transport.
 
 What a call needs beyond its data depends only on its shape (the collective, element count,
 dtype, shape, op, root, forced algorithm; peer for send and recv): the algorithm the selector
@@ -22,16 +22,16 @@ import numpy as np
 from ..algorithms.catalog import flat_choice
 from ..algorithms.core import Blocks, Context, Team, Topology
 from ..algorithms.selector import forced_algorithms, select
-from ..executor import run_plan
-from ..plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
+from ..backends.base import CallViews, Membership, PreparedCall, node_map_or_none
 from ..reductions import combiner, finalize_average
 from ..tensors import TensorView, known_shape_input
 from ..transport.base import COLLECTIVE_TAG, Transport
-from ..native.runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
-from ..native.streams import StreamPlan
 from ..transport.wire import CallHeader, HeaderTemplate
 from ..types import CallOptions, Collective, ReduceOp
-from .base import CallViews, Membership, PreparedCall, node_map_or_none
+from .executor import run_plan
+from .native_runner import SLICE_S, NativePlan, NativeRunner, entries_overlap
+from .plan import KEEP_SCRATCH_BYTES, Local, Plan, point_to_point, record
+from .stream_rounds import StreamPlan
 
 _log = logging.getLogger(__name__)
 
@@ -76,11 +76,11 @@ class PlannedCall(PreparedCall):
             nodes, the plan cut where its rounds change way: ``(core plan, None, None)`` for
             a run of rounds with this node's ranks, ``(None, plan, stream plan)`` for one with
             other nodes' ranks (over the transport, its rounds in the core where their streams
-            allow: ``native.streams``; the stream plan None where the group has no streams);
+            allow: ``engine.stream_rounds``; the stream plan None where the group has no streams);
             the local steps go with the rounds before them. None otherwise.
         on_streams: for any other plan run over the transport in a group on the native core
             that spans nodes, its rounds between nodes in the core's form
-            (``native.streams``), or None.
+            (``engine.stream_rounds``), or None.
     """
 
     __slots__ = ("plan", "template", "combine", "blocks", "tag", "layout", "average", "native",
@@ -165,7 +165,7 @@ def _scatter_blocks(buf: np.ndarray, blocks: Blocks, outputs: Sequence[np.ndarra
         np.copyto(output, blocks.view(buf, i))
 
 
-def _in_place_runner(membership: "TransportMembership", prepared: PlannedCall,
+def _in_place_run(membership: "TransportMembership", prepared: PlannedCall,
                      view: Optional[TensorView]) -> Callable[[int, Any], None]:
     """The ``run`` of an allreduce, reduce, broadcast, barrier, send or recv shape: the
     plan on the caller's array itself (any C-contiguous shape)."""
@@ -227,8 +227,8 @@ def _wire_input(view: Optional[TensorView], layout: str) -> Optional[Callable[[A
     return lambda arrays: (arrays[0].view(wire), arrays[1] and [a.view(wire) for a in arrays[1]])
 
 
-def _list_runner(membership: "TransportMembership", prepared: PlannedCall, dtype_name: str):
-    """The runner of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
+def _list_run(membership: "TransportMembership", prepared: PlannedCall, dtype_name: str):
+    """The ``run`` of allgather or gather (``(tensor, outputs)``), reducescatter or scatter
     (``(tensor, inputs)``), or alltoall (``(inputs, outputs)``) calls of one shape on
     ``membership``; gather and scatter ignore the list except at their root, as the full path
     does."""
@@ -378,9 +378,9 @@ class TransportMembership(Membership):
         reference = views.reference()
         prepared = self._prepare(options, reference)
         if prepared.layout in _LIST_LAYOUTS:
-            run = _list_runner(self, prepared, reference.dtype_name)
+            run = _list_run(self, prepared, reference.dtype_name)
         else:
-            run = _in_place_runner(self, prepared, reference)
+            run = _in_place_run(self, prepared, reference)
         to_wire = _wire_input(reference, prepared.layout)
         if to_wire is not None:
             inner = run
@@ -409,7 +409,7 @@ class TransportMembership(Membership):
                                 dtype_name, count, shape)
             native = on_streams = None
             # Between nodes a send or recv takes the transport (its stream in the core where
-            # it can: native.streams).
+            # it can: engine.stream_rounds).
             if self.native is not None and (
                     self.node_of is None or self.node_of[options.peer] == self.node_of[rank]):
                 native = self.native.prepare(plan, collective.value, dtype_name, None)

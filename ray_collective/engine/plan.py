@@ -26,8 +26,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .algorithms.catalog import start
-from .algorithms.core import Algorithm, Blocks, Context, Recv, Team
+from ..algorithms.catalog import start
+from ..algorithms.core import Algorithm, Blocks, Context, Recv, Team
 
 KEEP_SCRATCH_BYTES = 1 << 20
 """A plan whose scratch memory is at most this large keeps it from call to call."""

@@ -14,7 +14,7 @@ collective that meets one of their frames sets it aside for the receive that wan
 larger than the node's ``p2p_max_bytes`` is offered to be read in place; if its receiver has
 not begun to read it within a millisecond, or cannot, :meth:`NativeRunner.run` says so on both
 sides and the message goes over the transport, whose sends never wait for their receiver
-(``backends.transport_membership``).
+(``engine.cpu``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ import numpy as np
 
 from ..algorithms.core import Blocks
 from ..errors import CollectiveTimeoutError
-from ..plan import Local, Place, Plan
+from ..native import codes, node_type
+from ..native.codes import DONE, MISMATCH, REROUTED
 from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
 from ..transport.node_state import COLLECTIVE_CODES
 from ..transport.wire import CallStamp, HeaderTemplate, mismatch
 from ..types import ReduceOp
-from . import codes, node_type, streams
-from .streams import StreamPlan, StreamRounds
-from .codes import DONE, MISMATCH, REROUTED
+from . import stream_rounds
+from .plan import Local, Place, Plan
+from .stream_rounds import StreamPlan, StreamRounds
 
 SLICE_S = 0.05
 """The longest the core runs a call before the rank looks for failures. A killed peer leaves
@@ -388,14 +389,14 @@ class NativeRunner:
     def prepare_streams(self, plan: Plan, dtype_name: str, op: Optional[ReduceOp],
                         node_of: Sequence) -> Optional[StreamPlan]:
         """The core's form of a plan's rounds whose peers are all on other nodes than this
-        rank's (``native.streams``; ``node_of`` gives every rank's node), or None where it has
+        rank's (``engine.stream_rounds``; ``node_of`` gives every rank's node), or None where it has
         none or this rank has no :class:`StreamRounds`."""
         if self.streams is None:
             return None
         here = node_of[self.transport.rank]
         op_code = codes.NO_OP if op is None else codes.op_code(op, dtype_name)
-        return streams.prepare(plan, codes.dtype_code(dtype_name or "uint8"), op_code,
-                               lambda peer: node_of[peer] != here)
+        return stream_rounds.prepare(plan, codes.dtype_code(dtype_name or "uint8"), op_code,
+                                     lambda peer: node_of[peer] != here)
 
     def run(self, native: NativePlan, slots: Sequence[np.ndarray], template: HeaderTemplate,
             seq: int, timeout: float, what: str, tag: int = COLLECTIVE_TAG) -> bool:

@@ -36,12 +36,12 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from ..plan import Local, Plan
+from ..native import codes
 from ..transport import tcp, wire
 from ..transport.base import SendRequest, Transport
 from ..transport.failures import REMOTE_LIVENESS_INTERVAL_S
 from ..transport.stream_carrier import StreamCarrier
-from . import codes
+from .plan import Local, Plan
 
 
 class StreamRound(NamedTuple):
@@ -117,7 +117,7 @@ class StreamRounds:
         transport: the rank's transport (failure checks).
         slice_s: the longest the core waits before the rank looks for failures.
         spin_s: how long a round with nothing to move polls, yielding its core between
-            polls, before it sleeps (``native.runner.CORE_SPIN_S``, as the rings' waits).
+            polls, before it sleeps (``engine.native_runner.CORE_SPIN_S``, as the rings' waits).
     """
 
     def __init__(self, core, carrier: StreamCarrier, transport: Transport, slice_s: float,
