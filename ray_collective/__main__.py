@@ -1,11 +1,11 @@
 """``python -m ray_collective COMMAND``: the library's commands; one so far, ``status`` (see
-``status``). ``--help`` lists every command and its options."""
+``backends.ray.status``). ``--help`` lists every command and its options."""
 
 import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import status
+from .backends.ray import status
 
 
 def parser() -> argparse.ArgumentParser:

@@ -297,6 +297,19 @@ def _cupy_view(t: Any, what: str) -> TensorView:
                       shape=tuple(t.shape), device=device, kind="cupy")
 
 
+def _foreign_kind(tensor: Any) -> Optional[str]:
+    """``"torch"`` for a torch tensor, ``"cupy"`` for an object of cupy's, else None: the one
+    place either is recognised, by the tensor's type alone (neither is ever imported here: a
+    torch tensor implies a loaded torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tensor, getattr(torch, "Tensor", ())):
+        return "torch"
+    module = type(tensor).__module__ or ""
+    if module == "cupy" or module.startswith("cupy."):
+        return "cupy"
+    return None
+
+
 def tensor_layout(tensor: Any) -> Optional[tuple]:
     """What decides whether a cupy array or torch tensor passes :func:`as_view`'s checks, for
     a cache key.
@@ -315,16 +328,17 @@ def tensor_layout(tensor: Any) -> Optional[tuple]:
         for anything else (an object of cupy's that is no array, say: :func:`as_view` names
         it).
     """
-    module = type(tensor).__module__
-    if module == "cupy" or module.startswith("cupy."):
+    kind = _foreign_kind(tensor)
+    if kind == "cupy":
         try:
             return ("cupy", tensor.dtype, tensor.shape, tensor.strides, tensor.device.id)
         except AttributeError:
             return None
-    torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(tensor, getattr(torch, "Tensor", ()))
-            or tensor.layout is not torch.strided
-            or (not tensor.is_cuda and tensor.dtype is getattr(torch, "bfloat16", None))):
+    if kind != "torch":
+        return None
+    torch = sys.modules["torch"]
+    if tensor.layout is not torch.strided or (
+            not tensor.is_cuda and tensor.dtype is getattr(torch, "bfloat16", None)):
         return None
     return ("torch", tensor.dtype, tensor.shape, tensor.stride(), tensor.device,
             tensor.is_conj(), tensor.is_neg())
@@ -371,13 +385,11 @@ def as_view(tensor: Any, *, writable: bool, what: str = "tensor") -> TensorView:
     """
     if isinstance(tensor, np.ndarray):
         return _numpy_view(tensor, writable, what)
-    torch = sys.modules.get("torch")  # never imported here: a torch tensor implies torch
-    if torch is not None and isinstance(tensor, getattr(torch, "Tensor", ())):
-        return _torch_view(tensor, torch, writable, what)
-    module = type(tensor).__module__ or ""
-    if module == "cupy" or module.startswith("cupy."):
-        if hasattr(tensor, "flags") and hasattr(tensor, "device") and hasattr(tensor, "dtype"):
-            return _cupy_view(tensor, what)
+    kind = _foreign_kind(tensor)
+    if kind == "torch":
+        return _torch_view(tensor, sys.modules["torch"], writable, what)
+    if kind == "cupy" and all(hasattr(tensor, name) for name in ("flags", "device", "dtype")):
+        return _cupy_view(tensor, what)
     if isinstance(tensor, np.generic):
         hint = (f"A numpy scalar is not a tensor: wrap it in an array, e.g. "
                 f"np.array([{what.split('[')[0]}]), and read the result from that array.")

@@ -230,7 +230,7 @@ LAYERS = (
     ("declared", "elastic"),
     ("api", "api_groups", "api_multigpu", "refs", "batch", "actor_pool", "interop",
      "ray_util_group", "testing", "__init__",
-     "status", "__main__", "weight_sync", "functional", "torch", "objects"),
+     "__main__", "weight_sync", "functional", "torch", "objects"),
     ("integrations",),
 )
 """The layers of docs/architecture.md, bottom first: a module imports only from its own layer
@@ -276,8 +276,6 @@ MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 80
 
 LONG_TODAY = {
-    "ray_collective.backends.ray.factory.RayBackendFactory.create":
-        "the ray backend's join: its steps are to be split where the rendezvous is reworked",
     "ray_collective.backends.ray.rendezvous.join": "likewise, the rendezvous's join",
     "ray_collective/native/module_streams.c:rc_py_stream_round":
         "the stream round's Python face: its arguments are parsed by position",

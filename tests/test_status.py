@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import ray_collective as col
-from ray_collective import status
+from ray_collective.backends.ray import status
 from support.helpers import run_in
 from support.observing import allreduce_once, status_json, wait_until_in_call
 from support.paths import python_path

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import ray_collective as col
-from ray_collective import status
+from ray_collective.backends.ray import status
 from support.paths import python_path
 
 HUNG_TIMEOUT_S = 60.0

@@ -10,7 +10,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import ray_collective as col
-from ray_collective import status
+from ray_collective.backends.ray import status
 from support.observing import allreduce_once, status_json, wait_until_in_call
 from support.paths import python_path
 

@@ -30,10 +30,10 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import unquote
 
-from .backends.key_value import NAMESPACE, KeyValue
-from .backends.ray import private_dirs, rendezvous
-from .backends.ray.post_offices import post_office_name
-from .transport.node_state import PageSnapshot, RankCall, read_page
+from ...transport.node_state import PageSnapshot, RankCall, read_page
+from ..key_value import NAMESPACE, KeyValue
+from . import private_dirs, rendezvous
+from .post_offices import post_office_name, post_office_owners
 
 DEADLINE_S = 1.5
 """What the remote reads may take in all, so that the whole answer comes within 2 s."""
@@ -215,13 +215,14 @@ def _remote_pages(address: Optional[str], asks: List[Tuple[Dict[str, Any], str]]
     reader = ray.remote(num_cpus=0)(_read_page_there)
     for group, node in asks:
         world_size = len(group["members"])
-        if len({m.node for m in group["members"]}) > 1:
+        owners = post_office_owners(group["members"])
+        if len(owners) > 1:
             try:
-                office = ray.get_actor(post_office_name(bytes.fromhex(group["token"]), node),
+                office = ray.get_actor(post_office_name(group["name"], owners[node], node),
                                        namespace=NAMESPACE)
             except ValueError:
                 continue
-            refs[(group["token"], node)] = office.page.remote()
+            refs[(group["token"], node)] = office.page.remote(bytes.fromhex(group["token"]))
         else:
             refs[(group["token"], node)] = reader.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
