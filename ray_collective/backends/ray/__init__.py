@@ -13,6 +13,7 @@ One concern a module:
   nodes;
 - ``machines``: whether a machine runs more ranks than it has cores;
 - ``environment``: Ray's runtime and the environment variables the backend reads.
+- ``status``: ``python -m ray_collective status``, what it reads of the groups of a cluster.
 """
 
 from .factory import RayBackendFactory
