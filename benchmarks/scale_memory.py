@@ -78,7 +78,7 @@ one thing of ``ray_init``."""
 STAGES = ("bare", "numpy", "ray_collective", "joined", "called", "left")
 
 WATCHED_MODULES = ("ray_collective.backends.nccl", "ray_collective.sim",
-                "ray_collective.backends.ray.post_office", "ray_collective.transport.tcp",
+                "ray_collective.transport.post_office", "ray_collective.transport.tcp",
                 "ray_collective.transport.stream_carrier", "ray_collective.metrics",
                 "ray_collective.batch", "ray_collective.refs", "ray_collective.declared",
                 "benchmarks", "torch", "cupy")

@@ -111,6 +111,18 @@ def test_no_stream_socket_is_left_open_after_destroy(summary, scenario):
     assert seen["stream_sockets_left"] == [[]] * WORLD_SIZE
 
 
+def test_a_grown_group_reuses_its_nodes_post_office_processes(summary):
+    """The grow opens the new incarnation's post offices in the processes of the old one on
+    nodes 0 and 1 (no process started there), and starts one on node 2; every collective of
+    the grown group, carried by them, matches numpy."""
+    grown = summary["grown"]
+    assert len(grown["before"]) == 2 and len(grown["after"]) == 3
+    assert set(grown["before"].items()) < set(grown["after"].items())
+    assert grown["failures"] == []
+    assert grown["post_offices_gone_after_s"] >= 0, "post offices still named after destroy"
+    assert grown["keys_left"] == []
+
+
 def test_a_stranger_with_a_wrong_key_is_refused_by_a_live_listener(summary):
     stranger = summary["declared"]["stranger"]
     assert stranger["closed"] and not stranger["opened"], stranger

@@ -1,6 +1,6 @@
 """The object-store path between nodes without Ray: a round's messages packed into the
 arguments of one ``deliver`` task and unpacked by the post office, and the ``ray`` transport
-over real post offices (``backends.ray.post_office.PostOffice``), each a thread of this process
+over real post offices (``transport.post_office.PostOffice``), each a thread of this process
 standing in for the actor, with the ranks split between two pretend nodes: every collective
 against numpy, small rounds (payloads cut into parts of the task's message) and large ones
 (whole arrays, as Ray's object store carries them).
@@ -16,7 +16,7 @@ import pytest
 
 from support.contract import check_every_collective, every_collective
 from test_tcp import KEY, StreamFactory, pretend_nodes, two_node_transports
-from ray_collective.backends.ray.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
+from ray_collective.transport.post_office import (INLINE_ARGUMENT_BYTES, INLINE_ROUND_BYTES,
                                                  PostOffice, pack_round, unpack_round)
 from ray_collective.testing import run_ranks
 from ray_collective.transport import uds
@@ -173,3 +173,51 @@ def test_a_send_to_another_node_completes_when_its_round_leaves_without_a_copy(t
     assert node == "b" and message[1] == 1 and np.shares_memory(message[6], data)
     for transport in transports:
         transport.close()
+
+
+class _RecordedOffice:
+    """Stands in for ``PostOffice`` in a host: records what it was given."""
+
+    def __init__(self, directory, group_name, group_key, world_size, local_pids, timeout):
+        self.group_key, self.delivered, self.shut = group_key, [], False
+
+    def deliver(self, messages, *parts):
+        self.delivered.append((messages, parts))
+
+    def dead_ranks(self, ranks):
+        return [r for r in ranks if r == 3]
+
+    def shutdown(self):
+        self.shut = True
+
+
+def _host(monkeypatch, first=b"a" * 16):
+    from ray_collective.transport import post_office
+    monkeypatch.setattr(post_office, "PostOffice", _RecordedOffice)
+    return post_office.PostOfficeHost("/unused", "g", first, 4, {0: 1}, 1.0)
+
+
+def test_a_host_keeps_an_incarnations_deliveries_until_it_opens(monkeypatch):
+    host = _host(monkeypatch)
+    later = b"b" * 16
+    host.deliver(later, ["first"], b"part")
+    host.deliver(later, ["second"])
+    assert host.dead_ranks(later, [2, 3]) == []   # still starting: nothing known dead
+    host.open("/unused", "g", later, 5, {0: 1}, 1.0)
+    office = host.offices[later]
+    assert office.delivered == [(["first"], (b"part",)), (["second"], ())]
+    assert host.dead_ranks(later, [2, 3]) == [3]
+    assert host.offices[b"a" * 16].delivered == []
+
+
+def test_a_host_counts_the_incarnations_left_and_forgets_a_closed_one(monkeypatch):
+    host = _host(monkeypatch)
+    first, later = b"a" * 16, b"b" * 16
+    host.open("/unused", "g", later, 5, {0: 1}, 1.0)
+    office = host.offices[first]
+    assert host.close(first) == 1 and office.shut
+    assert host.dead_ranks(first, [3]) is None          # closed here: nothing known
+    host.deliver(first, ["late"])                        # its ranks have left: dropped
+    host.open("/unused", "g", first, 4, {0: 1}, 1.0)     # a closed one is not opened again
+    assert first not in host.offices and host.early == {}
+    assert host.close(later) == 0

@@ -154,7 +154,7 @@ class _FakeRay:
 
 def test_the_points_over_nodes_wait_until_every_post_office_answers():
     from ray_collective.backends.ray.post_offices import post_office_name
-    names = [post_office_name(b"k" * 16, f"node{i}") for i in range(3)]
+    names = [post_office_name("g", 1000 + i, f"node{i}") for i in range(3)]
     fake = _FakeRay(names)
     assert scale_real.wait_for_post_offices(fake, 3, timeout_s=5) < 5
     assert sorted(fake.readied) == sorted(names)

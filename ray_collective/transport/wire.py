@@ -3,7 +3,7 @@
 Everything two ranks say to each other is defined here, and nothing here touches a socket (the
 sans-I/O style of h11): the carriers (``transport.node_carrier``, ``transport.stream_carrier``,
 ``transport.local``) and the post office that carries messages between nodes
-(``backends.ray.post_office``) are drivers that feed it packets and send the frames it builds.
+(``transport.post_office``) are drivers that feed it packets and send the frames it builds.
 Nothing from a peer is ever unpickled: frames are fixed binary structs, the call header a fixed
 binary encoding, payloads raw bytes.
 

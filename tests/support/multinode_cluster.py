@@ -20,6 +20,9 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
   runs), and the named actors and internal-KV keys left after the driver destroys the group;
 - the same for the declared group over the object store (``RAY_COLLECTIVE_CROSS_NODE``) and
   for an imperative group (init_collective_group inside each member) over streams;
+- a declared group over the object store on nodes 0 and 1, grown by node 2's members: the
+  post-office actors (by name and process) before and after, and every collective over the
+  grown group (small and large) checked against numpy;
 - over streams: a stranger that connects to a rank's stream listener with a wrong key
   (refused, counted, the group unharmed), and the stream sockets each member held, looked
   for among its open files after the destroy;
@@ -200,9 +203,10 @@ def observe_hierarchy(results: list, root: int) -> dict:
     }
 
 
-def every_collective_failures(members: list, group: str) -> list:
+def every_collective_failures(members: list, group: str,
+                              cases: list = EVERY_COLLECTIVE_CASES) -> list:
     failures = []
-    for dtype, op_name, length in EVERY_COLLECTIVE_CASES:
+    for dtype, op_name, length in cases:
         results = run_in(ray, members, every_collective, group, WORLD_SIZE, dtype, op_name,
                          length, "numpy")
         try:
@@ -257,6 +261,34 @@ def declared_group(members: list, cross_node: str = "streams") -> dict:
     summary["stream_sockets_left"] = [sorted(set(r["stream_sockets"]) & set(now))
                                       for r, now in zip(results, still_open)]
     summary["stream_sockets_seen"] = sum(len(r["stream_sockets"]) for r in results)
+    return summary
+
+
+def post_office_processes() -> dict:
+    """``{actor name: its process id}`` of every live post-office actor."""
+    names = post_office_names()
+    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+    return dict(zip(names, ray.get([h.__ray_call__.remote(lambda _self: os.getpid())
+                                    for h in handles])))
+
+
+def grown_group(members: list) -> dict:
+    """The group over nodes 0 and 1 grown by node 2's members (the object store carries its
+    messages, so each node's post office delivers the new incarnation's): which post-office
+    processes served it before and after."""
+    group = "multinode-grown"
+    first = members[:2 * RANKS_PER_NODE]
+    run_in(ray, members, set_environment, CROSS_NODE_VARIABLE, "object_store")
+    col.declare_collective_group(first, backend="ray", group_name=group)
+    before = post_office_processes()
+    col.grow_collective_group(group, actors=members[len(first):], timeout=60)
+    after = post_office_processes()
+    summary = {"before": before, "after": after,
+               "failures": every_collective_failures(members, group,
+                                                     EVERY_COLLECTIVE_CASES[:2])}
+    col.destroy_collective_group(group)
+    summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)
+    summary["keys_left"] = [k.decode() for k in group_keys(ray, group)]
     return summary
 
 
@@ -467,6 +499,7 @@ def main() -> dict:
         for name, scenario in (("declared", declared_group),
                                ("declared_object_store",
                                 lambda m: declared_group(m, "object_store")),
+                               ("grown", grown_group),
                                ("imperative", imperative_group),
                                ("post_office_killed", post_office_killed),
                                ("rank_killed", rank_killed),

@@ -69,6 +69,7 @@ class Reforming(Protocol):
     prefix: str
     members: Tuple[Member, ...]
     factory: Optional[BackendFactory]
+    post_office: Optional[object]
     timeout: float
     departed: Optional[FrozenSet[int]]
     incarnation_closed: bool
@@ -522,8 +523,9 @@ def _join(membership: Reforming, agreement: Agreement, decision: Decision,
     longest_pause = rendezvous.RECHECK_S if nodes == {agreement.node} and \
         decision.world_size == len(decision.ranks) else None
     try:
-        new = membership.factory.incarnation(decision.token, watch, longest_pause).create(
-            membership.group_name, decision.world_size, rank, membership.timeout)
+        new = membership.factory.incarnation(
+            decision.token, watch, longest_pause, membership.post_office).create(
+                membership.group_name, decision.world_size, rank, membership.timeout)
     except BaseException as err:
         error = watch.error or _failure_here(agreement, decision, membership.rank, what,
                                              timeout, err)

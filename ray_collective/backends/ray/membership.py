@@ -21,7 +21,7 @@ from ..base import BackendFactory, Reformed
 from ...engine.cpu import TransportMembership
 from . import elastic, private_dirs, rendezvous
 from .machines import oversubscribed
-from .post_offices import shut_post_office
+from .post_offices import post_office_owners, shut_post_office
 from .rendezvous import Member
 
 
@@ -55,7 +55,8 @@ class RayMembership(TransportMembership):
         self.prefix = prefix
         self.directory = directory
         self.members = tuple(members)
-        # Held, never called: a post office lives as long as its creator holds a handle to it.
+        # Held: a post office actor lives as long as its creator holds a handle to it; the
+        # group's next incarnation opens its post office in it (``elastic``).
         self.post_office = post_office
         self.factory = factory
         self.timeout = timeout
@@ -107,7 +108,8 @@ class RayMembership(TransportMembership):
         # to Ray's control store, which the last of 400 ranks leaving a one-node group made
         # under load.
         if len(nodes) > 1 and {m.rank for m in self.members if m.node == node} <= gone:
-            shut_post_office(transport.group_key, node)
+            shut_post_office(self.group_name, transport.group_key,
+                             post_office_owners(self.members)[node], node)
         root = os.path.dirname(self.directory)
         for other in nodes:
             # This node's directory, and that of a node of this machine whose ranks all died.

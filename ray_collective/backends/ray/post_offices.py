@@ -1,31 +1,47 @@
 """The post office actors of a group, as its ranks name, start, reach and stop them.
 
-One post office per node of a group that spans nodes (``post_office.PostOffice``), started by
-the node's lowest rank, named after the incarnation's key and the node in the namespace
-``key_value.NAMESPACE``. :class:`RayPostOffices` is how a rank reaches the others' (the
-transport's ``PostOffices``).
+One post office per node and incarnation of a group that spans nodes
+(``post_office.PostOffice``), in one actor per group and node (``post_office.PostOfficeHost``)
+started by the node's lowest rank and reused by it for the group's next incarnations, named
+after the group, that rank's process and the node in the namespace ``key_value.NAMESPACE``.
+:class:`RayPostOffices` is how a rank reaches the others' (the transport's ``PostOffices``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ...errors import GroupError
 from ...transport.post_office_carrier import PostOffices
 from ...transport.processes import process_alive
 from ..key_value import NAMESPACE
 from .environment import ray_module
-from .post_office import POST_OFFICE_PID_FILE, PostOffice, pack_round
+from ...transport.post_office import POST_OFFICE_PID_FILE, PostOfficeHost, pack_round
+from .rendezvous import Member
 
 POST_OFFICE_NAME_PREFIX = "post-office-"
 """How the Ray actor names of post offices begin (in the namespace ``key_value.NAMESPACE``)."""
 
 
-def post_office_name(group_key: bytes, node: str) -> str:
-    """The Ray actor name of a group's post office on ``node``."""
-    return f"{POST_OFFICE_NAME_PREFIX}{group_key.hex()}-{node[:16]}"
+def post_office_name(group_name: str, owner_pid: int, node: str) -> str:
+    """The Ray actor name of a group's post offices on ``node``, started by the process
+    ``owner_pid`` (the node's lowest rank): unique while that process lives, and the same for
+    every incarnation it starts them for."""
+    group = hashlib.sha256(group_name.encode()).hexdigest()[:16]
+    return f"{POST_OFFICE_NAME_PREFIX}{group}-{owner_pid}-{node[:16]}"
+
+
+def post_office_owners(members: Sequence[Member]) -> Dict[str, int]:
+    """The process id of each node's lowest rank (which starts the node's post office)."""
+    owners: Dict[str, Tuple[int, int]] = {}
+    for member in members:
+        if member.node not in owners or member.rank < owners[member.node][0]:
+            owners[member.node] = (member.rank, member.pid)
+    return {node: pid for node, (_, pid) in owners.items()}
 
 
 POST_OFFICE_JOIN_WAIT_S = 5.0
@@ -43,13 +59,14 @@ class RayPostOffices(PostOffices):
     failure published for the whole group with ``read_abort`` (the incarnation's broken mark
     in Ray's key-value store)."""
 
-    def __init__(self, group_key: bytes, node: str, other_nodes: Sequence[str],
+    def __init__(self, group_name: str, group_key: bytes, node: str, owners: Dict[str, int],
                  deadline_s: float, directory: str,
                  read_abort: Callable[[], Optional[dict]]):
         self.group_key = group_key
         self._read_abort = read_abort
         self.node = node
-        self.other_nodes = tuple(other_nodes)
+        self._names = {n: post_office_name(group_name, pid, n) for n, pid in owners.items()}
+        self.other_nodes = tuple(sorted(n for n in owners if n != node))
         self.deadline_s = deadline_s
         self._pid_file = os.path.join(directory, POST_OFFICE_PID_FILE)
         self._local_pid: Optional[int] = None
@@ -74,8 +91,7 @@ class RayPostOffices(PostOffices):
             deadline = min(self._local_lookup_until, time.monotonic() + self.deadline_s)
             while handle is None:
                 try:
-                    handle = ray.get_actor(post_office_name(self.group_key, node),
-                                           namespace=NAMESPACE)
+                    handle = ray.get_actor(self._names[node], namespace=NAMESPACE)
                 except ValueError:
                     if time.monotonic() > deadline:
                         self._gone.add(node)
@@ -88,7 +104,7 @@ class RayPostOffices(PostOffices):
         handle = self._handle(node)
         if handle is not None:  # else the receivers' wait finds the post office gone
             messages, parts = pack_round(messages)
-            handle.deliver.remote(messages, *parts)
+            handle.deliver.remote(self.group_key, messages, *parts)
 
     def _ask(self, node: str, method: str, *args):
         """The post office's answer; None when it is dead, [] when it does not answer soon."""
@@ -97,7 +113,7 @@ class RayPostOffices(PostOffices):
         if handle is None:
             return None
         try:
-            return ray.get(getattr(handle, method).remote(*args), timeout=10)
+            return ray.get(getattr(handle, method).remote(self.group_key, *args), timeout=10)
         except ray.exceptions.RayActorError:
             self._gone.add(node)
             return None
@@ -125,7 +141,7 @@ class RayPostOffices(PostOffices):
             return True
         self._next_local_lookup = now + 1.0
         try:
-            ray_module().get_actor(post_office_name(self.group_key, self.node), namespace=NAMESPACE)
+            ray_module().get_actor(self._names[self.node], namespace=NAMESPACE)
         except ValueError:
             return not self._local_seen and now < self._local_lookup_until
         self._local_seen = True
@@ -153,37 +169,92 @@ class RayPostOffices(PostOffices):
             try:
                 handle = self._handle(node)
                 if handle is not None:  # else that node's ranks find their post office gone
-                    handle.abort.remote(record)
+                    handle.abort.remote(self.group_key, record)
             except Exception:  # noqa: BLE001 - Ray may be shutting down with the job
                 return
 
 
-def shut_post_office(group_key: bytes, node: str) -> None:
-    """Stop the group's post office on ``node``, if it is there."""
+def shut_post_office(group_name: str, group_key: bytes, owner_pid: int, node: str) -> None:
+    """Shut the incarnation's post office on ``node``, and stop the actor that held it if it
+    holds no other incarnation's.
+
+    Args:
+        group_name: the group.
+        group_key: the incarnation's key.
+        owner_pid: the process that started the node's post office (``post_office_owners``).
+        node: the node.
+    """
     ray = ray_module()
     try:
-        handle = ray.get_actor(post_office_name(group_key, node), namespace=NAMESPACE)
+        handle = ray.get_actor(post_office_name(group_name, owner_pid, node), namespace=NAMESPACE)
     except ValueError:
         return
     try:
-        ray.get(handle.shutdown.remote(), timeout=10)
+        left = ray.get(handle.close.remote(group_key), timeout=10)
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-        pass
-    ray.kill(handle)
+        left = 0
+    if left == 0:
+        ray.kill(handle)
 
 
-def start_post_office(directory: str, group_name: str, group_key: bytes, world_size: int,
-                       node: str, local_pids: Dict[int, int], timeout: float):
-    """Start the group's post office on ``node`` (the caller, the node's lowest rank, holds the
-    returned handle: the actor lives as long as it does)."""
+def open_post_office(directory: str, group_name: str, group_key: bytes, world_size: int,
+                     node: str, local_pids: Dict[int, int], timeout: float,
+                     reuse: Optional[object] = None) -> Tuple[object, bool]:
+    """Open the incarnation's post office on ``node`` in the actor ``reuse`` (the previous
+    incarnation's, which this process started), or in a new one where there is none or it
+    is gone. The caller, the node's lowest rank, holds the returned handle: the actor lives
+    as long as it does.
+
+    Args:
+        directory, group_name, group_key, world_size, local_pids, timeout: the post office's
+            (see ``post_office.PostOffice``).
+        node: this node.
+        reuse: the actor of the group's previous incarnation on this node, or None.
+
+    Returns:
+        ``(the actor's handle, whether it was started now)``: a new one's worker process is
+        still starting (see ``wait_until_started``).
+
+    Raises:
+        GroupError: the actor's name stayed taken by one that was stopping for ``timeout``
+            seconds.
+    """
     ray = ray_module()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    arguments = (directory, group_name, group_key, world_size, local_pids, timeout)
+    name = post_office_name(group_name, os.getpid(), node)
+    deadline = time.monotonic() + timeout
+    while True:
+        if reuse is not None and _opened_in(reuse, arguments, timeout):
+            return reuse, False
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        try:
+            return ray.remote(PostOfficeHost).options(
+                name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=1, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                    *arguments), True
+        except ValueError:
+            pass  # the name is this process's actor of an earlier group of this name
+        try:
+            reuse = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            reuse = None
+        if time.monotonic() > deadline:
+            raise GroupError(
+                f"group '{group_name}': this node's post office actor {name} could not be "
+                f"started in {timeout:g} s: the name stayed taken by one that was stopping; "
+                f"join again")
+        time.sleep(0.01)
 
-    actor = ray.remote(PostOffice).options(
-        name=post_office_name(group_key, node), namespace=NAMESPACE, num_cpus=0,
-        max_concurrency=1, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-    return actor.remote(directory, group_name, group_key, world_size, local_pids, timeout)
+
+def _opened_in(actor, arguments: tuple, timeout: float) -> bool:
+    """Whether the incarnation's post office opened in ``actor`` (False where it is gone or
+    stopping)."""
+    ray = ray_module()
+    try:
+        ray.get(actor.open.remote(*arguments), timeout=timeout)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
 
 
 def wait_until_started(handle, timeout: float) -> bool:
@@ -192,7 +263,7 @@ def wait_until_started(handle, timeout: float) -> bool:
     the group's first calls, whose ranks would share the cores with it.
 
     Args:
-        handle: what ``start_post_office`` returned.
+        handle: what ``open_post_office`` returned.
         timeout: seconds to wait.
 
     Returns:

@@ -15,8 +15,13 @@ Either way it answers for its node: which ranks are dead (process table), which 
 collective and are not stalled in it (the node's state page), and publishes an abort raised on
 another node.
 
-One post office per node per group, created by the node's lowest rank and owned by it; it
-handles one task at a time, which keeps each sender's messages in order.
+One post office per node per incarnation of a group, created by the node's lowest rank and
+owned by it. They live in one actor process per group and node (:class:`PostOfficeHost`),
+which the owner starts for the group's first incarnation and reuses for every later one it is
+the node's lowest rank of (a shrink's or a grow's): starting a worker process costs about a
+second of CPU, which a re-formation would otherwise pay on every node. The actor handles one
+task at a time, which keeps each sender's messages in order; a group's actor carries no other
+group's messages, so no group waits behind another's delivery.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...transport import uds, wire
-from ...transport.node_state import NodeState, read_page, write_atomically
-from ...transport.post_office_carrier import RemoteMessage
-from ...transport.processes import process_alive
-from ...transport.shm import SendArena
+from . import uds, wire
+from .node_state import NodeState, read_page, write_atomically
+from .post_office_carrier import RemoteMessage
+from .processes import process_alive
+from .shm import SendArena
 
 POST_OFFICE_PID_FILE = "post-office.pid"
 """In a node's group directory: the process id of the node's post office."""
@@ -208,3 +213,82 @@ class PostOffice:
             for link in backlogged:
                 link.flush()
             backlogged = [link for link in backlogged if link.backlogged and not link.closed]
+
+
+class PostOfficeHost:
+    """The post offices of one group on one node, one per incarnation (by its key): the actor
+    the node's lowest rank starts, and reuses for the group's next incarnations.
+
+    An incarnation's ranks may reach it before its owner has opened it here (the owner opens
+    it after the rendezvous, as the others do their first round): its deliveries wait here
+    until it opens, and its questions are answered as by a post office still starting.
+
+    Args:
+        directory, group_name, group_key, world_size, local_pids, timeout: the first
+            incarnation's post office (see :class:`PostOffice`).
+    """
+
+    def __init__(self, directory: str, group_name: str, group_key: bytes, world_size: int,
+                 local_pids: Dict[int, int], timeout: float):
+        self.offices: Dict[bytes, PostOffice] = {}
+        self.closed: set = set()
+        self.early: Dict[bytes, List[tuple]] = {}
+        self.open(directory, group_name, group_key, world_size, local_pids, timeout)
+
+    def open(self, directory: str, group_name: str, group_key: bytes, world_size: int,
+             local_pids: Dict[int, int], timeout: float) -> None:
+        """Start the post office of another incarnation here (arguments as the class's), and
+        deliver what reached it before."""
+        if group_key in self.offices or group_key in self.closed:
+            return
+        office = self.offices[group_key] = PostOffice(directory, group_name, group_key,
+                                                      world_size, local_pids, timeout)
+        for messages, parts in self.early.pop(group_key, ()):
+            office.deliver(messages, *parts)
+
+    def close(self, group_key: bytes) -> int:
+        """Shut the incarnation's post office (``PostOffice.shutdown``), if it is here.
+
+        Returns:
+            How many incarnations' post offices are left: with none, the caller stops the
+            actor.
+        """
+        self.closed.add(group_key)
+        self.early.pop(group_key, None)
+        office = self.offices.pop(group_key, None)
+        if office is not None:
+            office.shutdown()
+        return len(self.offices)
+
+    def deliver(self, group_key: bytes, messages: List[RemoteMessage], *parts: np.ndarray):
+        """``PostOffice.deliver`` for the incarnation; kept until it opens, dropped once it
+        is closed (its ranks have left)."""
+        office = self.offices.get(group_key)
+        if office is not None:
+            office.deliver(messages, *parts)
+        elif group_key not in self.closed:
+            self.early.setdefault(group_key, []).append((messages, parts))
+
+    def dead_ranks(self, group_key: bytes, ranks: List[int]) -> Optional[List[int]]:
+        """``PostOffice.dead_ranks``: none before the incarnation opens, None once it is
+        closed here (nothing known)."""
+        office = self.offices.get(group_key)
+        if office is None:
+            return None if group_key in self.closed else []
+        return office.dead_ranks(ranks)
+
+    def responsive(self, group_key: bytes, ranks: List[int], seq: int) -> List[int]:
+        """``PostOffice.responsive``; none for an incarnation not open here."""
+        office = self.offices.get(group_key)
+        return [] if office is None else office.responsive(ranks, seq)
+
+    def page(self, group_key: bytes) -> Optional[Tuple[List[tuple], Optional[dict]]]:
+        """``PostOffice.page``; None for an incarnation not open here."""
+        office = self.offices.get(group_key)
+        return None if office is None else office.page()
+
+    def abort(self, group_key: bytes, record: dict) -> None:
+        """``PostOffice.abort`` for the incarnation, if it is open here."""
+        office = self.offices.get(group_key)
+        if office is not None:
+            office.abort(record)
