@@ -11,7 +11,8 @@ NATIVE = "ray_collective/native/"
 
 setup(ext_modules=[Extension(
     "ray_collective.native._core",
-    sources=[NATIVE + name for name in ("module.c", "module_node.c", "module_streams.c",
+    sources=[NATIVE + name for name in ("module.c", "module_node.c", "module_program.c",
+                                        "module_streams.c",
                                         "node.c", "progress.c", "executor.c", "program.c",
                                         "shm.c", "kernels.c", "remote.c", "streams.c",
                                         "digest.c")],

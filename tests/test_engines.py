@@ -583,8 +583,8 @@ def test_a_read_only_input_is_sent_from_but_never_written(shm_directory):
     header = CallHeader("g", 0, 0, "send/recv", "direct", "float64", 4, (4,)).pack()
     with _core.Node(directory, 0, 2, 1 << 16, 1 << 12, 0) as node:
         with pytest.raises(ValueError, match="read-only"):
-            node.start(codes.encode_plan(receive), receive.slots(frozen), header,
-                       codes.dtype_code("float64"), codes.NO_OP, 0)
+            node.start(_core.Program(codes.encode_plan(receive), codes.dtype_code("float64"),
+                                     codes.NO_OP), receive.slots(frozen), header, 0)
 
 
 @needs_native

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 if native.available():
     from ray_collective.native import _core
     from ray_collective.native.codes import NO_OP, dtype_code, encode_plan, op_code
-    from support.native_processes import Call, node_directory
+    from support.native_processes import Call, node_directory, start
 
 HANG = 30.0
 """Seconds after which a test that waits for something declares it hung."""
@@ -59,7 +59,7 @@ def allreduce(rank, p=2, count=4, seq=0, op=ReduceOp.SUM, value=None):
 def finish(node_, call_=None, slice_s=0.05):
     """Start ``call_`` (unless None) and progress it until it is not PENDING."""
     if call_ is not None:
-        node_.start(*call_)
+        start(node_, call_)
     deadline = time.monotonic() + HANG
     status = node_.progress(slice_s)
     while status == _core.PENDING:
@@ -114,7 +114,8 @@ def test_two_ranks_allreduce_and_consecutive_calls_reuse_the_rings():
 def test_world_size_one_and_an_empty_plan_are_done_at_once():
     with node_directory() as directory, node(directory, 0, world=1) as alone:
         empty = Plan(None, [], [], np.dtype(np.float32))
-        alone.start(encode_plan(empty), empty.slots(None), b"", dtype_code("float32"), NO_OP)
+        alone.start(_core.Program(encode_plan(empty), dtype_code("float32"), NO_OP),
+                    empty.slots(None), b"")
         assert alone.active and alone.progress(0) == _core.DONE and not alone.active
         call = allreduce(0, p=1)
         assert finish(alone, call) == _core.DONE
@@ -123,8 +124,8 @@ def test_world_size_one_and_an_empty_plan_are_done_at_once():
 
 def run_call(node_, call_, seq, slice_s=0.05, call_code=5):
     """``Node.run`` of ``call_`` as call number ``seq`` (its header's number is replaced)."""
-    return node_.run(call_.code, call_.slots, call_.header, seq, call_.dtype_code, call_.op_code,
-                     call_.tag, call_code, slice_s)
+    return node_.run(call_.program(), call_.slots, call_.header, seq, call_.tag,
+                     call_code=call_code, slice_s=slice_s)
 
 
 def test_run_writes_the_call_number_into_the_header_and_records_on_the_state_page():
@@ -186,16 +187,23 @@ def test_run_writes_the_call_number_into_the_header_and_records_on_the_state_pag
 def test_run_and_bind_state_refuse_bad_arguments():
     with node_directory() as directory, node(directory, 0) as n:
         call = allreduce(0)
-        with pytest.raises(TypeError, match="9 arguments"):
-            n.run(call.code, call.slots, call.header, 0)
+        program = call.program()
+        with pytest.raises(TypeError, match="missing required argument 'tag'"):
+            n.run(program, call.slots, call.header, 0)
+        with pytest.raises(TypeError, match="at most 7 arguments"):
+            n.run(program, call.slots, call.header, 0, -1, 1, 0.0, 0)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'code'"):
+            n.run(program, call.slots, call.header, 0, -1, 1, 0.0, code=0)
+        with pytest.raises(TypeError, match="multiple values for argument 'seq'"):
+            n.run(program, call.slots, call.header, 0, -1, 1, 0.0, seq=0)
+        with pytest.raises(TypeError, match="must be a Program"):
+            n.run(call.code, call.slots, call.header, 0, -1, 1, 0.0)
         with pytest.raises(ValueError, match="at least 0"):
             run_call(n, call, -1)
         with pytest.raises(ValueError, match="at least 0"):
             run_call(n, call, 0, slice_s=-1.0)
         with pytest.raises(ValueError, match="too short"):
-            n.run(call.code, call.slots, b"short", 0, call.dtype_code, call.op_code, -1, 1, 0.0)
-        with pytest.raises(ValueError, match="no reduction"):
-            n.run(call.code, call.slots, call.header, 0, 99, call.op_code, -1, 1, 0.0)
+            n.run(program, call.slots, b"short", 0, -1, 1, 0.0)
         assert not n.active
         page = bytearray(8 * 4)
         for words in [(4, 0, 0), (0, -1, 0), (0, 0, 9)]:
@@ -221,8 +229,8 @@ def test_local_steps_copy_and_combine_strided_and_overlapping_places():
     for step in plan.steps:
         step.run(expected, lambda acc, incoming: np.add(acc, incoming, out=acc))
     with node_directory() as directory, node(directory, 0, world=1) as alone:
-        alone.start(encode_plan(plan), slots, b"", dtype_code("int32"),
-                    op_code(ReduceOp.SUM, "int32"))
+        alone.start(_core.Program(encode_plan(plan), dtype_code("int32"),
+                                  op_code(ReduceOp.SUM, "int32")), slots, b"")
         assert alone.progress(0) == _core.DONE
     for ours, theirs in zip(slots, expected):
         np.testing.assert_array_equal(ours, theirs)
@@ -263,11 +271,11 @@ def test_a_call_that_sent_into_overflow_is_done_only_once_the_peer_took_it():
         sender, receiver = (node(directory, rank, ring_bytes=1024, part_bytes=16)
                             for rank in range(2))
         with sender, receiver:
-            sender.start(*moved(True, 1, data.copy()))
+            start(sender, moved(True, 1, data.copy()))
             for _ in range(3):
                 assert sender.progress(0.02) == _core.PENDING
             out = np.zeros(count)
-            receiver.start(*moved(False, 0, out))
+            start(receiver, moved(False, 0, out))
             got = in_thread(finish, receiver)
             assert finish(sender) == _core.DONE
             assert got() == _core.DONE
@@ -300,7 +308,7 @@ def offering(data):
     with node_directory() as directory:
         sender, receiver = remote_nodes(directory)
         with sender, receiver:
-            sender.start(*moved(True, 1, data))
+            start(sender, moved(True, 1, data))
             yield sender, receiver
 
 
@@ -380,7 +388,7 @@ def test_an_offer_nobody_reads_is_taken_back_and_its_copy_read_in_place():
     with node_directory() as directory:
         sender, receiver = remote_nodes(directory)
         with sender, receiver:
-            sender.start(*large_then_small(True, 1, data))
+            start(sender, large_then_small(True, 1, data))
             for _ in range(3):
                 assert sender.progress(0.05) == _core.PENDING
             data[:] = -1.0  # the caller's memory is no longer read once taken back
@@ -402,7 +410,7 @@ def test_a_large_send_whose_receiver_waits_is_read_in_place():
         sender, receiver = remote_nodes(directory)
         with sender, receiver:
             assert sender.p2p_max_bytes == 16 << 10
-            receiver.start(*moved(False, 0, out, tag=3))
+            start(receiver, moved(False, 0, out, tag=3))
             assert receiver.progress(0.005) == _core.PENDING
             got = in_thread(finish, receiver)
             assert finish(sender, moved(True, 1, data, tag=3)) == _core.DONE
@@ -441,9 +449,9 @@ def test_two_large_sends_to_each_other_go_over_the_transport_without_waiting_the
     with node_directory() as directory:
         nodes = remote_nodes(directory)
         with nodes[0], nodes[1]:
-            nodes[1].start(*moved(True, 0, data[1], tag=3))
+            start(nodes[1], moved(True, 0, data[1], tag=3))
             assert nodes[1].progress(0.0) == _core.PENDING  # its offer is in the ring
-            nodes[0].start(*moved(True, 1, data[0], tag=3))
+            start(nodes[0], moved(True, 1, data[0], tag=3))
             assert nodes[0].progress(0.0) == _core.PENDING
             nodes[0].scan_incoming()  # opens the ring from rank 1, as between slices
             assert nodes[0].progress(0.0002) == _core.REROUTED
@@ -466,7 +474,7 @@ def test_a_ring_of_large_sends_does_not_wait_out_the_grace():
         nodes = [node(directory, rank, world=3, remote_min_bytes=1024) for rank in range(3)]
         with nodes[0], nodes[1], nodes[2]:
             for rank in range(3):
-                nodes[rank].start(*moved(True, (rank + 1) % 3, data[rank], tag=3))
+                start(nodes[rank], moved(True, (rank + 1) % 3, data[rank], tag=3))
                 assert nodes[rank].progress(0.0) == _core.PENDING
             assert nodes[0].progress(0.0002) == _core.REROUTED
             assert nodes[1].progress(0.0002) == _core.REROUTED
@@ -499,7 +507,7 @@ def test_without_remote_reads_a_large_send_carries_only_its_header(receiver_coun
     with node_directory() as directory:
         sender, receiver = (node(directory, rank) for rank in range(2))
         with sender, receiver:
-            sender.start(*moved(True, 1, data, tag=3))
+            start(sender, moved(True, 1, data, tag=3))
             assert sender.progress(0.0) == _core.REROUTED
             status = finish(receiver, moved(False, 0, out, tag=3))
             if receiver_count == REMOTE_COUNT:
@@ -537,7 +545,7 @@ def test_an_abandoned_offer_is_never_read():
     with offering(data) as (sender, receiver):
         assert sender.progress(0.005) == _core.PENDING
         sender.abandon()
-        receiver.start(*moved(False, 0, out))
+        start(receiver, moved(False, 0, out))
         assert receiver.progress(0.05) == _core.PENDING
         assert receiver.remote_reads == 0 and not out.any()
         receiver.abandon()
@@ -573,7 +581,7 @@ def test_an_offer_whose_cookie_is_wrong_is_denied_and_nothing_is_read():
     with node_directory() as directory:
         receiver = node(directory, 1, remote_min_bytes=1024)
         with receiver:
-            receiver.start(*moved(False, 0, out))
+            start(receiver, moved(False, 0, out))
             assert receiver.progress(0) == _core.PENDING  # its rings exist now
             offer = np.array([1, os.getpid(), secret.ctypes.data, 4321,
                               cookie_there.ctypes.data], np.int64)
@@ -674,9 +682,10 @@ def test_a_frame_of_this_call_with_another_header_is_a_mismatch_before_any_recei
     with node_directory() as directory:
         def rank_main(rank):
             with node(directory, rank, world=3) as n:
-                n.start(encode_plan(plans[rank]), plans[rank].slots(np.ones(count)),
-                        stamp(count=count, op=ops[rank].name).packed, dtype_code("float64"),
-                        op_code(ops[rank], "float64"))
+                n.start(_core.Program(encode_plan(plans[rank]), dtype_code("float64"),
+                                      op_code(ops[rank], "float64")),
+                        plans[rank].slots(np.ones(count)),
+                        stamp(count=count, op=ops[rank].name).packed)
                 return finish(n), n.mismatch_details()
         sender = in_thread(rank_main, 1)
         status, details = rank_main(0)
@@ -690,7 +699,7 @@ def test_a_frame_of_this_call_with_another_header_is_a_mismatch_before_any_recei
 def test_a_malformed_frame_is_a_mismatch_not_a_crash():
     with node_directory() as directory:
         with node(directory, 0) as n:
-            n.start(*allreduce(0))
+            start(n, allreduce(0))
             assert n.progress(0) == _core.PENDING  # its rings exist now
             with open(os.path.join(directory, "ring-1-0"), "r+b") as ring:
                 ring.write(np.array([1 << 40], np.uint64).tobytes())  # head far beyond the tail
@@ -702,7 +711,7 @@ def test_a_malformed_frame_is_a_mismatch_not_a_crash():
 
 def test_a_rank_whose_peer_never_comes_returns_pending_after_each_slice_then_finishes():
     with node_directory() as directory, node(directory, 0) as first:
-        first.start(*allreduce(0))
+        start(first, allreduce(0))
         for _ in range(3):
             started = time.monotonic()
             assert first.progress(0.05) == _core.PENDING
@@ -722,7 +731,7 @@ def test_a_sleeping_rank_is_woken_by_its_peer_not_by_the_end_of_its_slice():
     again with a slice of HANG seconds: rank 1's message must wake it, and the call ends DONE
     long before the slice would."""
     with node_directory() as directory, node(directory, 0) as sleeper:
-        sleeper.start(*allreduce(0))
+        start(sleeper, allreduce(0))
         assert sleeper.progress(0.05) == _core.PENDING
         waiting = threading.Event()
 
@@ -740,7 +749,7 @@ def test_a_sleeping_rank_is_woken_by_its_peer_not_by_the_end_of_its_slice():
 def test_wake_all_returns_a_sleeper_at_once_and_only_once():
     with node_directory() as directory, node(directory, 0) as sleeper, \
             node(directory, 1) as waker:
-        sleeper.start(*allreduce(0))
+        start(sleeper, allreduce(0))
         woken = in_thread(lambda: (time.monotonic(), sleeper.progress(HANG), time.monotonic()))
         waker.wake_all()
         started, status, ended = woken()
@@ -755,8 +764,8 @@ def _die_in_a_call(directory, ready):
     with node(directory, 1) as n:
         plan = record(ALGORITHMS["broadcast"]["binomial"], Team.world(2, 1), np.float64, 4,
                       Blocks.uniform(4, 2), 0)
-        n.start(encode_plan(plan), plan.slots(np.zeros(4)), stamp("broadcast", "binomial",
-                root=0, op="").packed, dtype_code("float64"), NO_OP)
+        n.start(_core.Program(encode_plan(plan), dtype_code("float64"), NO_OP),
+                plan.slots(np.zeros(4)), stamp("broadcast", "binomial", root=0, op="").packed)
         ready.set()
         n.progress(HANG * 10)
 
@@ -772,7 +781,7 @@ def test_a_killed_peer_leaves_the_survivor_returning_pending():
             peer.kill()
             peer.join(HANG)
             with node(directory, 0) as survivor:
-                survivor.start(*allreduce(0))
+                start(survivor, allreduce(0))
                 for _ in range(3):
                     started = time.monotonic()
                     assert survivor.progress(0.05) == _core.PENDING
@@ -805,7 +814,7 @@ def test_a_symlinked_ring_or_doorbell_is_refused():
         os.symlink(target, os.path.join(directory, "ring-0-1"))
         with node(directory, 0) as n:
             with pytest.raises(OSError, match="ring-0-1"):
-                n.start(*allreduce(0))
+                start(n, allreduce(0))
             assert not n.active
         os.symlink(target, os.path.join(elsewhere, "doorbell"))
         with pytest.raises(OSError, match="doorbell"):
@@ -820,7 +829,7 @@ def test_a_ring_of_another_user_is_refused():
         os.chown(path, 65534, 65534)
         with node(directory, 0) as n:
             with pytest.raises(PermissionError, match="another user"):
-                n.start(*allreduce(0))
+                start(n, allreduce(0))
 
 
 def test_a_ring_of_another_size_or_open_to_others_is_refused():
@@ -829,10 +838,10 @@ def test_a_ring_of_another_size_or_open_to_others_is_refused():
         with open(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), "wb") as ring:
             ring.write(b"\0" * 4096)
         with node(directory, 0) as n, pytest.raises(OSError, match="size"):
-            n.start(*allreduce(0))
+            start(n, allreduce(0))
         os.chmod(path, 0o640)
         with node(directory, 0) as n, pytest.raises(PermissionError, match="group or others"):
-            n.start(*allreduce(0))
+            start(n, allreduce(0))
 
 
 def bad_code(words):
@@ -857,33 +866,58 @@ def bad_code(words):
     ([0, 0], "after its steps"),
 ])
 def test_malformed_or_hostile_plan_code_is_refused_before_anything_runs(words, message):
+    """Refused where the program is built (its code alone) or where a call of it starts (the
+    call's slots, this rank and its world)."""
     with node_directory() as directory, node(directory, 0) as n:
         with pytest.raises(ValueError, match=message):
-            n.start(bad_code(words), [np.zeros(4)], b"h", dtype_code("float64"), NO_OP)
+            program = _core.Program(bad_code(words), dtype_code("float64"), NO_OP)
+            n.start(program, [np.zeros(4)], b"h")
         assert not n.active
+
+
+def test_one_program_runs_calls_on_arrays_of_its_size_and_refuses_smaller_ones():
+    """A program is checked once; each call's arrays are checked against what it reaches."""
+    with node_directory() as directory, node(directory, 0, world=1) as alone:
+        copy = Plan(None, [Local("copy", Place(2, 0, 4), Place(0, 0, 4))], [],
+                    np.dtype(np.float64))
+        program = _core.Program(encode_plan(copy), dtype_code("float64"), NO_OP)
+        assert program.slots == 3
+        for value in (1.0, 2.0):
+            slots = [np.full(4, value), np.zeros(0), np.zeros(4)]
+            alone.start(program, slots, b"")
+            assert alone.progress(0) == _core.DONE
+            np.testing.assert_array_equal(slots[2], np.full(4, value))
+        with pytest.raises(ValueError, match="elements 0..3 of slot 2, which has 3"):
+            alone.start(program, [np.ones(4), np.zeros(0), np.zeros(3)], b"")
+        with pytest.raises(ValueError, match="slot 2 of 2"):
+            alone.start(program, [np.ones(4), np.zeros(0)], b"")
+        assert not alone.active
 
 
 def test_bad_slots_and_codes_are_refused():
     with node_directory() as directory, node(directory, 0) as n:
         call = allreduce(0)
+        program = call.program()
         with pytest.raises(ValueError, match="8-byte elements"):
-            n.start(call.code, [np.zeros(4, np.float32)] + call.slots[1:], *call[2:])
+            n.start(program, [np.zeros(4, np.float32)] + call.slots[1:], call.header)
         unaligned = np.zeros(33, np.uint8)[1:].view(np.float64)
         with pytest.raises(ValueError, match="aligned"):
-            n.start(call.code, [unaligned] + call.slots[1:], *call[2:])
+            n.start(program, [unaligned] + call.slots[1:], call.header)
         read_only = call.slots[0].copy()
         read_only.flags.writeable = False
         with pytest.raises(ValueError, match="read-only"):
-            n.start(call.code, [read_only] + call.slots[1:], *call[2:])
+            n.start(program, [read_only] + call.slots[1:], call.header)
+        with pytest.raises(TypeError, match="must be a Program"):
+            n.start(call.code, call.slots, call.header)
         with pytest.raises(TypeError, match="int64"):
-            n.start(call.code.astype(np.int32), *call[1:])
+            _core.Program(call.code.astype(np.int32), call.dtype_code, call.op_code)
         with pytest.raises(ValueError, match="no reduction"):
-            n.start(call.code, call.slots, call.header, 99, call.op_code)
+            _core.Program(call.code, 99, call.op_code)
         with pytest.raises(RuntimeError, match="no call"):
             n.progress(0)
-        n.start(*call)
+        start(n, call)
         with pytest.raises(RuntimeError, match="running"):
-            n.start(*call)
+            start(n, call)
         n.abandon()
         assert not n.active
 
@@ -892,7 +926,7 @@ def test_a_header_too_long_for_the_ring_is_refused():
     with node_directory() as directory, node(directory, 0, ring_bytes=1024) as n:
         call = allreduce(0)
         with pytest.raises(ValueError, match="too small"):
-            n.start(call.code, call.slots, b"h" * 600, call.dtype_code, call.op_code)
+            n.start(call.program(), call.slots, b"h" * 600)
 
 
 @pytest.mark.parametrize("arguments", [

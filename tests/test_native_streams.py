@@ -79,9 +79,12 @@ def _round(fds, rows, slots, stamp, dtype="float32", op=None, tag=-1, timeout=5.
             on_event(kind, stream, detail)
 
     op_code = codes.NO_OP if op is None else codes.op_code(op, dtype)
+    # The first arguments by position, the others by name, as the core takes either.
     pending = CORE.stream_round(fds, np.array(rows, np.int64).reshape(-1, 6), slots,
-                                stamp.packed, codes.dtype_code(dtype), op_code, tag, part_bytes,
-                                tcp.MAX_FRAME_BYTES, timeout, 0.02, record, watched, spin_s)
+                                stamp.packed, codes.dtype_code(dtype), op_code, tag,
+                                part_bytes=part_bytes, max_frame_bytes=tcp.MAX_FRAME_BYTES,
+                                timeout_s=timeout, slice_s=0.02, on_event=record,
+                                watched=watched, spin_s=spin_s)
     return pending, events
 
 

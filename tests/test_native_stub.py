@@ -38,6 +38,8 @@ def test_the_stub_names_every_function_constant_and_member_of_the_core():
     node = {n for n in dir(_core.Node) if not n.startswith("_")} | {"__init__", "__enter__",
                                                                     "__exit__"}
     assert members["Node"] == node
+    program = {n for n in dir(_core.Program) if not n.startswith("_")} | {"__init__"}
+    assert members["Program"] == program
 
 
 def test_the_stubs_arguments_are_those_the_docstrings_give():

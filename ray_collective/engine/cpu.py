@@ -166,7 +166,7 @@ def _scatter_blocks(buf: np.ndarray, blocks: Blocks, outputs: Sequence[np.ndarra
 
 
 def _in_place_run(membership: "TransportMembership", prepared: PlannedCall,
-                     view: Optional[TensorView]) -> Callable[[int, Any], None]:
+                  view: Optional[TensorView]) -> Callable[[int, Any], None]:
     """The ``run`` of an allreduce, reduce, broadcast, barrier, send or recv shape: the
     plan on the caller's array itself (any C-contiguous shape)."""
     plan, template = prepared.plan, prepared.template

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..algorithms.core import Blocks
 from ..errors import CollectiveTimeoutError
-from ..native import codes, node_type
+from ..native import codes, core, node_type
 from ..native.codes import DONE, MISMATCH, REROUTED
 from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
 from ..transport.node_state import COLLECTIVE_CODES
@@ -289,17 +289,17 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = CORE
                        int(spin_s * 1e9), remote_min_bytes)
 
 
-_NO_STEPS = codes.encode_plan(Plan(None, [], [], np.dtype(np.uint8)))
-"""The plan code of a call with nothing to do (``NativeRunner.look_for_mismatch``)."""
+def _program(plan: Plan, dtype_code: int, op_code: int):
+    """``plan`` as the core keeps it: its code (``codes.encode_plan``) checked once, a
+    ``_core.Program`` that every call of the shape passes with its arrays."""
+    return core().Program(codes.encode_plan(plan), dtype_code, op_code)
 
 
 class NativePlan(NamedTuple):
     """What the core needs of one call shape, prepared once.
 
     Attributes:
-        code: the plan code (``codes.encode_plan``).
-        dtype_code: the wire dtype's code.
-        op_code: the reduction's code, ``codes.NO_OP`` where nothing is reduced.
+        program: the plan as the core keeps it (``_core.Program``: its code, dtype and op).
         peers: one request per peer the plan talks to (what a failure check asks about).
         call_code: the collective's code on the node's state page (``COLLECTIVE_CODES``).
         buffered: for a list collective that runs on the caller's arrays (``code`` then uses
@@ -307,9 +307,7 @@ class NativePlan(NamedTuple):
             otherwise.
     """
 
-    code: np.ndarray
-    dtype_code: int
-    op_code: int
+    program: object
     peers: Tuple[SendRequest, ...]
     call_code: int
     buffered: Optional["NativePlan"] = None
@@ -338,6 +336,9 @@ class NativeRunner:
         self.slice_s = slice_s
         self.spans_nodes = spans_nodes
         self.streams = streams
+        # A call with nothing to do (look_for_mismatch).
+        nothing = Plan(None, [], [], np.dtype(np.uint8))
+        self._no_steps = _program(nothing, codes.dtype_code("uint8"), codes.NO_OP)
         words = None if spans_nodes else transport.rank_words()
         # Where the core records a call's start and end itself, a call it finishes in its
         # first slice costs no Python of the transport's.
@@ -373,18 +374,17 @@ class NativeRunner:
         dtype_code = codes.dtype_code(dtype_name or "uint8")
         call_code = COLLECTIVE_CODES.get(collective, 0)
         if lists is None:
-            return NativePlan(codes.encode_plan(plan), dtype_code, op_code, peers, call_code)
+            return NativePlan(_program(plan, dtype_code, op_code), peers, call_code)
         layout, blocks, rank, has_list = lists
-        buffered = NativePlan(codes.encode_plan(_with_list_copies(plan, *lists)), dtype_code,
-                              op_code, peers, call_code)
+        buffered = NativePlan(_program(_with_list_copies(plan, *lists), dtype_code, op_code),
+                              peers, call_code)
         direct = None
         if blocks.size(0) * plan.dtype.itemsize >= DIRECT_BLOCK_BYTES:
             direct = (_direct_exchange(plan, blocks) if layout == "exchange"
                       else _direct(plan, layout, blocks, rank, has_list))
         if direct is None:
             return buffered
-        return NativePlan(codes.encode_plan(direct), dtype_code, op_code, peers, call_code,
-                          buffered)
+        return NativePlan(_program(direct, dtype_code, op_code), peers, call_code, buffered)
 
     def prepare_streams(self, plan: Plan, dtype_name: str, op: Optional[ReduceOp],
                         node_of: Sequence) -> Optional[StreamPlan]:
@@ -428,8 +428,8 @@ class NativeRunner:
         if collective and not self.core_records_calls:
             stamp = template.stamp(seq)
             transport.arrive(stamp)
-        status = node.run(native.code, slots, template.packed, seq, native.dtype_code,
-                          native.op_code, tag, native.call_code, self.slice_s)
+        status = node.run(native.program, slots, template.packed, seq, tag, native.call_code,
+                          self.slice_s)
         if status != DONE and status != REROUTED:
             # The first slice is over: the deadline counts it as if it took all of its time.
             deadline = time.monotonic() + timeout - self.slice_s
@@ -474,7 +474,7 @@ class NativeRunner:
             CollectiveMismatchError: such a frame waits at the head of a ring to this rank.
         """
         node = self.node
-        node.start(_NO_STEPS, [], stamp.packed, 0, codes.NO_OP, COLLECTIVE_TAG)
+        node.start(self._no_steps, [], stamp.packed, COLLECTIVE_TAG)
         if node.scan_incoming() == MISMATCH:
             raise self._mismatch(stamp)  # the core ended the call
         node.abandon()

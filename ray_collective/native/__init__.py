@@ -5,11 +5,12 @@ released.
 Importing this package never fails: :func:`available` says whether the extension was built and
 imports, :func:`import_error` why not. The extension, ``ray_collective.native._core``::
 
+    program = Program(code, dtype_code, op_code)   # a plan code checked once, kept
     node = Node(directory, rank, world_size, ring_bytes, part_bytes, spin_ns,
                 remote_min_bytes=0)
-    node.start(code, slots, header, dtype_code, op_code, tag=-1)
+    node.start(program, slots, header, tag=-1)
     status = node.progress(slice_s)        # DONE, REROUTED, PENDING or MISMATCH
-    status = node.run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s)
+    status = node.run(program, slots, header, seq, tag, call_code, slice_s)
     node.bind_state(page, started_word, beat_word, call_word, code_span)
     node.mismatch_details()                # after MISMATCH: a dict, else None
     node.abandon()                         # forget a failed or unfinished call
@@ -21,6 +22,13 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
     pending = stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes,
                            max_frame_bytes, timeout_s, slice_s, on_event, watched, spin_s)
 
+- ``Program(code, dtype_code, op_code)``: ``code`` is :func:`codes.encode_plan`'s int64
+  array, which the program copies and checks once (TypeError for another dtype; ValueError
+  for a malformed code, a reduction without a kernel for the dtype and op codes from
+  :mod:`.codes`, ``NO_OP`` where nothing is reduced), noting what its calls need: the
+  elements each slot must have (``slots``: how many it names), the slots it writes, the ranks
+  it talks to. Read-only attributes ``dtype_code``, ``op_code``, ``slots``. Every call of the
+  shape passes the program and its arrays; nothing of the code is copied or checked again.
 - ``Node(...)``: ``directory`` is a private directory (this user's, mode 0700, else
   PermissionError) shared by the ranks of one group on one node, which all pass the same
   ``world_size``, ``ring_bytes`` (data bytes per ring: a multiple of 128, at least 1024) and
@@ -44,17 +52,17 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   Read-only attributes: ``rank``, ``world_size``, ``ring_bytes``, ``part_bytes``,
   ``spin_ns``, ``remote_min_bytes``, ``p2p_max_bytes``, ``remote_reads`` (messages this rank
   has read in place), ``active`` (a call is running).
-- ``start``: ``code`` is :func:`codes.encode_plan`'s int64 array; ``slots`` the call's arrays,
+- ``start``: ``program`` the call shape's ``Program``; ``slots`` the call's arrays,
   ``plan.slots(buf, recvbuf)`` (C-contiguous, aligned, of the dtype code's item size;
   writable, except a slot the plan only sends from: a reduce's input on a rank that gets no
   result may be read-only, and a plan that would write into a read-only slot is refused); ``header`` the call's packed header (``CallStamp.packed``), carried and checked on
-  every message; ``dtype_code`` and ``op_code`` from :mod:`.codes` (``NO_OP`` where nothing is
-  reduced); ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives: any
+  every message; ``tag`` the channel (-1, ``wire.COLLECTIVE_TAG``, for collectives: any
   negative tag is a channel whose call numbers all ranks share; a point-to-point tag >= 0
   otherwise). The node holds the slots' buffers until the call ends (DONE,
-  MISMATCH) or is abandoned. Raises ValueError (malformed code, a place outside its slot, a
-  peer outside the world, a dtype/op without a kernel, a ring too small for the header),
-  OSError (a ring file), RuntimeError (a call is running already).
+  MISMATCH) or is abandoned. Raises TypeError (not a Program), ValueError (a slot smaller
+  than the program reaches, or read-only where it writes; a peer outside the world or this
+  rank; a ring too small for the header), OSError (a ring file), RuntimeError (a call is
+  running already).
 - ``progress(slice_s)`` runs the call, GIL released, for at most about ``slice_s`` seconds:
   ``DONE`` (the results are in the slots; every byte this rank sent is in a ring or was
   read), ``REROUTED`` (done, but its large point-to-point message was not read in place: the
@@ -63,7 +71,7 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
   this rank expects; the call is over). MemoryError if overflow memory runs out.
 - ``run(...)``: ``start`` and a first ``progress(slice_s)`` in one call, the cheap way to run a
-  small call: ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
+  small call (every argument by position or by name): ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
   replaced by ``seq``. Once ``bind_state`` named this rank's words of its group's state page
   (``transport.node_state``: int64 words of a writable buffer the node holds until it
   closes), ``run`` of a collective (a negative tag) records there what ``NodeState.arrive``
@@ -110,11 +118,11 @@ point-to-point messages that fill the ring before the peer receives them) waits 
 MPI's sends do.
 
 Layout of the native code: ``kernels.c`` (reductions), ``shm.c`` (files, rings, doorbells),
-``program.c`` (the plan code), ``node.c`` (a rank's node, a call's start and end),
+``program.c`` (the plan code, checked once), ``node.c`` (a rank's node, a call's start and end),
 ``executor.c`` (a call's messages and local steps), ``remote.c`` (large messages read in
 place), ``progress.c`` (waiting), ``streams.c`` (rounds over the streams between nodes),
-``module.c``, ``module_node.c`` and ``module_streams.c`` (this API: the module, the ``Node``
-type, ``stream_round``).
+``module.c``, ``module_node.c``, ``module_program.c`` and ``module_streams.c`` (this API: the
+module, the ``Node`` and ``Program`` types, ``stream_round``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,15 @@ STREAM_PROTOCOL: int
 STREAM_SLICE: int
 STREAM_WATCHED: int
 
+class Program:
+    """A plan code checked once, for calls of one dtype and op."""
+
+    dtype_code: int
+    op_code: int
+    slots: int
+
+    def __init__(self, code: np.ndarray, dtype_code: int, op_code: int) -> None: ...
+
 class Node:
     """One rank's shared memory and executor on a node."""
 
@@ -33,10 +42,10 @@ class Node:
 
     def __init__(self, directory: str, rank: int, world_size: int, ring_bytes: int,
                  part_bytes: int, spin_ns: int, remote_min_bytes: int = 0) -> None: ...
-    def start(self, code: np.ndarray, slots: Sequence[Any], header: bytes, dtype_code: int,
-              op_code: int, tag: int = -1) -> None: ...
-    def run(self, code: np.ndarray, slots: Sequence[Any], header: bytes, seq: int,
-            dtype_code: int, op_code: int, tag: int, call_code: int, slice_s: float) -> int: ...
+    def start(self, program: Program, slots: Sequence[Any], header: bytes,
+              tag: int = -1) -> None: ...
+    def run(self, program: Program, slots: Sequence[Any], header: bytes, seq: int, tag: int,
+            call_code: int, slice_s: float) -> int: ...
     def bind_state(self, page: Any, started_word: int, beat_word: int, call_word: int,
                    code_span: int) -> None: ...
     def progress(self, slice_s: float) -> int: ...

@@ -1,7 +1,8 @@
 /* ray_collective.native._core: the native core's Python module (the API is documented in
  * ray_collective/native/__init__.py): the element-wise kernels and the digest as functions, the
- * Node type (module_node.c) and stream_round (module_streams.c), and the argument helpers the
- * faces share, all with the GIL held but for the work itself. */
+ * Node type (module_node.c), the Program type (module_program.c) and stream_round
+ * (module_streams.c), and the argument helpers the faces share, all with the GIL held but for
+ * the work itself. */
 #include "module.h"
 
 #include <string.h>
@@ -9,6 +10,39 @@
 
 #include "digest.h"
 #include "node.h"
+
+int rc_py_arguments(const char *function, const char *const *names, int n, int required,
+                    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **out)
+{
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", function,
+                     n, nargs);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t k = 0; k < keywords; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        while (i < n && PyUnicode_CompareWithASCIIString(name, names[i]) != 0)
+            i++;
+        if (i == n || out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, i == n ? "%s() got an unexpected keyword argument "
+                         "'%U'" : "%s() got multiple values for argument '%U'", function, name);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (int i = 0; i < required; i++) {
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", function,
+                         names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
 
 int rc_py_is_int64(const Py_buffer *view)
 {
@@ -127,7 +161,8 @@ static PyMethodDef core_methods[] = {
      "(ray_collective.weight_sync.digest), GIL released"},
     {"itemsize", core_itemsize, METH_VARARGS,
      "itemsize(dtype_code): bytes per element of the dtype code (0: unknown)"},
-    {"stream_round", (PyCFunction)(void (*)(void))rc_py_stream_round, METH_FASTCALL,
+    {"stream_round", (PyCFunction)(void (*)(void))rc_py_stream_round,
+     METH_FASTCALL | METH_KEYWORDS,
      "stream_round(fds, table, slots, header, dtype_code, op_code, tag, part_bytes, "
      "max_frame_bytes, timeout_s, slice_s, on_event, watched, spin_s): one round of messages "
      "over TCP streams "
@@ -143,12 +178,13 @@ static struct PyModuleDef core_module = {
 
 PyMODINIT_FUNC PyInit__core(void)
 {
-    if (PyType_Ready(&rc_node_type) < 0)
+    if (PyType_Ready(&rc_node_type) < 0 || PyType_Ready(&rc_program_type) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&core_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "Node", (PyObject *)&rc_node_type) < 0
+            || PyModule_AddObjectRef(module, "Program", (PyObject *)&rc_program_type) < 0
             || PyModule_AddIntConstant(module, "DONE", RC_DONE) < 0
             || PyModule_AddIntConstant(module, "PENDING", RC_PENDING) < 0
             || PyModule_AddIntConstant(module, "MISMATCH", RC_MISMATCH) < 0

@@ -18,7 +18,8 @@ typedef struct {
     PyObject_HEAD
     rc_node node;
     int opened, busy;
-    Py_buffer *views; /* the slots of the running call */
+    PyObject *program; /* the running call's Program */
+    Py_buffer *views;  /* the slots of the running call */
     int n_views;
     int64_t views_capacity;
     /* The rank's words on its group's state page (bind_state), which run() keeps as the
@@ -36,11 +37,13 @@ static void release_page(NodeObject *self)
     }
 }
 
+/* Lets go of the running call's slots and program. */
 static void release_views(NodeObject *self)
 {
     for (int i = 0; i < self->n_views; i++)
         PyBuffer_Release(&self->views[i]);
     self->n_views = 0;
+    Py_CLEAR(self->program);
 }
 
 static PyObject *node_error(NodeObject *self, int kind)
@@ -135,25 +138,6 @@ static int grow(void **array, size_t item, int64_t *capacity, int64_t wanted)
     return 0;
 }
 
-static int take_code(rc_call *call, PyObject *code)
-{
-    Py_buffer view;
-    if (PyObject_GetBuffer(code, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
-        return -1;
-    int ok = rc_py_is_int64(&view);
-    if (!ok)
-        PyErr_SetString(PyExc_TypeError, "the plan code must be a contiguous int64 array");
-    else
-        ok = grow((void **)&call->code, 8, &call->code_capacity, view.len / 8) == 0;
-    if (ok) {
-        memcpy(call->code, view.buf, (size_t)view.len);
-        call->code_len = view.len / 8;
-    }
-    PyBuffer_Release(&view);
-    return ok ? 0 : -1;
-}
-
-
 static int take_slots(NodeObject *self, PyObject *slots)
 {
     rc_call *call = &self->node.call;
@@ -199,10 +183,11 @@ static int take_header(rc_call *call, const Py_buffer *header)
     return 0;
 }
 
-/* Check and take a call's code, slots and header (its sequence number written in when seq is
- * not negative), and start it; 0, or -1 with the Python error set. */
-static int begin_call(NodeObject *self, PyObject *code, PyObject *slots, const Py_buffer *header,
-                      long long seq, int dtype, int op, long long tag)
+/* Take a call of `program` (a Program, checked when it was built) on its slots and header (its
+ * sequence number written in when seq is not negative), and start it; 0, or -1 with the
+ * Python error set. */
+static int begin_call(NodeObject *self, PyObject *program, PyObject *slots,
+                      const Py_buffer *header, long long seq, long long tag)
 {
     rc_call *call = &self->node.call;
     int failed = check_usable(self);
@@ -211,10 +196,9 @@ static int begin_call(NodeObject *self, PyObject *code, PyObject *slots, const P
                         "the end or abandon() it first");
         failed = -1;
     }
-    if (!failed && (rc_itemsize(dtype) == 0 || (op != RC_OP_NONE
-                                                && rc_kernel_for(dtype, op) == NULL))) {
-        PyErr_Format(PyExc_ValueError, "no reduction for dtype code %d and op code %d", dtype,
-                     op);
+    if (!failed && !PyObject_TypeCheck(program, &rc_program_type)) {
+        PyErr_Format(PyExc_TypeError, "program must be a Program, not %s",
+                     Py_TYPE(program)->tp_name);
         failed = -1;
     }
     if (!failed && seq >= 0 && header->len < RC_HEADER_SEQ_OFFSET + 8) {
@@ -222,10 +206,16 @@ static int begin_call(NodeObject *self, PyObject *code, PyObject *slots, const P
         failed = -1;
     }
     if (!failed) {
-        call->itemsize = rc_itemsize(dtype);
-        call->kernel = op == RC_OP_NONE ? NULL : rc_kernel_for(dtype, op);
+        const rc_program *checked = &((ProgramObject *)program)->program;
+        call->program = checked;
+        call->code = checked->code;
+        call->itemsize = checked->itemsize;
+        call->kernel = checked->kernel;
         call->tag = tag;
-        failed = take_header(call, header) || take_code(call, code) || take_slots(self, slots);
+        self->program = Py_NewRef(program);
+        failed = take_header(call, header) || take_slots(self, slots);
+        if (failed)
+            Py_CLEAR(self->program);
     }
     if (failed)
         return -1;
@@ -247,15 +237,14 @@ static int begin_call(NodeObject *self, PyObject *code, PyObject *slots, const P
 
 static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *keywords[] = {"code", "slots", "header", "dtype_code", "op_code", "tag", NULL};
-    PyObject *code, *slots;
+    static char *keywords[] = {"program", "slots", "header", "tag", NULL};
+    PyObject *program, *slots;
     Py_buffer header;
-    int dtype, op;
     long long tag = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*ii|L", keywords, &code, &slots, &header,
-                                     &dtype, &op, &tag))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOy*|L", keywords, &program, &slots, &header,
+                                     &tag))
         return NULL;
-    int failed = begin_call(self, code, slots, &header, -1, dtype, op, tag);
+    int failed = begin_call(self, program, slots, &header, -1, tag);
     PyBuffer_Release(&header);
     if (failed)
         return NULL;
@@ -328,28 +317,27 @@ static PyObject *Node_bind_state(NodeObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames)
 {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "run(code, slots, header, seq, dtype_code, op_code, "
-                        "tag, call_code, slice_s) takes 9 arguments");
+    static const char *const names[] = {"program", "slots", "header", "seq", "tag", "call_code",
+                                        "slice_s"};
+    PyObject *given[7];
+    if (rc_py_arguments("run", names, 7, 7, args, nargs, kwnames, given) != 0)
         return NULL;
-    }
-    long long seq = PyLong_AsLongLong(args[3]);
-    long dtype = PyLong_AsLong(args[4]), op = PyLong_AsLong(args[5]);
-    long long tag = PyLong_AsLongLong(args[6]), call_code = PyLong_AsLongLong(args[7]);
-    double slice_s = PyFloat_AsDouble(args[8]);
+    long long seq = PyLong_AsLongLong(given[3]), tag = PyLong_AsLongLong(given[4]);
+    long long call_code = PyLong_AsLongLong(given[5]);
+    double slice_s = PyFloat_AsDouble(given[6]);
     if (PyErr_Occurred())
         return NULL;
-    if (seq < 0 || !(slice_s >= 0.0) || dtype > INT32_MAX || dtype < INT32_MIN
-            || op > INT32_MAX || op < INT32_MIN) {
-        PyErr_SetString(PyExc_ValueError, "seq and slice_s must be at least 0, the codes ints");
+    if (seq < 0 || !(slice_s >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "seq and slice_s must be at least 0");
         return NULL;
     }
     Py_buffer header;
-    if (PyObject_GetBuffer(args[2], &header, PyBUF_SIMPLE) != 0)
+    if (PyObject_GetBuffer(given[2], &header, PyBUF_SIMPLE) != 0)
         return NULL;
-    int failed = begin_call(self, args[0], args[1], &header, seq, (int)dtype, (int)op, tag);
+    int failed = begin_call(self, given[0], given[1], &header, seq, tag);
     PyBuffer_Release(&header);
     if (failed)
         return NULL;
@@ -461,18 +449,19 @@ static void Node_dealloc(NodeObject *self)
         rc_node_close(&self->node);
     }
     release_page(self);
+    Py_CLEAR(self->program);
     free(self->views);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef Node_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Node_start, METH_VARARGS | METH_KEYWORDS,
-     "start(code, slots, header, dtype_code, op_code, tag=-1): begin a call (see the package "
+     "start(program, slots, header, tag=-1): begin a call of a Program (see the package "
      "docstring)"},
-    {"run", (PyCFunction)(void (*)(void))Node_run, METH_FASTCALL,
-     "run(code, slots, header, seq, dtype_code, op_code, tag, call_code, slice_s) -> DONE, "
-     "REROUTED, PENDING or MISMATCH: start() with call number seq written into the header, then "
-     "progress(slice_s); keeps the state words bind_state() named for a collective (tag < 0)"},
+    {"run", (PyCFunction)(void (*)(void))Node_run, METH_FASTCALL | METH_KEYWORDS,
+     "run(program, slots, header, seq, tag, call_code, slice_s) -> DONE, REROUTED, PENDING or "
+     "MISMATCH: start() with call number seq written into the header, then progress(slice_s); "
+     "keeps the state words bind_state() named for a collective (tag < 0)"},
     {"bind_state", (PyCFunction)Node_bind_state, METH_VARARGS,
      "bind_state(page, started_word, beat_word, call_word, code_span): the int64 words of "
      "this rank on its group's state page that run() keeps"},

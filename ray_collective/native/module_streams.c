@@ -112,120 +112,158 @@ static int hand_over(rc_stream_round *r, int status, PyObject *on_event)
     return 0;
 }
 
-PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static const char *const ROUND_ARGUMENTS[] = {
+    "fds", "table", "slots", "header", "dtype_code", "op_code", "tag", "part_bytes",
+    "max_frame_bytes", "timeout_s", "slice_s", "on_event", "watched", "spin_s"};
+enum { A_FDS, A_TABLE, A_SLOTS, A_HEADER, A_DTYPE, A_OP, A_TAG, A_PART, A_FRAME, A_TIMEOUT,
+       A_SLICE, A_ON_EVENT, A_WATCHED, A_SPIN, ROUND_ARGUMENT_COUNT };
+
+/* Takes the round's numbers and its kernel into `r`, its timeout and slice into the others; 0,
+ * or -1 with the Python error set. */
+static int take_settings(rc_stream_round *r, PyObject *const *a, double *timeout_s,
+                         double *slice_s)
 {
-    if (nargs != 14) {
-        PyErr_SetString(PyExc_TypeError, "stream_round(fds, table, slots, header, dtype_code, "
-                        "op_code, tag, part_bytes, max_frame_bytes, timeout_s, slice_s, "
-                        "on_event, watched, spin_s) takes 14 arguments");
-        return NULL;
-    }
-    long dtype = PyLong_AsLong(args[4]), op = PyLong_AsLong(args[5]);
-    long long tag = PyLong_AsLongLong(args[6]), part_max = PyLong_AsLongLong(args[7]);
-    long long max_frame = PyLong_AsLongLong(args[8]);
-    double timeout_s = PyFloat_AsDouble(args[9]), slice_s = PyFloat_AsDouble(args[10]);
-    double spin_s = PyFloat_AsDouble(args[13]);
+    long dtype = PyLong_AsLong(a[A_DTYPE]), op = PyLong_AsLong(a[A_OP]);
+    long long tag = PyLong_AsLongLong(a[A_TAG]), part_max = PyLong_AsLongLong(a[A_PART]);
+    long long max_frame = PyLong_AsLongLong(a[A_FRAME]);
+    double spin_s = PyFloat_AsDouble(a[A_SPIN]);
+    *timeout_s = PyFloat_AsDouble(a[A_TIMEOUT]);
+    *slice_s = PyFloat_AsDouble(a[A_SLICE]);
     if (PyErr_Occurred())
-        return NULL;
+        return -1;
     rc_kernel kernel = op == RC_OP_NONE ? NULL : rc_kernel_for((int)dtype, (int)op);
     if (dtype < 0 || dtype >= RC_DTYPES || (op != RC_OP_NONE && kernel == NULL)) {
         PyErr_Format(PyExc_ValueError, "no reduction for dtype code %ld and op code %ld", dtype,
                      op);
-        return NULL;
+        return -1;
     }
-    if (part_max < 1 || max_frame < RC_DATA_FRAME_BYTES || !(slice_s > 0.0)
-            || !(timeout_s >= 0.0) || !(spin_s >= 0.0 && spin_s < 1.0)
-            || !PyCallable_Check(args[11])) {
+    if (part_max < 1 || max_frame < RC_DATA_FRAME_BYTES || !(*slice_s > 0.0)
+            || !(*timeout_s >= 0.0) || !(spin_s >= 0.0 && spin_s < 1.0)
+            || !PyCallable_Check(a[A_ON_EVENT])) {
         PyErr_SetString(PyExc_ValueError, "part_bytes, max_frame_bytes and slice_s must be "
                         "positive, timeout_s at least 0, spin_s in [0, 1), on_event "
                         "callable");
-        return NULL;
+        return -1;
     }
-    Py_buffer header;
-    if (PyObject_GetBuffer(args[3], &header, PyBUF_SIMPLE) != 0)
-        return NULL;
-    PyObject *fds = PySequence_Fast(args[0], "fds must be a sequence of ints");
-    PyObject *watch = fds ? PySequence_Fast(args[12], "watched must be a sequence of ints")
-                          : NULL;
-    PyObject *items = watch ? PySequence_Fast(args[2], "slots must be a sequence of arrays")
-                            : NULL;
+    r->tag = tag;
+    r->part_max = part_max;
+    r->max_frame = max_frame;
+    r->kernel = kernel;
+    r->spin_ns = (int64_t)(spin_s * 1e9);
+    r->itemsize = rc_itemsize((int)dtype);
+    return 0;
+}
+
+/* Takes the round's streams `fds` and its `watched` sockets into `r`; 0, or -1 with the Python
+ * error set. */
+static int take_sockets(rc_stream_round *r, PyObject *fds, PyObject *watch)
+{
+    r->n_streams = (int)PySequence_Fast_GET_SIZE(fds);
+    r->n_watched = (int)PySequence_Fast_GET_SIZE(watch);
+    r->streams = calloc((size_t)r->n_streams + 1, sizeof *r->streams);
+    r->watched = calloc((size_t)r->n_watched + 1, sizeof *r->watched);
+    r->polls = calloc((size_t)(r->n_streams + r->n_watched) + 1, sizeof *r->polls);
+    if (r->streams == NULL || r->watched == NULL || r->polls == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int s = 0; s < r->n_streams + r->n_watched; s++) {
+        PyObject *item = s < r->n_streams ? PySequence_Fast_GET_ITEM(fds, s)
+                                          : PySequence_Fast_GET_ITEM(watch, s - r->n_streams);
+        long fd = PyLong_AsLong(item);
+        if (fd == -1 && PyErr_Occurred())
+            return -1;
+        if (fd < 0 || fd > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "%ld is not a file descriptor", fd);
+            return -1;
+        }
+        if (s < r->n_streams)
+            r->streams[s].fd = (int)fd;
+        else
+            r->watched[s - r->n_streams] = (int)fd;
+    }
+    return 0;
+}
+
+/* The indices of the round's messages not yet complete, as a list (NULL: an error is set). */
+static PyObject *pending_messages(const rc_stream_round *r)
+{
+    PyObject *result = PyList_New(0);
+    for (int64_t m = 0; result != NULL && m < r->n_messages; m++) {
+        PyObject *index;
+        if (r->messages[m].complete)
+            continue;
+        if ((index = PyLong_FromLongLong(m)) == NULL || PyList_Append(result, index) != 0)
+            Py_CLEAR(result);
+        Py_XDECREF(index);
+    }
+    return result;
+}
+
+/* Runs the taken round, slice by slice with the GIL released, handing its events over: what
+ * stream_round returns, or NULL with the Python error set. */
+static PyObject *run_round(rc_stream_round *r, double timeout_s, double slice_s,
+                           PyObject *on_event)
+{
+    rc_stream_round_begin(r);
+    int64_t deadline = rc_py_now_ms() + (int64_t)(timeout_s * 1e3);
+    for (;;) {
+        int64_t left_ms = deadline - rc_py_now_ms(), slice_ns = rc_py_slice_ns(slice_s);
+        if (left_ms < 0)
+            left_ms = 0;
+        if (slice_ns > left_ms * 1000000)
+            slice_ns = left_ms * 1000000;
+        int status;
+        Py_BEGIN_ALLOW_THREADS
+        status = rc_stream_round_run(r, slice_ns);
+        Py_END_ALLOW_THREADS
+        if (status == RC_DONE)
+            return PyList_New(0);
+        if (status == RC_PENDING && rc_py_now_ms() >= deadline)
+            return pending_messages(r);
+        if (hand_over(r, status, on_event) != 0)
+            return NULL;
+    }
+}
+
+PyObject *rc_py_stream_round(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    PyObject *a[ROUND_ARGUMENT_COUNT];
     rc_stream_round r = {0};
+    double timeout_s, slice_s;
+    Py_buffer header;
+    if (rc_py_arguments("stream_round", ROUND_ARGUMENTS, ROUND_ARGUMENT_COUNT,
+                        ROUND_ARGUMENT_COUNT, args, nargs, kwnames, a) != 0
+            || take_settings(&r, a, &timeout_s, &slice_s) != 0
+            || PyObject_GetBuffer(a[A_HEADER], &header, PyBUF_SIMPLE) != 0)
+        return NULL;
+    PyObject *fds = PySequence_Fast(a[A_FDS], "fds must be a sequence of ints");
+    PyObject *watch = fds ? PySequence_Fast(a[A_WATCHED], "watched must be a sequence of ints")
+                          : NULL;
+    PyObject *items = watch ? PySequence_Fast(a[A_SLOTS], "slots must be a sequence of arrays")
+                            : NULL;
     Py_buffer *views = NULL;
     Py_ssize_t n_views = 0;
     PyObject *result = NULL;
-    int failed = items == NULL || header.len > RC_STREAM_MAX_HEADER_BYTES;
-    if (!failed) {
-        r.n_streams = (int)PySequence_Fast_GET_SIZE(fds);
-        r.n_watched = (int)PySequence_Fast_GET_SIZE(watch);
-        r.streams = calloc((size_t)r.n_streams + 1, sizeof *r.streams);
-        r.watched = calloc((size_t)r.n_watched + 1, sizeof *r.watched);
-        r.polls = calloc((size_t)(r.n_streams + r.n_watched) + 1, sizeof *r.polls);
-        views = calloc((size_t)PySequence_Fast_GET_SIZE(items) + 1, sizeof *views);
-        if (r.streams == NULL || r.watched == NULL || r.polls == NULL || views == NULL) {
-            PyErr_NoMemory();
-            failed = 1;
-        }
-    } else if (items != NULL) {
+    int failed = items == NULL;
+    if (!failed && header.len > RC_STREAM_MAX_HEADER_BYTES) {
         PyErr_SetString(PyExc_ValueError, "the call header is too long");
+        failed = 1;
     }
-    for (int s = 0; !failed && s < r.n_streams + r.n_watched; s++) {
-        PyObject *item = s < r.n_streams ? PySequence_Fast_GET_ITEM(fds, s)
-                                         : PySequence_Fast_GET_ITEM(watch, s - r.n_streams);
-        long fd = PyLong_AsLong(item);
-        if ((failed = fd == -1 && PyErr_Occurred()) == 0 && (fd < 0 || fd > INT32_MAX)) {
-            PyErr_Format(PyExc_ValueError, "%ld is not a file descriptor", fd);
-            failed = 1;
-        }
-        if (s < r.n_streams)
-            r.streams[s].fd = (int)fd;
-        else
-            r.watched[s - r.n_streams] = (int)fd;
+    if (!failed && (views = calloc((size_t)PySequence_Fast_GET_SIZE(items) + 1,
+                                   sizeof *views)) == NULL) {
+        PyErr_NoMemory();
+        failed = 1;
     }
     if (!failed) {
         r.header = header.buf;
         r.header_len = (uint32_t)header.len;
-        r.tag = tag;
-        r.part_max = part_max;
-        r.max_frame = max_frame;
-        r.kernel = kernel;
-        r.spin_ns = (int64_t)(spin_s * 1e9);
-        r.itemsize = rc_itemsize((int)dtype);
-        failed = take_round(&r, args[1], items, views, &n_views);
+        failed = take_sockets(&r, fds, watch) != 0
+                 || take_round(&r, a[A_TABLE], items, views, &n_views) != 0;
     }
-    if (!failed) {
-        rc_stream_round_begin(&r);
-        int64_t deadline = rc_py_now_ms() + (int64_t)(timeout_s * 1e3);
-        for (;;) {
-            int64_t left_ms = deadline - rc_py_now_ms(), slice_ns = rc_py_slice_ns(slice_s);
-            if (left_ms < 0)
-                left_ms = 0;
-            if (slice_ns > left_ms * 1000000)
-                slice_ns = left_ms * 1000000;
-            int status;
-            Py_BEGIN_ALLOW_THREADS
-            status = rc_stream_round_run(&r, slice_ns);
-            Py_END_ALLOW_THREADS
-            if (status == RC_DONE) {
-                result = PyList_New(0);
-                break;
-            }
-            if (status == RC_PENDING && rc_py_now_ms() >= deadline) {
-                result = PyList_New(0);
-                for (int64_t m = 0; result != NULL && m < r.n_messages; m++) {
-                    PyObject *index;
-                    if (r.messages[m].complete)
-                        continue;
-                    if ((index = PyLong_FromLongLong(m)) == NULL
-                            || PyList_Append(result, index) != 0)
-                        Py_CLEAR(result);
-                    Py_XDECREF(index);
-                }
-                break;
-            }
-            if (hand_over(&r, status, args[11]) != 0)
-                break;
-        }
-    }
+    if (!failed)
+        result = run_round(&r, timeout_s, slice_s, a[A_ON_EVENT]);
     rc_stream_round_end(&r);
     for (Py_ssize_t i = 0; i < n_views; i++)
         PyBuffer_Release(&views[i]);

@@ -54,8 +54,7 @@ int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_by
     node->senders = malloc(sizeof(int) * (size_t)world);
     node->receiving = malloc(sizeof(int) * (size_t)world);
     node->blocked = calloc((size_t)world, sizeof *node->blocked);
-    node->peer_use = calloc((size_t)world, 1);
-    if (!node->links || !node->senders || !node->receiving || !node->blocked || !node->peer_use) {
+    if (!node->links || !node->senders || !node->receiving || !node->blocked) {
         errno = ENOMEM;
         snprintf(node->error, sizeof node->error, "out of memory");
         return RC_OS_ERROR;
@@ -120,7 +119,6 @@ void rc_node_close(rc_node *node)
     if (node->dirfd >= 0)
         close(node->dirfd);
     rc_call *call = &node->call;
-    free(call->code);
     free(call->slots);
     free(call->header);
     free(call->progress);
@@ -130,7 +128,6 @@ void rc_node_close(rc_node *node)
     free(node->senders);
     free(node->receiving);
     free(node->blocked);
-    free(node->peer_use);
     memset(node, 0, sizeof *node);
     node->dirfd = -1;
 }
@@ -145,10 +142,10 @@ static rc_link *link_to(rc_node *node, int peer)
 /* Opens the rings of every peer the call names that this rank has not used yet. */
 static int open_rings(rc_node *node)
 {
-    for (int peer = 0; peer < node->world; peer++) {
-        uint8_t use = node->peer_use[peer];
-        if (use == 0)
-            continue;
+    const rc_program *program = node->call.program;
+    for (int i = 0; i < program->n_peers; i++) {
+        int peer = program->peers[i].rank;
+        uint8_t use = program->peers[i].use;
         rc_link *link = link_to(node, peer);
         if (link == NULL) {
             errno = ENOMEM;
@@ -213,12 +210,44 @@ int rc_scan_incoming(rc_node *node)
     return RC_OK;
 }
 
+#define REFUSE(...) do { snprintf(node->error, sizeof node->error, __VA_ARGS__); \
+    return RC_INVALID; } while (0)
+
+/* Whether the call's slots and this node's world are what its program needs. */
+static int check_call(rc_node *node)
+{
+    const rc_call *call = &node->call;
+    const rc_program *program = call->program;
+    if (program->n_peers > 0) {
+        int highest = program->peers[program->n_peers - 1].rank;
+        if (highest >= node->world)
+            REFUSE("a message names rank %d (this is rank %d of %d)", highest, node->rank,
+                   node->world);
+        for (int i = 0; i < program->n_peers; i++)
+            if (program->peers[i].rank == node->rank)
+                REFUSE("a message names rank %d (this is rank %d of %d)", node->rank,
+                       node->rank, node->world);
+    }
+    if (program->n_slots > call->n_slots)
+        REFUSE("the plan names slot %d of %d", program->n_slots - 1, call->n_slots);
+    for (int slot = 0; slot < program->n_slots; slot++) {
+        const rc_slot_need *need = &program->slot_needs[slot];
+        if (need->count > call->slots[slot].count)
+            REFUSE("the plan reaches elements %lld..%lld of slot %d, which has %lld",
+                   (long long)need->low, (long long)need->high, slot,
+                   (long long)call->slots[slot].count);
+        if (need->written && !call->slots[slot].writable)
+            REFUSE("the plan writes into slot %d, which is read-only", slot);
+    }
+    return RC_OK;
+}
+
 int rc_call_start(rc_node *node)
 {
     rc_call *call = &node->call;
-    int64_t biggest = rc_program_check(node);
-    if (biggest < 0)
+    if (check_call(node) != RC_OK)
         return RC_INVALID;
+    int64_t biggest = call->program->biggest;
     uint64_t half = node->ring_bytes / 2, payload = rc_payload_offset(call->header_len);
     if (payload + 16 > half) {
         snprintf(node->error, sizeof node->error,

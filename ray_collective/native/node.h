@@ -95,9 +95,39 @@ typedef struct {
                       only be sent from: the plan check refuses a write into it */
 } rc_slot;
 
+/* What a program needs of one slot of a call: `count` elements (an error names them as
+ * low..high), written into if `written`. */
+typedef struct {
+    int64_t count, low, high;
+    int written;
+} rc_slot_need;
+
+typedef struct {
+    int rank;
+    uint8_t use; /* RC_USE_* */
+} rc_peer_use;
+
+#define RC_MAX_SLOTS (1 << 20)
+
+/* A plan code checked once and kept (program.c): what every call of it shares. */
+typedef struct rc_program {
+    int64_t *code, code_len;
+    int itemsize;
+    rc_kernel kernel;          /* NULL: the calls reduce nothing */
+    rc_slot_need *slot_needs;  /* per slot it names */
+    int n_slots;
+    rc_peer_use *peers;        /* the ranks it names, ascending */
+    int n_peers;
+    int64_t biggest;           /* messages in its largest round */
+    int64_t last_round_at;     /* where its last round with messages starts in `code` (0:
+                                  none): that round's sends are never detached */
+    char error[256];           /* why the build failed */
+} rc_program;
+
 typedef struct {
     int active;
-    int64_t *code, code_len, code_capacity;
+    const rc_program *program;
+    const int64_t *code;       /* the program's */
     int64_t pc;          /* the next step record */
     int64_t steps_left;
     rc_slot *slots;
@@ -118,8 +148,6 @@ typedef struct {
     int detach_armed;     /* a stall has waited its grace; the next one detaches sends */
     int64_t stalled_since; /* when the current stall of a call with attached sends began */
     int spun;             /* polled for spin_ns since it last moved: later waits sleep at once */
-    int64_t last_round_at; /* where the last round with messages starts in `code` (0: none):
-                              its sends are never detached (rc_in_last_round) */
     int rerouted;         /* its point-to-point message goes over the transport (RC_REROUTED) */
 } rc_call;
 
@@ -135,7 +163,6 @@ typedef struct rc_node {
     int *senders, n_senders;    /* peers with messages queued */
     int *receiving, n_receiving; /* peers whose inbound ring is open */
     uint64_t *blocked, pass;    /* per peer: the pass in which a receive from it waited */
-    uint8_t *peer_use;          /* per peer, while a call starts: RC_USE_* bits */
     rc_outgoing *spare;         /* finished outgoing records, for reuse */
     uint64_t remote_min;        /* offer messages of this many bytes or more (0: never) */
     uint64_t p2p_max;           /* larger point-to-point messages are offered (RC_P2P_MAX_BYTES) */
@@ -155,8 +182,9 @@ enum { RC_OK = 0, RC_INVALID = 1, RC_OS_ERROR = 2 }; /* errors: the text is node
 int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_bytes,
                  uint64_t part_bytes, int64_t spin_ns, uint64_t remote_min);
 void rc_node_close(rc_node *node);
-/* Starts the call the caller has put in node->call (code, slots, header, dtype, kernel, tag):
- * checks it, opens the rings it needs. */
+/* Starts the call the caller has put in node->call (program, code, slots, header, itemsize,
+ * kernel, tag): checks its slots and peers against the program's needs, opens the rings it
+ * needs. */
 int rc_call_start(rc_node *node);
 /* Forgets the call (a failed one): drops its queued sends and its round. */
 void rc_call_end(rc_node *node);
@@ -220,12 +248,12 @@ int rc_remote_take(rc_node *node, int peer, rc_link *link, rc_remote *offer,
 /* Receiver: declines an offer met while another channel's call runs (the frame is stashed). */
 void rc_remote_decline(rc_node *node, int peer, rc_remote *offer);
 
-/* program.c: checks the call's code against its slots, the node's rank and world and the
- * call's kernel; marks the peers it names in node->peer_use, notes where its last round with
- * messages starts (call.last_round_at) and returns the largest round.
- * Returns -1 (reason in node->error) if the code is malformed or names memory or ranks
- * outside the call's. */
-int64_t rc_program_check(rc_node *node);
+/* program.c: builds `program` from a copy of `code` (len words) for calls of elements of
+ * `itemsize` bytes reduced by `kernel` (NULL: none): checks it once and notes what its calls
+ * need. 0, or -1 with the reason in program->error (free it either way). */
+int rc_program_build(rc_program *program, const int64_t *code, int64_t len, int itemsize,
+                     rc_kernel kernel);
+void rc_program_free(rc_program *program);
 /* Sets (1) or clears (0) the `offering` word of `rank`'s bell (remote.c says what it is for). */
 static inline void rc_mark_offering(rc_node *node, int rank, uint32_t on)
 {
@@ -234,9 +262,9 @@ static inline void rc_mark_offering(rc_node *node, int rank, uint32_t on)
 /* Whether the call's current round is its last with messages. */
 static inline int rc_in_last_round(const rc_call *call)
 {
-    return call->round != NULL && call->round == call->code + call->last_round_at + 2;
+    return call->round != NULL && call->round == call->code + call->program->last_round_at + 2;
 }
-/* Words of the step record at `record`, which rc_program_check has accepted. */
+/* Words of the step record at `record`, which rc_program_build has accepted. */
 int64_t rc_step_words(const int64_t *record);
 /* Runs a LOCAL record; returns 0, or -1 if out of memory. */
 int rc_program_local(rc_call *call, const int64_t *record);

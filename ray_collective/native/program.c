@@ -7,9 +7,12 @@
  *   LOCAL  RC_STEP_LOCAL, kind (RC_LOCAL_COPY or RC_LOCAL_COMBINE), the target place, the
  *          source place; a place is slot, offset, ndim, shape[ndim], strides[ndim] (elements,
  *          strides possibly negative), a contiguous Place being ndim 1, stride 1.
- * The check refuses any code that is malformed or names memory outside the call's slots, a
- * rank outside the world (or this rank), or a reduction in a call without an op: whatever the
- * caller passes, the executor then touches only the slots' memory.
+ * The code is checked once, when a program is built from it (rc_program_build): it is refused
+ * if malformed or if it reduces in a call without an op, and what it reaches is noted (the
+ * elements of each slot, the slots it writes, the peers it talks to), so that starting a call
+ * of it checks only that the call's slots are that large and writable, and its peers in the
+ * node's world (rc_call_start): whatever the caller passes, the executor then touches only the
+ * slots' memory.
  *
  * A local operation whose source and target overlap in one slot reads the source as it was
  * before the operation (as numpy's copyto and ufuncs do), through a temporary copy.
@@ -26,19 +29,59 @@ typedef struct {
     int64_t size, lowest, highest; /* elements, and the extreme element indices it touches */
 } rc_view;
 
-#define FAIL(...) do { snprintf(node->error, sizeof node->error, __VA_ARGS__); return -1; } \
-    while (0)
+#define FAIL(...) do { snprintf(program->error, sizeof program->error, __VA_ARGS__); \
+    return -1; } while (0)
 
-/* Reads the place at code[*at] into *view, checking it against the slots. */
-static int read_place(rc_node *node, int64_t *at, rc_view *view)
+/* Notes that the program reaches elements low..high of `slot` (`need` elements at least: the
+ * range as an error names it), writing into them if `written`. */
+static int reach(rc_program *program, int64_t slot, int64_t low, int64_t high, int64_t need,
+                 int written)
 {
-    const rc_call *call = &node->call;
-    const int64_t *code = call->code;
-    int64_t p = *at, len = call->code_len;
+    if (slot >= program->n_slots) {
+        int64_t n = slot + 1;
+        rc_slot_need *bigger = realloc(program->slot_needs, sizeof *bigger * (size_t)n);
+        if (bigger == NULL)
+            FAIL("out of memory");
+        memset(bigger + program->n_slots, 0, sizeof *bigger * (size_t)(n - program->n_slots));
+        program->slot_needs = bigger;
+        program->n_slots = (int)n;
+    }
+    rc_slot_need *at = &program->slot_needs[slot];
+    if (need > at->count)
+        *at = (rc_slot_need){need, low, high, at->written};
+    at->written |= written;
+    return 0;
+}
+
+/* Notes that the program talks to `peer` (RC_USE_* in `use`), keeping the peers ascending. */
+static int meet(rc_program *program, int64_t peer, uint8_t use)
+{
+    int i = 0;
+    while (i < program->n_peers && program->peers[i].rank < peer)
+        i++;
+    if (i < program->n_peers && program->peers[i].rank == peer) {
+        program->peers[i].use |= use;
+        return 0;
+    }
+    rc_peer_use *bigger = realloc(program->peers, sizeof *bigger * (size_t)(program->n_peers + 1));
+    if (bigger == NULL)
+        FAIL("out of memory");
+    memmove(bigger + i + 1, bigger + i, sizeof *bigger * (size_t)(program->n_peers - i));
+    bigger[i] = (rc_peer_use){(int)peer, use};
+    program->peers = bigger;
+    program->n_peers++;
+    return 0;
+}
+
+/* Reads the place at code[*at] into *view, noting what it reaches. */
+static int read_place(rc_program *program, int64_t *at, rc_view *view, int written)
+{
+    const int64_t *code = program->code;
+    int64_t p = *at, len = program->code_len;
     if (len - p < 3)
         FAIL("plan code ends inside a place");
-    if (code[p] < 0 || code[p] >= call->n_slots)
-        FAIL("a local step names slot %lld of %d", (long long)code[p], call->n_slots);
+    if (code[p] < 0 || code[p] >= RC_MAX_SLOTS)
+        FAIL("a local step names slot %lld", (long long)code[p]);
     if (code[p + 2] < 1 || code[p + 2] > RC_MAX_DIMS || (len - p - 3) / 2 < code[p + 2])
         FAIL("a local step's place has %lld dimensions", (long long)code[p + 2]);
     view->slot = (int)code[p];
@@ -47,60 +90,75 @@ static int read_place(rc_node *node, int64_t *at, rc_view *view)
     view->size = 1;
     view->lowest = view->highest = view->offset;
     for (int i = 0; i < view->ndim; i++) {
-        int64_t extent = code[p + 3 + i], stride = code[p + 3 + view->ndim + i], reach;
+        int64_t extent = code[p + 3 + i], stride = code[p + 3 + view->ndim + i], span;
         if (extent < 0)
             FAIL("a local step's place has a negative extent");
         view->shape[i] = extent;
         view->strides[i] = stride;
         if (extent == 0)
             view->size = 0;
-        else if (__builtin_mul_overflow(extent - 1, stride, &reach)
-                 || __builtin_add_overflow(reach > 0 ? view->highest : view->lowest, reach,
-                                           reach > 0 ? &view->highest : &view->lowest)
+        else if (__builtin_mul_overflow(extent - 1, stride, &span)
+                 || __builtin_add_overflow(span > 0 ? view->highest : view->lowest, span,
+                                           span > 0 ? &view->highest : &view->lowest)
                  || __builtin_mul_overflow(view->size, extent, &view->size))
             FAIL("a local step's place overflows");
     }
-    if (view->size != 0 && (view->lowest < 0 || view->highest >= call->slots[view->slot].count))
-        FAIL("a local step reaches elements %lld..%lld of slot %d, which has %lld",
-             (long long)view->lowest, (long long)view->highest, view->slot,
-             (long long)call->slots[view->slot].count);
+    if (view->size != 0 && view->lowest < 0)
+        FAIL("a local step reaches elements %lld..%lld of slot %d", (long long)view->lowest,
+             (long long)view->highest, view->slot);
     *at = p + 3 + 2 * (int64_t)view->ndim;
-    return 0;
+    if (view->size == 0)
+        return reach(program, view->slot, 0, 0, 0, 0);
+    return reach(program, view->slot, view->lowest, view->highest, view->highest + 1, written);
 }
 
-static int check_round(rc_node *node, int64_t at, int64_t n)
+static int check_round(rc_program *program, int64_t at, int64_t n)
 {
-    const rc_call *call = &node->call;
     for (int64_t m = 0; m < n; m++) {
-        const int64_t *message = call->code + at + 2 + m * RC_MESSAGE_WORDS;
+        const int64_t *message = program->code + at + 2 + m * RC_MESSAGE_WORDS;
         int64_t flags = message[0], peer = message[1], slot = message[3];
         if (flags != 0 && flags != RC_MESSAGE_SEND && flags != RC_MESSAGE_REDUCE)
             FAIL("a message has flags %lld", (long long)flags);
-        if (peer < 0 || peer >= node->world || peer == node->rank)
-            FAIL("a message names rank %lld (this is rank %d of %d)", (long long)peer,
-                 node->rank, node->world);
-        if (slot < 0 || slot >= call->n_slots)
-            FAIL("a message names slot %lld of %d", (long long)slot, call->n_slots);
-        if (message[4] < 0 || message[4] > message[5] || message[5] > call->slots[slot].count)
-            FAIL("a message names elements %lld..%lld of slot %lld, which has %lld",
-                 (long long)message[4], (long long)message[5], (long long)slot,
-                 (long long)call->slots[slot].count);
-        if ((flags & RC_MESSAGE_REDUCE) && call->kernel == NULL)
+        if (peer < 0 || peer > INT32_MAX)
+            FAIL("a message names rank %lld", (long long)peer);
+        if (slot < 0 || slot >= RC_MAX_SLOTS)
+            FAIL("a message names slot %lld", (long long)slot);
+        if (message[4] < 0 || message[4] > message[5])
+            FAIL("a message names elements %lld..%lld of slot %lld", (long long)message[4],
+                 (long long)message[5], (long long)slot);
+        if ((flags & RC_MESSAGE_REDUCE) && program->kernel == NULL)
             FAIL("a receive reduces in a call without a reduce op");
-        if (!(flags & RC_MESSAGE_SEND) && message[5] > message[4] && !call->slots[slot].writable)
-            FAIL("a message is received into slot %lld, which is read-only", (long long)slot);
-        node->peer_use[peer] |= (flags & RC_MESSAGE_SEND) ? RC_USE_SEND : RC_USE_RECEIVE;
+        int sends = (flags & RC_MESSAGE_SEND) != 0;
+        if (reach(program, slot, message[4], message[5], message[5],
+                  !sends && message[5] > message[4]) != 0
+                || meet(program, peer, sends ? RC_USE_SEND : RC_USE_RECEIVE) != 0)
+            return -1;
     }
     return 0;
 }
 
-int64_t rc_program_check(rc_node *node)
+static int check_local(rc_program *program, int64_t *at, int64_t s)
 {
-    rc_call *call = &node->call;
-    const int64_t *code = call->code;
-    int64_t len = call->code_len, at = 1, biggest = 0;
-    memset(node->peer_use, 0, (size_t)node->world);
-    call->last_round_at = 0;
+    int64_t kind = program->code[*at + 1];
+    rc_view target, source;
+    if (kind != RC_LOCAL_COPY && kind != RC_LOCAL_COMBINE)
+        FAIL("step %lld is a local step of kind %lld", (long long)s, (long long)kind);
+    if (kind == RC_LOCAL_COMBINE && program->kernel == NULL)
+        FAIL("a local step combines in a call without a reduce op");
+    *at += 2;
+    if (read_place(program, at, &target, 1) != 0 || read_place(program, at, &source, 0) != 0)
+        return -1;
+    if (target.ndim != source.ndim
+            || memcmp(target.shape, source.shape, sizeof(int64_t) * target.ndim) != 0)
+        FAIL("step %lld's target and source differ in shape", (long long)s);
+    return 0;
+}
+
+/* Checks the copied code of `program` step by step, noting what its calls need. */
+static int check_code(rc_program *program)
+{
+    const int64_t *code = program->code;
+    int64_t len = program->code_len, at = 1;
     if (len < 1 || code[0] < 0)
         FAIL("plan code without a step count");
     for (int64_t s = 0; s < code[0]; s++) {
@@ -110,35 +168,44 @@ int64_t rc_program_check(rc_node *node)
             int64_t n = code[at + 1];
             if (n < 0 || n > (len - at - 2) / RC_MESSAGE_WORDS)
                 FAIL("step %lld is a round of %lld messages", (long long)s, (long long)n);
-            if (check_round(node, at, n) != 0)
+            if (check_round(program, at, n) != 0)
                 return -1;
             if (n > 0)
-                call->last_round_at = at;
+                program->last_round_at = at;
             at += 2 + n * RC_MESSAGE_WORDS;
-            biggest = n > biggest ? n : biggest;
+            program->biggest = n > program->biggest ? n : program->biggest;
         } else if (code[at] == RC_STEP_LOCAL) {
-            int64_t kind = code[at + 1];
-            rc_view target, source;
-            if (kind != RC_LOCAL_COPY && kind != RC_LOCAL_COMBINE)
-                FAIL("step %lld is a local step of kind %lld", (long long)s, (long long)kind);
-            if (kind == RC_LOCAL_COMBINE && call->kernel == NULL)
-                FAIL("a local step combines in a call without a reduce op");
-            at += 2;
-            if (read_place(node, &at, &target) != 0 || read_place(node, &at, &source) != 0)
+            if (check_local(program, &at, s) != 0)
                 return -1;
-            if (target.ndim != source.ndim
-                    || memcmp(target.shape, source.shape, sizeof(int64_t) * target.ndim) != 0)
-                FAIL("step %lld's target and source differ in shape", (long long)s);
-            if (target.size != 0 && !call->slots[target.slot].writable)
-                FAIL("step %lld writes into slot %d, which is read-only", (long long)s,
-                     target.slot);
         } else {
             FAIL("step %lld has kind %lld", (long long)s, (long long)code[at]);
         }
     }
     if (at != len)
         FAIL("plan code has %lld words after its steps", (long long)(len - at));
-    return biggest;
+    return 0;
+}
+
+int rc_program_build(rc_program *program, const int64_t *code, int64_t len, int itemsize,
+                     rc_kernel kernel)
+{
+    memset(program, 0, sizeof *program);
+    program->itemsize = itemsize;
+    program->kernel = kernel;
+    program->code = malloc(sizeof(int64_t) * (size_t)(len > 0 ? len : 1));
+    if (program->code == NULL)
+        FAIL("out of memory");
+    memcpy(program->code, code, sizeof(int64_t) * (size_t)len);
+    program->code_len = len;
+    return check_code(program);
+}
+
+void rc_program_free(rc_program *program)
+{
+    free(program->code);
+    free(program->slot_needs);
+    free(program->peers);
+    memset(program, 0, sizeof *program);
 }
 
 int64_t rc_step_words(const int64_t *record)

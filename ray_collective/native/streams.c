@@ -319,106 +319,139 @@ static void part_done(rc_stream_round *r, int s, rc_stream_message *m)
     }
 }
 
+/* What a step of a stream's receive did, besides -1 (the stream ended or failed) and the
+ * events: STEP_ON, go on; STEP_DRY, the kernel has no more bytes for now. */
+enum { STEP_ON = 0, STEP_DRY = 2 };
+
+/* The step's outcome of a read of `got` bytes (<= 0: none, or the stream ended). */
+static int counted(int64_t got, int64_t *turn)
+{
+    if (got <= 0)
+        return got < 0 ? -1 : STEP_DRY;
+    *turn += got;
+    return STEP_ON;
+}
+
+/* LENGTH, then FIXED: reads the frame's length prefix, then its fixed part. */
+static int read_start(rc_stream_round *r, int s, const rc_stream_message *m, int64_t *turn)
+{
+    rc_stream *stream = &r->streams[s];
+    int64_t want = RC_STREAM_LENGTH_BYTES
+                   + (stream->phase == RC_READ_FIXED ? stream->fixed_len : 0);
+    int64_t got = read_some(stream->fd, stream->in_head + stream->head_got,
+                            want - stream->head_got);
+    int step = counted(got, turn);
+    if (step != STEP_ON)
+        return step;
+    stream->head_got += got;
+    if (stream->head_got < want)
+        return STEP_ON;
+    if (stream->phase == RC_READ_FIXED)
+        return begin_body(r, s, m);
+    stream->length = (int64_t)get_le(stream->in_head, 4);
+    if (stream->length > r->max_frame || stream->length == 0)
+        return protocol_error(r, s, "stream frame of %lld bytes", (long long)stream->length);
+    stream->fixed_len = stream->length < RC_DATA_FRAME_BYTES ? stream->length
+                                                             : RC_DATA_FRAME_BYTES;
+    stream->phase = RC_READ_FIXED;
+    return STEP_ON;
+}
+
+/* PLACE: reads a large part's payload straight into the message. */
+static int read_placed(rc_stream_round *r, int s, rc_stream_message *m, int64_t *turn)
+{
+    rc_stream *stream = &r->streams[s];
+    int64_t at = stream->in_part_offset + stream->placed_got;
+    int64_t got = read_some(stream->fd, m->data + at, stream->in_part_bytes - stream->placed_got);
+    int step = counted(got, turn);
+    if (step != STEP_ON)
+        return step;
+    stream->placed_got += got;
+    if (stream->placed_got == stream->in_part_bytes)
+        part_done(r, s, m);
+    return STEP_ON;
+}
+
+/* BODY or HEADER: reads the header (with a small payload, aligned after it), or a foreign
+ * frame's rest. */
+static int read_body(rc_stream *stream, int64_t *turn)
+{
+    struct iovec iov[2];
+    int n = 0;
+    int64_t header_len = stream->foreign ? stream->body_len : stream->in_header_len;
+    if (stream->body_got < header_len) {
+        iov[n].iov_base = stream->body + stream->body_got;
+        iov[n++].iov_len = (size_t)(header_len - stream->body_got);
+    }
+    if (stream->body_len > header_len) {
+        int64_t from = stream->body_got > header_len ? stream->body_got - header_len : 0;
+        iov[n].iov_base = stream->body + payload_at(stream) + from;
+        iov[n++].iov_len = (size_t)(stream->body_len - header_len - from);
+    }
+    int64_t got = read_into(stream->fd, iov, n);
+    int step = counted(got, turn);
+    if (step == STEP_ON)
+        stream->body_got += got;
+    return step;
+}
+
+/* The body is in: a foreign frame is handed over; a part is checked, then read into place
+ * (a large one) or copied or reduced from the buffer. */
+static int take_body(rc_stream_round *r, int s, rc_stream_message *m)
+{
+    rc_stream *stream = &r->streams[s];
+    if (stream->foreign) {
+        r->foreign = stream->body;
+        r->foreign_len = stream->length;
+        stream->body = NULL;
+        stream->body_capacity = 0;
+        stream->phase = RC_READ_LENGTH;
+        stream->head_got = stream->body_got = 0;
+        r->event_stream = s;
+        return RC_STREAM_FOREIGN;
+    }
+    if (!expected(r, s, m))
+        return RC_STREAM_MISMATCH;
+    if (stream->phase == RC_READ_HEADER) {
+        stream->phase = RC_READ_PLACE;
+        stream->placed_got = 0;
+        return STEP_ON;
+    }
+    if (stream->in_part_bytes > 0) {
+        unsigned char *target = m->data + stream->in_part_offset;
+        const unsigned char *payload = stream->body + payload_at(stream);
+        if (m->reduce)
+            r->kernel(target, payload, stream->in_part_bytes / r->itemsize, 1, 1);
+        else
+            memcpy(target, payload, (size_t)stream->in_part_bytes);
+    }
+    part_done(r, s, m);
+    return STEP_ON;
+}
+
 /* Reads the stream's frames for its receives until the kernel has none: 1 if any byte came,
  * 0 if none, -1 if the stream ended or failed, or an event. */
 static int pump_receive(rc_stream_round *r, int s)
 {
     rc_stream *stream = &r->streams[s];
-    int moved = 0;
-    int64_t turn = 0, got;
+    int64_t turn = 0;
     while (stream->receiving >= 0 && turn < TURN_BYTES) {
         rc_stream_message *m = &r->messages[stream->receiving];
-        if (stream->phase == RC_READ_LENGTH || stream->phase == RC_READ_FIXED) {
-            int64_t want = RC_STREAM_LENGTH_BYTES
-                           + (stream->phase == RC_READ_FIXED ? stream->fixed_len : 0);
-            got = read_some(stream->fd, stream->in_head + stream->head_got,
-                            want - stream->head_got);
-            if (got <= 0)
-                return got < 0 ? -1 : moved;
-            moved = 1;
-            turn += got;
-            stream->head_got += got;
-            if (stream->head_got < want)
-                continue;
-            if (stream->phase == RC_READ_LENGTH) {
-                stream->length = (int64_t)get_le(stream->in_head, 4);
-                if (stream->length > r->max_frame || stream->length == 0)
-                    return protocol_error(r, s, "stream frame of %lld bytes",
-                                          (long long)stream->length);
-                stream->fixed_len = stream->length < RC_DATA_FRAME_BYTES ? stream->length
-                                                                         : RC_DATA_FRAME_BYTES;
-                stream->phase = RC_READ_FIXED;
-                continue;
-            }
-            int event = begin_body(r, s, m);
-            if (event != 0)
-                return event;
-            continue;
-        }
-        if (stream->phase == RC_READ_PLACE) {
-            int64_t at = stream->in_part_offset + stream->placed_got;
-            got = read_some(stream->fd, m->data + at, stream->in_part_bytes - stream->placed_got);
-            if (got <= 0)
-                return got < 0 ? -1 : moved;
-            moved = 1;
-            turn += got;
-            stream->placed_got += got;
-            if (stream->placed_got == stream->in_part_bytes)
-                part_done(r, s, m);
-            continue;
-        }
-        /* BODY or HEADER: the header (with a small payload, aligned after it), or a foreign
-         * frame's rest. */
-        if (stream->body_got < stream->body_len) {
-            struct iovec iov[2];
-            int n = 0;
-            int64_t header_len = stream->foreign ? stream->body_len : stream->in_header_len;
-            if (stream->body_got < header_len) {
-                iov[n].iov_base = stream->body + stream->body_got;
-                iov[n++].iov_len = (size_t)(header_len - stream->body_got);
-            }
-            if (stream->body_len > header_len) {
-                int64_t from = stream->body_got > header_len ? stream->body_got - header_len : 0;
-                iov[n].iov_base = stream->body + payload_at(stream) + from;
-                iov[n++].iov_len = (size_t)(stream->body_len - header_len - from);
-            }
-            got = read_into(stream->fd, iov, n);
-            if (got <= 0)
-                return got < 0 ? -1 : moved;
-            moved = 1;
-            turn += got;
-            stream->body_got += got;
-            if (stream->body_got < stream->body_len)
-                continue;
-        }
-        if (stream->foreign) {
-            r->foreign = stream->body;
-            r->foreign_len = stream->length;
-            stream->body = NULL;
-            stream->body_capacity = 0;
-            stream->phase = RC_READ_LENGTH;
-            stream->head_got = stream->body_got = 0;
-            r->event_stream = s;
-            return RC_STREAM_FOREIGN;
-        }
-        if (!expected(r, s, m))
-            return RC_STREAM_MISMATCH;
-        if (stream->phase == RC_READ_HEADER) {
-            stream->phase = RC_READ_PLACE;
-            stream->placed_got = 0;
-            continue;
-        }
-        if (stream->in_part_bytes > 0) {
-            unsigned char *target = m->data + stream->in_part_offset;
-            const unsigned char *payload = stream->body + payload_at(stream);
-            if (m->reduce)
-                r->kernel(target, payload, stream->in_part_bytes / r->itemsize, 1, 1);
-            else
-                memcpy(target, payload, (size_t)stream->in_part_bytes);
-        }
-        part_done(r, s, m);
+        int step;
+        if (stream->phase == RC_READ_LENGTH || stream->phase == RC_READ_FIXED)
+            step = read_start(r, s, m, &turn);
+        else if (stream->phase == RC_READ_PLACE)
+            step = read_placed(r, s, m, &turn);
+        else if (stream->body_got < stream->body_len)
+            step = read_body(stream, &turn);
+        else
+            step = take_body(r, s, m);
+        if (step == STEP_DRY)
+            break;
+        if (step != STEP_ON)
+            return step;
     }
-    return moved;
+    return turn > 0;
 }
 
 /* ------------------------------------------------------------------------------- the round */

@@ -29,7 +29,8 @@ SHARED_MEMORY = "/dev/shm"
 
 
 class Call(NamedTuple):
-    """One call as ``Node.start`` takes it."""
+    """One call: its plan code, dtype and op (a ``Program`` once built, in the process that
+    runs it), and what ``Node.start`` takes besides."""
 
     code: np.ndarray
     slots: List[np.ndarray]
@@ -37,6 +38,15 @@ class Call(NamedTuple):
     dtype_code: int
     op_code: int
     tag: int = -1
+
+    def program(self):
+        """The call's ``_core.Program``."""
+        return _core.Program(self.code, self.dtype_code, self.op_code)
+
+
+def start(node, call: Call) -> None:
+    """``node.start`` of ``call``."""
+    node.start(call.program(), call.slots, call.header, call.tag)
 
 
 class Outcome(NamedTuple):
@@ -64,7 +74,7 @@ def run_calls(directory: str, rank: int, world_size: int, ring_bytes: int, part_
                     remote_min_bytes) as node:
         for call in calls:
             reads = node.remote_reads
-            node.start(*call)
+            start(node, call)
             deadline = time.monotonic() + call_timeout
             status = node.progress(slice_s)
             while status == _core.PENDING and time.monotonic() < deadline:
