@@ -237,6 +237,34 @@ def large_groups(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
                    "in memory):", ""] + _sweeps(("scale-gloo-64.json",), None)(results, page_dir)
 
 
+MINIMAL_LOOP_MODES = (
+    ("minimal-loop-2x2-back-to-back.json", "20 warm-ups, then back to back"),
+    ("minimal-loop-2x2-one-warmup.json", "1 warm-up per block, after Gloo's block"),
+    ("minimal-loop-2x2-pause-5ms.json", "5 ms of sleep before each call, 2 warm-ups a block"),
+)
+"""The minimal loop's files of the modes of a user's history, and how each mode runs."""
+
+
+def across_nodes(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
+    """The sweeps across nodes, then one line of the loop a user writes in each mode of a
+    user's history (``benchmarks.minimal_loop``): this library's p50, Gloo's over it in the
+    same actors, and a new group's first call and first ten calls' median."""
+    lines = _sweeps(("nodes-2x2.json", "nodes-4x2.json"), None,
+                    sizes={8, 16, 32, 64, 64 * MIB})(results, page_dir)
+    modes = []
+    for name, mode in MINIMAL_LOOP_MODES:
+        for result in _load(results, name)["results"]:
+            ours, gloo = result["libraries"]["ray"], result["libraries"]["gloo"]
+            modes.append(f"{mode}, {result['layout'].replace('x', '×')}: "
+                         f"{format_seconds(ours['slowest_p50_s'])} "
+                         f"({gloo['slowest_p50_s'] / ours['slowest_p50_s']:.2f}×; "
+                         f"{format_seconds(ours['first_call_s'])}, "
+                         f"{format_seconds(ours['first_ten_p50_s'])})")
+    return lines + ["- The loop a user writes, 8 B, ray p50 (gloo / ray in the same actors; a new "
+                    "group's first call, its first ten's median): " + "; ".join(modes)
+                    + " (`minimal-loop-2x2-*.json`)"]
+
+
 def _span(values: Sequence[float], digits: str = ".2f") -> str:
     low, high = min(values), max(values)
     return f"{low:{digits}}" if f"{low:{digits}}" == f"{high:{digits}}" else (
@@ -297,8 +325,7 @@ PARTS: Dict[str, Callable[[pathlib.Path, pathlib.Path], List[str]]] = {
     "collectives": _sweeps(("collectives.json",), "plots/collectives",
                            {"reduce", "broadcast", "allgather", "reducescatter", "gather",
                             "scatter", "alltoall", "sendrecv", "barrier"}, {0, 8, 16, 16 * MIB}),
-    "across-nodes": _sweeps(("nodes-2x2.json", "nodes-4x2.json"), None,
-                            sizes={8, 16, 32, 64, 64 * MIB}),
+    "across-nodes": across_nodes,
     "netbed": netbed,
     "weight-sync": weight_sync_table,
     "param-server": param_server,
