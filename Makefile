@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP_BASE := $(VENV)/.installed-base
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: demo test docs bench bench-nodes bench-400 ps-example ps-bench spacy-bench venv clean
+.PHONY: demo test test-without-ray docs bench bench-nodes bench-400 ps-example ps-bench spacy-bench venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ demo: $(STAMP_BASE)
 PYTEST_ARGS ?=
 test: $(STAMP_TEST)
 	RAY_COLLECTIVE_REQUIRE_EXTRAS=1 RAY_COLLECTIVE_REQUIRE_NATIVE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast tests with Ray made unimportable (tests/support/without_ray.py): they need none.
+test-without-ray: $(STAMP_TEST)
+	RAY_COLLECTIVE_REQUIRE_NATIVE=1 $(BIN)/python tests/support/without_ray.py -q -m unit $(PYTEST_ARGS)
 
 # The documentation site (docs/, Sphinx with MyST pages and the API reference from the
 # docstrings) into docs/_build/html, every warning an error, as tests/test_docs.py builds it.
