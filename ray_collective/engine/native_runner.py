@@ -28,7 +28,7 @@ import numpy as np
 
 from ..algorithms.core import Blocks
 from ..errors import CollectiveTimeoutError
-from ..native import codes, core, node_type
+from ..native import codes, core
 from ..native.codes import DONE, MISMATCH, REROUTED
 from ..transport.base import COLLECTIVE_TAG, SendRequest, Transport
 from ..transport.node_state import COLLECTIVE_CODES
@@ -285,7 +285,7 @@ def native_node(directory: str, rank: int, world_size: int, spin_s: float = CORE
         PermissionError, OSError: the directory or a file in it is not this user's alone.
     """
     size = ring_bytes(world_size)
-    return node_type()(directory, rank, world_size, size, size // PARTS_PER_RING,
+    return core().Node(directory, rank, world_size, size, size // PARTS_PER_RING,
                        int(spin_s * 1e9), remote_min_bytes)
 
 

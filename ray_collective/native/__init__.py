@@ -160,14 +160,3 @@ def core():
     if _core is None:
         raise ImportError(f"ray_collective's native core is not available: {_IMPORT_ERROR}")
     return _core
-
-
-def node_type():
-    """The core's ``Node`` type.
-
-    Raises:
-        ImportError: the core did not import (:func:`import_error` says why).
-    """
-    if _core is None:
-        raise ImportError(f"ray_collective's native core is not available: {_IMPORT_ERROR}")
-    return _core.Node

@@ -4,6 +4,7 @@
 #ifndef RC_NODE_H
 #define RC_NODE_H
 
+#include <sched.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -259,6 +260,23 @@ static inline void rc_mark_offering(rc_node *node, int rank, uint32_t on)
 {
     atomic_store_explicit(&node->doorbell->bells[rank].offering, on, memory_order_release);
 }
+/* A waiter that has not moved: whether to poll again, having yielded its core, rather than
+ * sleep. It polls for `spin_ns` from its first look (`*spin_until`, 0 before), once: `*spun`
+ * is set when that time is over, and later waits sleep at once. */
+static inline int rc_spin_on(int64_t spin_ns, int *spun, int64_t *spin_until, int64_t now)
+{
+    if (spin_ns <= 0 || *spun)
+        return 0;
+    if (*spin_until == 0)
+        *spin_until = now + spin_ns;
+    if (now < *spin_until) {
+        sched_yield();
+        return 1;
+    }
+    *spun = 1;
+    return 0;
+}
+
 /* Whether the call's current round is its last with messages. */
 static inline int rc_in_last_round(const rc_call *call)
 {

@@ -20,7 +20,6 @@
  * 11 us), against 7 us sleeping at once; polls separated by sched_yield made it 1.3-5 us.
  */
 #define _GNU_SOURCE
-#include <sched.h>
 #include <time.h>
 
 #include "node.h"
@@ -88,15 +87,8 @@ int rc_progress(rc_node *node, int64_t slice_ns)
         if (call->tag >= 0 && call->attached > 0 && rc_offers_cross(node)
                 && rc_reroute_offers(node) == RC_PASS_PROGRESS)
             continue;
-        if (node->spin_ns > 0 && !call->spun) {
-            if (spin_until == 0)
-                spin_until = now + node->spin_ns;
-            if (now < spin_until) {
-                sched_yield();
-                continue;
-            }
-            call->spun = 1;
-        }
+        if (rc_spin_on(node->spin_ns, &call->spun, &spin_until, now))
+            continue;
         int64_t timeout = deadline - now;
         if (call->attached > 0 && !rc_in_last_round(call)) {
             if (call->stalled_since == 0)

@@ -30,7 +30,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -499,15 +498,8 @@ int rc_stream_round_run(rc_stream_round *r, int64_t slice_ns)
         int64_t now = rc_now_ns(), left = deadline - now;
         if (left <= 0)
             return RC_PENDING;
-        if (r->spin_ns > 0 && !r->spun) {
-            if (spin_until == 0)
-                spin_until = now + r->spin_ns;
-            if (now < spin_until) {
-                sched_yield();
-                continue;
-            }
-            r->spun = 1;
-        }
+        if (rc_spin_on(r->spin_ns, &r->spun, &spin_until, now))
+            continue;
         struct pollfd *watched = r->polls + r->n_streams;
         for (int w = 0; w < r->n_watched; w++)
             watched[w] = (struct pollfd){r->watched[w], POLLIN, 0};
