@@ -94,7 +94,8 @@ def _copies(rank, size):
     w = torch.full((5,), float(rank), requires_grad=True)
     dist.all_reduce(w)
     out["requires_grad"] = (w.detach().clone(), w.requires_grad)
-    big = torch.full((1 << 19,), float(rank + 1))  # 2 MiB: runs on the worker thread
+    # 2 MiB: on the worker thread where the group overlaps its calls (work.overlaps), else inline.
+    big = torch.full((1 << 19,), float(rank + 1))
     work = dist.all_reduce(big, async_op=True)
     future = work.get_future()
     work.wait()

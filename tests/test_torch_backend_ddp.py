@@ -15,8 +15,8 @@ LR = 0.05
 
 
 def _model():
-    # 296k parameters: DDP's first bucket (1 MiB) and a smaller second one, so that calls run
-    # both on the backend's worker thread and inline.
+    # 296k parameters: DDP's first bucket (1 MiB) and a smaller second one, so that where the
+    # group overlaps its calls (work.overlaps), they run both on the worker thread and inline.
     return torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.Tanh(),
                                torch.nn.Linear(1024, 256))
 

@@ -65,7 +65,7 @@ def _one_stays_away(rank, size):
     import torch.distributed as dist
     if rank == 1:
         return None
-    work = dist.all_reduce(torch.ones(1 << 19), async_op=True)  # queued: the error via wait
+    work = dist.all_reduce(torch.ones(1 << 19), async_op=True)  # the error comes via wait
     try:
         work.wait()
     except dist.DistBackendError as error:

@@ -1,12 +1,17 @@
 """The work a ``ray_collective`` process group hands torch: when each call runs, and the handle.
 
 Torch gives a backend no sign of whether its caller waits (``dist.all_reduce(t)`` is the same
-backend call as ``async_op=True`` followed by ``wait()``), so the backend decides by size: a
-small call runs inline, in the caller's thread, where a thread hop would cost more than the
-call; a large one (:data:`QUEUED_MIN_BYTES` and up, which DDP's buckets are) runs on the
-group's one worker thread, so that the caller (DDP's backward pass) goes on while it moves. A
-call made while earlier ones are queued joins the queue, so calls run in the order they were
-made on every rank, as the library requires.
+backend call as ``async_op=True`` followed by ``wait()``), so the backend decides by size and
+by the cores there are: a small call runs inline, in the caller's thread, where a thread hop
+would cost more than the call; a large one (:data:`QUEUED_MIN_BYTES` and up, which DDP's
+buckets are) runs on the group's one worker thread, so that the caller (DDP's backward pass)
+goes on while it moves, but only where the process has cores to spare for it
+(:func:`overlaps`). Where it has not, the worker thread's call and the backward pass share the
+cores, and the call, slowed by every rank's compute, costs the step more than it hides: DDP
+on 2 ranks and 2 cores spent 33 ms per step inside the library's calls made on the worker
+thread and 12 ms in the same calls made inline. A call made while earlier ones are queued
+joins the queue, so calls run in the order they were made on every rank, as the library
+requires.
 
 :class:`CollectiveWork` is torch's ``Work``: ``wait``, ``is_completed``, ``result`` and
 ``get_future`` (a ``torch.futures.Future`` of the call's output tensors, which DDP's
@@ -16,6 +21,7 @@ communication hooks chain on). A failure is raised by ``wait`` (and set on the f
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -24,10 +30,27 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import api as col
 from ..errors import CollectiveError
+from ..types import ReduceOp
 
 QUEUED_MIN_BYTES = 1 << 20
-"""A call that moves this many bytes or more runs on the group's worker thread."""
+"""A call that moves this many bytes or more runs on the group's worker thread (where the
+group :func:`overlaps` its calls)."""
+
+
+def overlaps(world_size: int) -> bool:
+    """Whether a group of ``world_size`` ranks runs its large asynchronous calls on a worker
+    thread beside the caller: where this process may run on at least two cores per rank (one
+    for the caller's compute, one for the call), counting every rank as if on this node.
+
+    Args:
+        world_size: the group's size.
+
+    Returns:
+        True to overlap, False to run every call inline.
+    """
+    return len(os.sched_getaffinity(0)) >= 2 * world_size
 
 
 def backend_error(error: BaseException) -> BaseException:
@@ -50,15 +73,21 @@ def backend_error(error: BaseException) -> BaseException:
 class CollectiveWork(dist.Work):
     """A call's handle for torch: done already (inline) or running on the worker thread."""
 
+    # What a call that ran inline and succeeded keeps: nothing but its outputs is set on it,
+    # since the handle is made for every call and most are dropped at once.
+    _future: Optional[Future] = None
+    _error: Optional[BaseException] = None
+    # Made on the first get_future() of a call that ran inline (most never ask).
+    _torch_future: Optional[torch.futures.Future] = None
+
     def __init__(self, outputs: List[torch.Tensor], future: Optional[Future] = None,
                  error: Optional[BaseException] = None):
         super().__init__()
         self._outputs = outputs
-        self._future = future
-        self._error = None if error is None else backend_error(error)
-        # Made on the first get_future() of a call that ran inline (most never ask).
-        self._torch_future: Optional[torch.futures.Future] = None
+        if error is not None:
+            self._error = backend_error(error)
         if future is not None:
+            self._future = future
             self._torch_future = torch.futures.Future()
             future.add_done_callback(lambda done: self._settle(done.exception()))
 
@@ -130,11 +159,12 @@ class CollectiveWork(dist.Work):
 
 
 class CallQueue:
-    """Runs one group's calls in order: inline when small and nothing is queued, else on the
-    group's one worker thread."""
+    """Runs one group's calls in order: inline when small, or when the group does not overlap,
+    and nothing is queued; else on the group's one worker thread."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, overlap: bool):
         self._name = name
+        self._overlap = overlap
         self._lock = threading.Lock()
         self._queued = 0
         self._worker: Optional[ThreadPoolExecutor] = None
@@ -148,13 +178,15 @@ class CallQueue:
             outputs: the tensors it writes (the work's result).
             nbytes: how many bytes it moves, for the choice.
             async_op: torch's ``opts.asyncOp``: whether the caller may go on before the end
-                (False: it waits at once, so the call runs inline unless others are queued).
+                (False: it waits at once, so the call runs inline unless others are queued;
+                True runs it inline too where the group does not overlap).
 
         Returns:
             Its work.
         """
         with self._lock:
-            inline = not self._queued and (not async_op or nbytes < QUEUED_MIN_BYTES)
+            inline = not self._queued and (not async_op or not self._overlap
+                                           or nbytes < QUEUED_MIN_BYTES)
             if not inline:
                 self._queued += 1
                 if self._worker is None:
@@ -168,6 +200,38 @@ class CallQueue:
         except CollectiveError as error:
             return CollectiveWork(outputs, error=error)
         return CollectiveWork(outputs)
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, outputs: List[torch.Tensor],
+                  async_op: bool) -> Optional[CollectiveWork]:
+        """``col.allreduce`` of a plain contiguous CPU tensor in this group, run as :meth:`run`
+        runs a call, with no function made for it where it runs inline (most calls).
+
+        Args:
+            tensor: reduced in place.
+            op: the library's reduction.
+            outputs: the list torch handed the backend (the work's result).
+            async_op: torch's ``opts.asyncOp``.
+
+        Returns:
+            Its work; None for a call whose caller waits for it (``async_op`` False) once it
+            has run inline: torch's ``all_reduce`` then returns at once, as it does for a
+            backend that waits in C++, and no handle is made only to be waited on.
+
+        Raises:
+            DistBackendError: the call ran inline, its caller waits, and it failed.
+        """
+        # Unlocked: only a call made on this group can raise the count, and one that the
+        # worker lowers in the meantime was ahead of this call anyway.
+        if self._queued or (async_op and self._overlap and tensor.nbytes >= QUEUED_MIN_BYTES):
+            return self.run(lambda: col.allreduce(tensor, self._name, op), outputs,
+                            tensor.nbytes, async_op)
+        try:
+            col.allreduce(tensor, self._name, op)
+        except CollectiveError as error:
+            if not async_op:
+                raise backend_error(error) from error
+            return CollectiveWork(outputs, error=error)
+        return CollectiveWork(outputs) if async_op else None
 
     def _run_queued(self, call: Callable[[], None]) -> None:
         try:
