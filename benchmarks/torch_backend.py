@@ -20,8 +20,9 @@ cluster of K nodes (``benchmarks.nodes``), the ranks spread evenly in blocks. Ea
 - The torch layer alone: in one rank actor with groups of one, ``dist.all_reduce`` against
   ``col.allreduce`` of 8 B (no peer to wait for), p50 of the per-call time; and the
   profile of the ``dist.all_reduce`` loop (cProfile's top functions by own time).
-- DDP: a model of ``--params`` parameters (Linear layers of 1024), SGD, batches of 32; steps
-  per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
+- DDP: a model of ``--params`` parameters (Linear layers of 1024) per backend, SGD, batches
+  of 32, the backends' steps (with and without sync) taking turns step by step, every step
+  begun by all ranks together (a barrier, not timed); steps per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
   the step without DDP's allreduce (``DistributedDataParallel.no_sync``) against the step.
 
 ``--table`` prints a run's tables from its results file and runs nothing.
@@ -108,27 +109,39 @@ class Rank:
             last = now
         return durations
 
-    def ddp_block(self, peer: str, params: int, steps: int, sync: bool) -> List[float]:
+    def ddp_block(self, params: int, steps: int, order: List[str]) -> Dict[str, List[float]]:
+        """Steps of one DDP model per backend, taking turns step by step in ``order``
+        (``"ray_collective/sync"``, ``"gloo/no_sync"``, ...), every step begun by all ranks
+        together; each key's step durations, the first two of each left out."""
         import contextlib
 
         import torch
         from torch.nn.parallel import DistributedDataParallel
-        torch.manual_seed(0)
         width = 1024
-        layers = [torch.nn.Linear(width, width) for _ in range(max(1, round(params / (width * width + width))))]
-        model = DistributedDataParallel(torch.nn.Sequential(*layers),
-                                        process_group=self.gloo if peer == "gloo" else None)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        trained = {}
+        for peer in ("ray_collective", "gloo"):
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(width, width)
+                      for _ in range(max(1, round(params / (width * width + width))))]
+            model = DistributedDataParallel(torch.nn.Sequential(*layers),
+                                            process_group=self.gloo if peer == "gloo" else None)
+            trained[peer] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
         x = torch.randn(32, width)
-        durations = []
+        durations: Dict[str, List[float]] = {key: [] for key in order}
         for step in range(steps + 2):
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            with contextlib.nullcontext() if sync else model.no_sync():
-                model(x).square().mean().backward()
-            optimizer.step()
-            if step >= 2:
-                durations.append(time.perf_counter() - start)
+            for key in order:
+                peer, mode = key.split("/")
+                model, optimizer = trained[peer]
+                # A rank still in its last step would otherwise count in this one's time of
+                # the others.
+                torch.distributed.barrier(group=self.gloo)
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                with contextlib.nullcontext() if mode == "sync" else model.no_sync():
+                    model(x).square().mean().backward()
+                optimizer.step()
+                if step >= 2:
+                    durations[key].append(time.perf_counter() - start)
         return durations
 
     def breakdown(self, iterations: int) -> Dict[str, float]:
@@ -222,14 +235,14 @@ def _ddp_rows(ray, actors, params_list, steps, blocks) -> List[dict]:
     rows = []
     for params in params_list:
         step_s: Dict[str, List[float]] = {}
+        keys = [f"{peer}/{mode}" for peer in ("ray_collective", "gloo")
+                for mode in ("sync", "no_sync")]
         for block in range(blocks):
-            for peer in (("ray_collective", "gloo") if block % 2 == 0 else
-                         ("gloo", "ray_collective")):
-                for sync in (True, False):
-                    durations = ray.get([a.ddp_block.remote(peer, params, steps, sync)
-                                         for a in actors])
-                    step_s.setdefault(f"{peer}/{'sync' if sync else 'no_sync'}", []).extend(
-                        iteration_latencies(durations))
+            order = keys if block % 2 == 0 else keys[::-1]
+            by_rank = ray.get([a.ddp_block.remote(params, steps, order) for a in actors])
+            for key in keys:
+                step_s.setdefault(key, []).extend(
+                    iteration_latencies([durations[key] for durations in by_rank]))
         median = {key: float(np.median(value)) for key, value in step_s.items()}
         # The step without sync computes the same with either backend: pooled, its median is
         # steadier than either one's on a shared machine.
