@@ -114,11 +114,13 @@ def test_no_stream_socket_is_left_open_after_destroy(summary, scenario):
 def test_a_grown_group_reuses_its_nodes_post_office_processes(summary):
     """The grow opens the new incarnation's post offices in the processes of the old one on
     nodes 0 and 1 (no process started there), and starts one on node 2; every collective of
-    the grown group, carried by them, matches numpy."""
+    the grown group, carried by them, matches numpy; the group declared again at once, its
+    post offices named as those just stopped, sums right."""
     grown = summary["grown"]
     assert len(grown["before"]) == 2 and len(grown["after"]) == 3
     assert set(grown["before"].items()) < set(grown["after"].items())
     assert grown["failures"] == []
+    assert grown["declared_again_sums_right"] == [True] * WORLD_SIZE
     assert grown["post_offices_gone_after_s"] >= 0, "post offices still named after destroy"
     assert grown["keys_left"] == []
 

@@ -221,3 +221,5 @@ def test_a_host_counts_the_incarnations_left_and_forgets_a_closed_one(monkeypatc
     host.open("/unused", "g", first, 4, {0: 1}, 1.0)     # a closed one is not opened again
     assert first not in host.offices and host.early == {}
     assert host.close(later) == 0
+    with pytest.raises(RuntimeError, match="stopping"):   # its caller stops it now
+        host.open("/unused", "g", b"c" * 16, 4, {0: 1}, 1.0)

@@ -233,12 +233,20 @@ class PostOfficeHost:
         self.offices: Dict[bytes, PostOffice] = {}
         self.closed: set = set()
         self.early: Dict[bytes, List[tuple]] = {}
+        self.stopping = False
         self.open(directory, group_name, group_key, world_size, local_pids, timeout)
 
     def open(self, directory: str, group_name: str, group_key: bytes, world_size: int,
              local_pids: Dict[int, int], timeout: float) -> None:
         """Start the post office of another incarnation here (arguments as the class's), and
-        deliver what reached it before."""
+        deliver what reached it before.
+
+        Raises:
+            RuntimeError: its last post office closed, and it is being stopped (the caller
+                starts another actor once this one's name is free).
+        """
+        if self.stopping:
+            raise RuntimeError("this post office actor holds no post office and is stopping")
         if group_key in self.offices or group_key in self.closed:
             return
         office = self.offices[group_key] = PostOffice(directory, group_name, group_key,
@@ -258,6 +266,9 @@ class PostOfficeHost:
         office = self.offices.pop(group_key, None)
         if office is not None:
             office.shutdown()
+        # The caller stops an empty actor: an incarnation opened in it meanwhile would die
+        # with it, so none may open from now on.
+        self.stopping = not self.offices
         return len(self.offices)
 
     def deliver(self, group_key: bytes, messages: List[RemoteMessage], *parts: np.ndarray):

@@ -22,7 +22,8 @@ two members per node pinned by that resource, rank r on node r // 2. What it rec
   for an imperative group (init_collective_group inside each member) over streams;
 - a declared group over the object store on nodes 0 and 1, grown by node 2's members: the
   post-office actors (by name and process) before and after, and every collective over the
-  grown group (small and large) checked against numpy;
+  grown group (small and large) checked against numpy; then the same group declared again at
+  once over every member (its post offices' names those just stopped), one allreduce checked;
 - over streams: a stranger that connects to a rank's stream listener with a wrong key
   (refused, counted, the group unharmed), and the stream sockets each member held, looked
   for among its open files after the destroy;
@@ -286,6 +287,11 @@ def grown_group(members: list) -> dict:
     summary = {"before": before, "after": after,
                "failures": every_collective_failures(members, group,
                                                      EVERY_COLLECTIVE_CASES[:2])}
+    col.destroy_collective_group(group)
+    # At once, with the same name and owners: the new post offices' names are those of the
+    # ones just stopped, which may still be registered.
+    col.declare_collective_group(members, backend="ray", group_name=group)
+    summary["declared_again_sums_right"] = run_in(ray, members, _allreduce_once, group)
     col.destroy_collective_group(group)
     summary["post_offices_gone_after_s"] = post_offices_gone_within(10.0)
     summary["keys_left"] = [k.decode() for k in group_keys(ray, group)]
