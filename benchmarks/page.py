@@ -238,9 +238,9 @@ def large_groups(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
 
 
 MINIMAL_LOOP_MODES = (
-    ("minimal-loop-2x2-back-to-back.json", "20 warm-ups, then back to back"),
-    ("minimal-loop-2x2-one-warmup.json", "1 warm-up per block, after Gloo's block"),
-    ("minimal-loop-2x2-pause-5ms.json", "5 ms of sleep before each call, 2 warm-ups a block"),
+    ("minimal-loop-back-to-back.json", "20 warm-ups, then back to back"),
+    ("minimal-loop-one-warmup.json", "1 warm-up per block, after Gloo's block"),
+    ("minimal-loop-pause-5ms.json", "5 ms of sleep before each call, 2 warm-ups a block"),
 )
 """The minimal loop's files of the modes of a user's history, and how each mode runs."""
 
@@ -262,7 +262,7 @@ def across_nodes(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
                          f"{format_seconds(ours['first_ten_p50_s'])})")
     return lines + ["- The loop a user writes, 8 B, ray p50 (gloo / ray in the same actors; a new "
                     "group's first call, its first ten's median): " + "; ".join(modes)
-                    + " (`minimal-loop-2x2-*.json`)"]
+                    + " (`minimal-loop-{back-to-back,one-warmup,pause-5ms}.json`)"]
 
 
 def _span(values: Sequence[float], digits: str = ".2f") -> str:
