@@ -3,7 +3,7 @@
  * (the tail padded with zero bytes); each word is mixed with its index by a bijection of the word
  * (xor, odd multiply, xorshift, odd multiply) and the mixed words are summed modulo 2^64, so that
  * a change to any one word always changes the sum and the words are summed without a chain from
- * one to the next (the loop runs at memory speed). The sum is finished with the length.
+ * one to the next (four lanes run side by side; the multiplies, not the reads, bound it). The sum is finished with the length.
  * ray_collective/weight_sync/digest.py holds the reference in numpy, which this must match bit
  * for bit. Not a cryptographic hash: it detects training's changes, not an adversary's. */
 #include "digest.h"

@@ -151,8 +151,8 @@ def publish_weights(state_dict: Any, name: str = "weights", *, version: int,
         unchanged: names of tensors the caller knows did not change since the last version:
             with ``digest`` their buckets are checked and skipped if their digest agrees;
             without, skipped on the caller's word.
-        digest: skip buckets whose bytes did not change (a digest per bucket, at memory
-            speed). None (the default): on for ``ray``; off for ``nccl``, which keeps no
+        digest: skip buckets whose bytes did not change (a digest per bucket, which reads
+            every bucket once per sync). None (the default): on for ``ray``; off for ``nccl``, which keeps no
             digest of GPU buckets and refuses ``True`` (on every member).
 
     Returns:

@@ -7,7 +7,7 @@ always changes the digest; two independent changes collide with a chance of abou
 detects training's changes, not an adversary's: a caller who must be sure passes
 ``digest=False`` and names what changed itself.
 
-:func:`digest` runs the native core's ``digest`` (memory speed, GIL released) and falls back to
+:func:`digest` runs the native core's ``digest`` (GIL released) and falls back to
 :func:`reference_digest` where the core is not built; :func:`reference_digest` is the numpy
 definition both must match bit for bit (``tests/test_weight_sync_plan.py``).
 """

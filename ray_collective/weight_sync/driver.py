@@ -322,7 +322,6 @@ def remove_weight_subscribers(name: str, actors: Sequence[Any],
             sent).
         WeightSyncError, CollectiveError: the change failed.
     """
-    import ray
     record = _record(name)
     _check_elastic(record, "removed")
     actors = _check_actors(actors, "actors")
@@ -336,6 +335,7 @@ def remove_weight_subscribers(name: str, actors: Sequence[Any],
                                  f"none; destroy_weight_sync instead")
     timeout = check_call_timeout(timeout) or record.timeout
     _settle(record, timeout)
+    import ray   # after the checks: a refused call needs no Ray
     leaving = [a for a in actors if a in record.subscribers.values()]
     ray.get([a.__ray_call__.remote(_leave_in_actor, name) for a in leaving])
     for actor in actors:
