@@ -220,6 +220,29 @@ def test_tiny_rings_never_deadlock(ranks, algorithm, p):
     run_world(ranks, cases, p, ring_bytes=1024, part_bytes=16)
 
 
+FAN_OUT_BYTES = 2 << 20  # native/node.h: RC_FAN_OUT_REMOTE_MIN_BYTES
+
+
+@pytest.mark.parametrize("collective, name, p, reads_per_call", [
+    ("broadcast", "linear", 4, 3),    # the root sends one range to 3 peers: each reads it
+    ("broadcast", "linear", 3, 0),    # 2 peers are no fan-out
+    ("scatter", "linear", 4, 0),      # 3 sends, each of its own range
+    ("alltoall", "linear", 4, 0)])
+def test_a_fan_out_from_2_mib_is_read_in_place_below_the_node_s_threshold(
+        ranks, collective, name, p, reads_per_call):
+    """With the node's threshold at its default (32 MiB), the sends of a round that carry the
+    same 2 MiB range to three peers or more are read in place by their receivers, the same
+    bits as the Python engine's and numpy's; sends of distinct ranges go through the rings."""
+    algorithm = ALGORITHMS[collective][name]
+    count = FAN_OUT_BYTES // 8  # float64 elements: 2 MiB per message
+    cases = [case for case in cases_of(algorithm, p, (count,), seed=p + 300)
+             if case.dtype_name == "float64"]
+    outcomes = run_world(ranks, cases, p, ring_bytes=1 << 16, part_bytes=256,
+                         remote_min_bytes=32 << 20)
+    for index in range(len(cases)):
+        assert sum(outcomes[rank][index].remote_reads for rank in range(p)) == reads_per_call
+
+
 def exchange_in_two_rounds(rank, count):
     """Both ranks send first and receive in the next round: over rings smaller than the
     message, only buffered (detached) sends let this finish."""

@@ -107,7 +107,9 @@ ring's two copies stay in the cache and run on both sides at once. With a thresh
 messages of 1-4 MiB read in place took up to twice as long as through the ring (alltoall,
 allgather, broadcast and the allgather phase of an allreduce's ring, at 4 ranks on 2 cores),
 while messages of 32 MiB and more took 1.1-1.4x as long through the ring as read in place
-(2 ranks, 64 MiB)."""
+(2 ranks, 64 MiB). A fan-out's messages (one range sent to three peers or more in a round, as
+a linear broadcast's root sends) are read in place from 2 MiB (``native/node.h``:
+``RC_FAN_OUT_REMOTE_MIN_BYTES``), where the ring would cost the sender one copy per receiver."""
 
 
 def _with_list_copies(plan: Plan, layout: str, blocks: Blocks, rank: int,

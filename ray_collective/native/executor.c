@@ -78,7 +78,8 @@ static int queue_send(rc_node *node, int64_t index, const int64_t *message)
     int64_t count = message[5] - message[4];
     rc_link *link = node->links[peer];
     *out = (rc_outgoing){NULL, call->slots[message[3]].base + message[4] * call->itemsize, NULL,
-                         message[2], count, count * call->itemsize, 0, index, NULL, 0};
+                         message[2], count, count * call->itemsize, 0, index, NULL, 0,
+                         (message[0] & RC_MESSAGE_FAN_OUT) != 0};
     if (link->queue_last != NULL)
         link->queue_last->next = out;
     else
@@ -122,8 +123,9 @@ static int offer_outcome(rc_link *link, rc_outgoing *out)
 }
 
 /* Whether `out` goes as an offer to read it in place (remote.c): a large message of a
- * collective, in the caller's memory or in the overflow copy of an offer taken back, to a
- * peer that can read this process; and every point-to-point message larger than p2p_max. */
+ * collective (remote_min, or RC_FAN_OUT_REMOTE_MIN_BYTES for a fan-out's), in the caller's
+ * memory or in the overflow copy of an offer taken back, to a peer that can read this process;
+ * and every point-to-point message larger than p2p_max. */
 static int to_offer(const rc_node *node, const rc_link *link, const rc_outgoing *out)
 {
     const rc_call *call = &node->call;
@@ -131,7 +133,10 @@ static int to_offer(const rc_node *node, const rc_link *link, const rc_outgoing 
         return 0;
     if (call->tag >= 0)
         return (uint64_t)out->nbytes > node->p2p_max;
-    return node->remote_min > 0 && (uint64_t)out->nbytes >= node->remote_min
+    uint64_t least = node->remote_min;
+    if (out->fan_out && least > RC_FAN_OUT_REMOTE_MIN_BYTES)
+        least = RC_FAN_OUT_REMOTE_MIN_BYTES;
+    return node->remote_min > 0 && (uint64_t)out->nbytes >= least
            && (out->message >= 0 || out->owned != NULL) && !link->remote_denied;
 }
 

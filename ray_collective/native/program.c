@@ -137,6 +137,26 @@ static int check_round(rc_program *program, int64_t at, int64_t n)
     return 0;
 }
 
+/* Marks RC_MESSAGE_FAN_OUT on the sends of the checked round at `at` (n messages) that carry
+ * the same range of the same slot as RC_FAN_OUT_MIN_RECEIVERS sends of the round or more (a
+ * linear broadcast's root). */
+static void mark_fan_out(rc_program *program, int64_t at, int64_t n)
+{
+    int64_t *round = program->code + at + 2;
+    for (int64_t m = 0; m < n; m++) {
+        int64_t *message = round + m * RC_MESSAGE_WORDS, same = 0;
+        if (!(message[0] & RC_MESSAGE_SEND))
+            continue;
+        for (int64_t k = 0; k < n && same < RC_FAN_OUT_MIN_RECEIVERS; k++) {
+            const int64_t *other = round + k * RC_MESSAGE_WORDS;
+            same += (other[0] & RC_MESSAGE_SEND) && other[3] == message[3]
+                    && other[4] == message[4] && other[5] == message[5];
+        }
+        if (same >= RC_FAN_OUT_MIN_RECEIVERS)
+            message[0] |= RC_MESSAGE_FAN_OUT;
+    }
+}
+
 static int check_local(rc_program *program, int64_t *at, int64_t s)
 {
     int64_t kind = program->code[*at + 1];
@@ -170,6 +190,8 @@ static int check_code(rc_program *program)
                 FAIL("step %lld is a round of %lld messages", (long long)s, (long long)n);
             if (check_round(program, at, n) != 0)
                 return -1;
+            if (n >= RC_FAN_OUT_MIN_RECEIVERS)
+                mark_fan_out(program, at, n);
             if (n > 0)
                 program->last_round_at = at;
             at += 2 + n * RC_MESSAGE_WORDS;
