@@ -186,6 +186,8 @@ class _Kind:
     Attributes:
         collective: the operation.
         key: ``key(arrays, op, root, tag)``: the call's known-shape key, or None.
+        single: the collective's name where ``key`` is :func:`_shape_key` (one tensor), which
+            :func:`_collective` computes inline for a numpy array; ``""`` for the others.
         reduces: it takes an op, checked against the dtype.
         root: the name of its root (or peer) argument, ``""`` for none.
         tensor: when its tensor is written: ``"always"``, ``"never"``, ``"root"`` (on the
@@ -197,6 +199,7 @@ class _Kind:
 
     collective: Collective
     key: Callable[[Any, Any, Any, Any], Optional[Tuple]]
+    single: str = ""
     reduces: bool = False
     root: str = ""
     tensor: str = "always"
@@ -206,7 +209,8 @@ class _Kind:
 
 
 def _single(collective: Collective, **fields) -> _Kind:
-    return _Kind(collective, functools.partial(_shape_key, collective.value), **fields)
+    return _Kind(collective, functools.partial(_shape_key, collective.value), collective.value,
+                 **fields)
 
 
 def _listed(collective: Collective, entries: str, **fields) -> _Kind:
@@ -241,13 +245,22 @@ def _collective(kind: _Kind, group_name: Any, arrays: Any, async_op: bool,
     arguments checked, the shape prepared or found, the call numbered and run). ``arrays``
     are the call's as ``PreparedCall.run`` takes them; ``root`` is the peer of a send or
     recv."""
-    key = None if async_op or timeout is not None else kind.key(arrays, op, root, tag)
-    if key is not None and type(group_name) is str:
-        group = find_group(group_name)
-        known = None if group is None else group.prepared.get(key)
-        channel = (kind.collective.value, root, tag) if kind.peer else None
-        if known is not None and group.run(known, arrays, channel):
+    if not async_op and timeout is None and type(group_name) is str:
+        if (kind.single and type(arrays) is np.ndarray and type(op) is ReduceOp
+                and type(root) is int and arrays.flags.writeable):
+            # _shape_key's numpy key, inline: the commonest call saves a Python call.
+            key = (kind.single, id(op), root, arrays.dtype, arrays.shape, arrays.strides)
+        else:
+            key = kind.key(arrays, op, root, tag)
+        known = None
+        if key is not None:
+            group = find_group(group_name)
+            known = None if group is None else group.prepared.get(key)
+        if known is not None and group.run(
+                known, arrays, (kind.collective.value, root, tag) if kind.peer else None):
             return None
+    else:
+        key = None
     group = _group(group_name)
     if kind.reduces:
         op = check_reduce_op(op)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -133,7 +134,8 @@ class Group:
         self.rank = rank
         self.membership = membership
         self.timeout = timeout
-        self._seq = 0
+        # The collectives' numbers: ``next`` is atomic, so :meth:`run` takes one without a lock.
+        self._numbers = itertools.count()
         self._p2p_seq: Dict[Tuple[str, int, int], int] = {}
         self._broken: Optional[BaseException] = None
         self._lock = threading.Lock()
@@ -181,16 +183,11 @@ class Group:
         return options
 
     def _next_seq_locked(self, kind: str, peer: int, tag: int) -> int:
-        """The sequence number of the next collective, or of the next send/recv to a peer and tag
-        (the caller holds ``_lock``).
-
-        Point-to-point calls have their own counters, so ranks that exchange messages stay in
-        step with ranks that do not.
-        """
+        """The next number of a collective, or of a send/recv to a peer and tag (under ``_lock``):
+        point-to-point calls count apart, so ranks that exchange messages stay in step with
+        ranks that do not."""
         if not kind:
-            seq = self._seq
-            self._seq = seq + 1
-            return seq
+            return next(self._numbers)
         key = (kind, peer, tag)
         seq = self._p2p_seq.get(key, 0)
         self._p2p_seq[key] = seq + 1
@@ -307,19 +304,20 @@ class Group:
             CollectiveError: the call failed (the group is then broken).
         """
         if seq < 0:
-            with self._lock:
-                if self._broken is not None:
-                    raise GroupBrokenError(self.name, self.rank, self._broken)
-                if self._queued:
-                    return False
-                if channel is None:
-                    seq = self._seq
-                    self._seq = seq + 1
-                else:
+            # No lock: a call another thread queues meanwhile races this one, as under a lock.
+            if self._broken is not None:
+                raise GroupBrokenError(self.name, self.rank, self._broken)
+            if self._queued:
+                return False
+            if channel is None:
+                seq = next(self._numbers)
+            else:
+                with self._lock:
                     seq = self._next_seq_locked(*channel)
         prepared, shape = known
-        recorder = self.recorder
-        with self._running:
+        recorder, running = self.recorder, self._running
+        running.acquire()  # not ``with``, which costs twice as much, on every call
+        try:
             start = clock() if recorder is not None else 0.0
             try:
                 prepared.run(seq, arrays)
@@ -327,6 +325,8 @@ class Group:
                 self._failed(err, shape, seq, start)
             if recorder is not None:
                 recorder.finished(shape, seq, start)
+        finally:
+            running.release()
         return True
 
     def _failed(self, err: BaseException, shape: Optional[CallShape], seq: int,
@@ -392,7 +392,7 @@ class Group:
             reformed = reform(self.membership, self._broken)
             old, self.membership = self.membership, reformed.membership
             self.rank, self.world_size = reformed.rank, reformed.world_size
-            self._seq, self._broken = 0, None
+            self._numbers, self._broken = itertools.count(), None
             self._p2p_seq.clear()
             self.prepared.clear()  # their algorithms and peers were the old membership's
             if self.recorder is not None:

@@ -337,11 +337,14 @@ def tensor_layout(tensor: Any) -> Optional[tuple]:
     if kind != "torch":
         return None
     torch = sys.modules["torch"]
+    # Every attribute of a torch tensor costs a call into torch: each is read once, the
+    # device's kind only for a bfloat16 tensor.
+    dtype = tensor.dtype
     if tensor.layout is not torch.strided or (
-            not tensor.is_cuda and tensor.dtype is getattr(torch, "bfloat16", None)):
+            dtype is getattr(torch, "bfloat16", None) and not tensor.is_cuda):
         return None
-    return ("torch", tensor.dtype, tensor.shape, tensor.stride(), tensor.device,
-            tensor.is_conj(), tensor.is_neg())
+    return ("torch", dtype, tensor.shape, tensor.stride(), tensor.device, tensor.is_conj(),
+            tensor.is_neg())
 
 
 def _torch_cpu_array(tensor: Any) -> np.ndarray:

@@ -2,13 +2,14 @@
 the same dtype, shape and strides skip the API's per-call checks (``api._collective``).
 They must give the same results and fail the same way as the full path."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import ray_collective as col
-from ray_collective.group import current_registry
+from ray_collective.group import current_registry, use_registry
 from ray_collective.testing import run_ranks
 from support import extras
 from support.helpers import count_full_path
@@ -304,3 +305,32 @@ def test_torch_cpu_tensors_take_the_known_shape_path_on_their_numpy_memory(world
     # numpy array is a view the full path makes).
     assert sorted(taken) == sorted(["allreduce", "broadcast", "reduce"] * world_size
                                    + ["allreduce"] * 3 * world_size)
+
+
+def test_threads_sharing_a_group_take_every_number_once():
+    """Threads of one rank calling a known shape at once each take a number of their own (the
+    known-shape path numbers its calls without the group's lock): the recorder sees every
+    number from 0 once, and every call's result."""
+    threads, calls = 4, 50
+
+    def body(rank):
+        registry = current_registry()
+        sums = []
+
+        def caller():
+            with use_registry(registry):
+                for _ in range(calls):
+                    x = np.full(2, 3.0)
+                    col.allreduce(x)
+                    sums.append(x[0])
+
+        workers = [threading.Thread(target=caller) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return sorted(call["seq"] for call in col.get_collective_trace()), sums
+
+    numbers, sums = run_ranks(1, body)[0]
+    assert numbers == list(range(threads * calls))
+    assert sums == [3.0] * (threads * calls)
