@@ -134,7 +134,8 @@ def netbed(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
 
 WEIGHT_SYNC_FILES = ("weight-sync-1node.json", "weight-sync-4nodes.json",
                      "weight-sync-netbed-2x1gbit-1.json", "weight-sync-netbed-2x1gbit-2.json",
-                     "weight-sync-netbed-4x1gbit.json")
+                     "weight-sync-netbed-4x1gbit.json",
+                     "weight-sync-netbed-4x1gbit-1gib.json")
 
 
 def weight_sync_table(results: pathlib.Path, page_dir: pathlib.Path) -> List[str]:
