@@ -7,7 +7,6 @@ released)."""
 import threading
 
 import numpy as np
-import pytest
 
 import ray_collective as col
 from ray_collective.backends.base import BackendFactory, Reformed
