@@ -185,8 +185,7 @@ class CallQueue:
             Its work.
         """
         with self._lock:
-            inline = not self._queued and (not async_op or not self._overlap
-                                           or nbytes < QUEUED_MIN_BYTES)
+            inline = not self._to_worker(async_op, nbytes)
             if not inline:
                 self._queued += 1
                 if self._worker is None:
@@ -222,7 +221,7 @@ class CallQueue:
         """
         # Unlocked: only a call made on this group can raise the count, and one that the
         # worker lowers in the meantime was ahead of this call anyway.
-        if self._queued or (async_op and self._overlap and tensor.nbytes >= QUEUED_MIN_BYTES):
+        if self._to_worker(async_op, tensor.nbytes):
             return self.run(lambda: col.allreduce(tensor, self._name, op), outputs,
                             tensor.nbytes, async_op)
         try:
@@ -232,6 +231,12 @@ class CallQueue:
                 raise backend_error(error) from error
             return CollectiveWork(outputs, error=error)
         return CollectiveWork(outputs) if async_op else None
+
+    def _to_worker(self, async_op: bool, nbytes: int) -> bool:
+        """Whether a call goes to the worker thread: calls are queued there already (a call
+        joins them, to keep its order), or it is a large asynchronous one in a group that
+        :func:`overlaps`."""
+        return bool(self._queued) or (async_op and self._overlap and nbytes >= QUEUED_MIN_BYTES)
 
     def _run_queued(self, call: Callable[[], None]) -> None:
         try:
