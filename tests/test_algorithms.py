@@ -116,7 +116,7 @@ def test_selector_takes_the_hierarchical_path_across_nodes():
 
 def test_deadlocked_algorithm_is_reported_not_hung():
     from ray_collective.algorithms.core import Recv
-    from ray_collective.sim.engine import run_lockstep
+    from ray_collective.sim.lockstep import run_lockstep
     from ray_collective.transport.base import COLLECTIVE_TAG
     from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric
@@ -133,7 +133,7 @@ def test_deadlocked_algorithm_is_reported_not_hung():
 def test_ranks_running_different_algorithms_are_a_mismatch():
     from ray_collective.algorithms.allreduce import recursive_doubling
     from ray_collective.algorithms.core import Context, Team
-    from ray_collective.sim.engine import run_lockstep
+    from ray_collective.sim.lockstep import run_lockstep
     from ray_collective.transport.base import COLLECTIVE_TAG
     from ray_collective.transport.wire import CallHeader, CallStamp
     from ray_collective.transport.local import LocalFabric

@@ -180,7 +180,7 @@ def test_shared_memory_is_released_back_to_the_sender(tmp_path):
 def _wait_refused(transport, before, deadline_s=5.0):
     deadline = time.monotonic() + deadline_s
     while transport.refused_connections == before and time.monotonic() < deadline:
-        transport.engine.progress(0.05)
+        transport.progress.progress(0.05)
     return transport.refused_connections - before
 
 

@@ -12,7 +12,7 @@ import pytest
 from ray_collective.algorithms.catalog import ALGORITHMS, flat_choice, start
 from ray_collective.algorithms.core import Blocks, Context, Recv, Send, Team
 from ray_collective.engine.plan import KEEP_SCRATCH_BYTES, Local, record, view
-from ray_collective.sim.engine import run_lockstep
+from ray_collective.sim.lockstep import run_lockstep
 from ray_collective.reductions import combiner
 from ray_collective.group import current_registry
 from ray_collective.testing import run_ranks

@@ -381,7 +381,7 @@ def test_a_live_transport_refuses_a_stream_without_the_key_and_reads_nothing(tmp
     receive = transports[0].irecv(1, 0, stamp, 0, out)
     deadline = time.monotonic() + 5
     while transports[0].refused_connections == 0 and time.monotonic() < deadline:
-        transports[0].engine.progress(0.05)
+        transports[0].progress.progress(0.05)
         try:
             stranger.receive()
         except handshake.HandshakeError:
@@ -400,8 +400,8 @@ def test_a_stream_that_ends_names_its_rank_at_once(tmp_path):
     # Rank 1 takes the stream rank 0 opened, then leaves without sending.
     deadline = time.monotonic() + 5
     while not transports[1].failures.streamed and time.monotonic() < deadline:
-        transports[1].engine.progress(0.01)
-        transports[0].engine.progress(0.01)
+        transports[1].progress.progress(0.01)
+        transports[0].progress.progress(0.01)
     assert transports[1].failures.streamed
     killer = act_while_waiting(transports[0], transports[1].close)
     started = time.monotonic()
@@ -586,7 +586,7 @@ def test_a_rank_reads_ahead_of_its_receives_only_a_budget_per_turn(tmp_path):
     receiver = transports[1]
     for link in receiver.stream_carrier.open_streams():   # one or two streams with rank 0
         receiver.stream_carrier.read(link, tcp.READ_BUDGET_BYTES)
-    kept = receiver.engine.inbox.unexpected_parts() * PART
+    kept = receiver.progress.inbox.unexpected_parts() * PART
     assert tcp.READ_BUDGET_BYTES <= kept < tcp.READ_BUDGET_BYTES + 2 * PART
     out = np.zeros_like(payload)
     receive = receiver.irecv(0, 0, stamp, 0, out)

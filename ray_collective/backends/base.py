@@ -1,4 +1,4 @@
-"""What a backend is: one rank's engine for one group, and the factory that joins it.
+"""What a backend is: one rank's membership of one group, and the factory that joins it.
 
 The API layer validates a call; the group asks the backend to prepare its shape once
 (:meth:`Membership.prepare`), and runs every call of that shape through the

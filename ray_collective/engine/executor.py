@@ -3,7 +3,7 @@
 This is the one place where algorithms (rounds of Send/Recv) meet a transport (which moves
 messages). A call replays its :class:`~ray_collective.engine.plan.Plan` (:func:`run_plan`): post
 each round's messages, wait for all of them, run the local operations between rounds. The simulator
-drives the generators themselves, thousands of ranks in one thread (``sim.engine``), and posts
+drives the generators themselves, thousands of ranks in one thread (``sim.lockstep``), and posts
 their rounds through :func:`post_round`.
 """
 

@@ -21,9 +21,9 @@ alone: the frames are the same either way.
 What the core meets that is not the round's (another channel's frame, an ABORT) it hands back
 whole, and the carrier handles it as if it had read it (``StreamCarrier.deliver``). While the
 round waits, the core polls the rank's other sockets too and hands back any that is ready for
-the engine to serve (``Engine.serve``): a connection to accept and authenticate, another
-stream's frames. Between slices of ``slice_s`` the rank looks for failures as the engine's wait
-does; a stream that ends, a frame the protocol forbids and a part unlike what the receive
+the progress loop to serve (``ProgressLoop.serve``): a connection to accept and authenticate,
+another stream's frames. Between slices of ``slice_s`` the rank looks for failures as the
+progress loop's wait does; a stream that ends, a frame the protocol forbids and a part unlike what the receive
 expects raise what the Python engine raises; a lost post office is looked for at every round,
 as at every wait.
 """
@@ -162,32 +162,32 @@ class StreamRounds:
             if pair is None:
                 return None
             streams += pair
-        transport, engine = self.transport, carrier.engine
+        transport, progress = self.transport, carrier.progress
         transport.name_call(stamp)
-        engine.raise_if_post_office_lost()
+        progress.raise_if_post_office_lost()
         peers = set(round_.peers)
         next_remote = [time.monotonic() + REMOTE_LIVENESS_INTERVAL_S]
 
         def on_event(kind: int, which: int, detail) -> None:
-            # As the engine's wait does between its polls (transport.engine).
+            # As the progress loop's wait does between its polls (transport.progress).
             core = self.core
             if kind == core.STREAM_SLICE:
                 if watch is not None:
                     watch()
-                engine.raise_if_post_office_lost()
+                progress.raise_if_post_office_lost()
                 now = time.monotonic()
-                if engine.look_for_failures(peers, now, now >= next_remote[0]):
+                if progress.look_for_failures(peers, now, now >= next_remote[0]):
                     next_remote[0] = now + REMOTE_LIVENESS_INTERVAL_S
-                engine.raise_if_failed(round_.requests)
+                progress.raise_if_failed(round_.requests)
                 return
             if kind == core.STREAM_WATCHED:
-                engine.serve(watched[which])
-                engine.raise_if_failed(round_.requests)
+                progress.serve(watched[which])
+                progress.raise_if_failed(round_.requests)
                 return
             stream, peer = streams[which], round_.peers[which // 2]
             if kind == core.STREAM_FOREIGN:
                 carrier.deliver(stream, detail)
-                engine.raise_if_failed(round_.requests)
+                progress.raise_if_failed(round_.requests)
                 return
             if kind == core.STREAM_MISMATCH:
                 raise _mismatch(transport.rank, peer, stamp, round_, slots, detail)
@@ -195,14 +195,14 @@ class StreamRounds:
                 carrier.refuse(stream, ValueError(detail))
             else:
                 carrier.ended(stream)
-            engine.raise_if_failed(round_.requests)
+            progress.raise_if_failed(round_.requests)
             raise carrier.failures.peer_died([peer])  # not reached: the check raises
 
         self.rounds_run += 1
         fds = [stream.fd for stream in streams]
-        # The rank's other sockets are served while the round waits, as in the engine's wait:
+        # The rank's other sockets are served while the round waits, as in the progress loop's wait:
         # a listener accepts and authenticates, other streams deliver.
-        watched = [fd for fd in engine.sockets() if fd not in fds]
+        watched = [fd for fd in progress.sockets() if fd not in fds]
         pending = self.core.stream_round(
             fds, round_.table, slots, stamp.packed, plan.dtype_code, plan.op_code, tag,
             tcp.STREAM_PART_BYTES, tcp.MAX_FRAME_BYTES, max(0.0, deadline - time.monotonic()),

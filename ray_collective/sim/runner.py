@@ -1,7 +1,7 @@
 """Simulate one collective call on N virtual ranks: check the result, measure rounds and bytes.
 
 Every rank gets its own inputs (small random integers, so reductions are exact), the algorithm
-runs for all ranks in one thread (``engine.run_lockstep``), and each rank's output is compared
+runs for all ranks in one thread (``lockstep.run_lockstep``), and each rank's output is compared
 with numpy's own computation of the collective. With ``check=False`` no memory is spent on
 payloads: buffers are zero-stride stand-ins and only sizes travel, which lets 4096 ranks move
 megabytes each in seconds; rounds and bytes are exact either way.
@@ -23,7 +23,7 @@ from ..transport.base import COLLECTIVE_TAG
 from ..transport.wire import CallHeader, CallStamp
 from ..transport.local import LocalFabric
 from ..types import ReduceOp
-from .engine import run_lockstep
+from .lockstep import run_lockstep
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reducescatter", "gather",
                "scatter", "alltoall", "barrier")

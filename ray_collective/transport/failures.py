@@ -16,7 +16,7 @@ A rank learns of a failure in five ways, all gathered here:
   post office of a node this rank waits on.
 
 :meth:`FailureWatch.raise_if_failed` turns what is known into the error of the call in
-progress; the engine asks it at every turn of its wait loop.
+progress; the progress loop asks it at every turn of its wait.
 """
 
 from __future__ import annotations

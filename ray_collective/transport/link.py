@@ -9,7 +9,7 @@ nothing above a link asks where a peer lives.
 
 Receiving is the carriers' too: each reads what arrives in its own way (a packet per ``poll``
 event, a stream's frames, a post office's deliveries) and hands every part to the one matcher,
-the engine's :class:`~ray_collective.transport.wire.Inbox` (``transport.engine``).
+the progress loop's :class:`~ray_collective.transport.wire.Inbox` (``transport.progress``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One rank's endpoint (:class:`LinkTransport`) is made of:
 
-- an engine (``transport.engine``): the inbox that matches and checks every part, the poll
+- a progress loop (``transport.progress``): the inbox that matches and checks every part, the poll
   loop, the wait;
 - the carriers that reach its peers (``transport.link``): its node's ranks over Unix sockets
   and shared memory (``transport.node_carrier``); other nodes' ranks over authenticated TCP
@@ -24,7 +24,7 @@ import numpy as np
 
 from . import uds, wire
 from .base import Request, Transport
-from .engine import Engine
+from .progress import ProgressLoop
 from .failures import FailureWatch
 from .link import Carrier, Link
 from .node_carrier import CROWDED_PART_BYTES, NodeCarrier
@@ -70,16 +70,16 @@ class LinkTransport(Transport):
         self.node = self.peers[rank].node
         self.state = state
         self.failures = FailureWatch(rank, group_name, self.peers, state, post_offices)
-        self.engine = Engine(rank, self.failures, spin_s)
+        self.progress = ProgressLoop(rank, self.failures, spin_s)
         self.node_carrier = NodeCarrier(rank, group_name, group_key, self.peers, listener,
-                                        self.engine, self.failures, connect_timeout,
+                                        self.progress, self.failures, connect_timeout,
                                         uds.PART_BYTES if spin_s else CROWDED_PART_BYTES)
         self.stream_carrier: Optional[StreamCarrier] = None
         self.post_office_carrier: Optional[PostOfficeCarrier] = None
         other_nodes: Optional[Carrier] = None
         if streams is not None:
             self.stream_carrier = StreamCarrier(rank, group_key, self.peers, streams,
-                                                self.engine, self.failures, connect_timeout)
+                                                self.progress, self.failures, connect_timeout)
             other_nodes = self.stream_carrier
         elif post_offices is not None:
             self.post_office_carrier = PostOfficeCarrier(
@@ -88,9 +88,9 @@ class LinkTransport(Transport):
         self._carriers: List[Carrier] = [self.node_carrier] + (
             [other_nodes] if other_nodes is not None else [])
         for carrier in self._carriers:
-            self.engine.add_carrier(carrier)
+            self.progress.add_carrier(carrier)
         self._links: List[Optional[Link]] = [None] * self.world_size
-        self._inbox = self.engine.inbox
+        self._inbox = self.progress.inbox
         self._flush_batches: Callable[[], None] = (
             self.post_office_carrier.before_wait if self.post_office_carrier else _nothing)
 
@@ -153,13 +153,13 @@ class LinkTransport(Transport):
         return request.done
 
     def wait(self, requests: Sequence[Request], deadline: float) -> Sequence[Request]:
-        return self.engine.wait(requests, deadline)
+        return self.progress.wait(requests, deadline)
 
     def check_failures(self, requests: Sequence[Request]) -> None:
         failures = self.failures
         failures.beat()
         failures.check_liveness({r.peer for r in requests}, False)
-        self.engine.raise_if_failed(requests)
+        self.progress.raise_if_failed(requests)
 
     def arrive(self, stamp: wire.CallStamp) -> None:
         # A call the native core runs never reaches isend/irecv: its failures name it from here.
@@ -181,7 +181,7 @@ class LinkTransport(Transport):
         self.failures.current = stamp
 
     def take_in(self) -> None:
-        self.engine.progress(0)
+        self.progress.progress(0)
 
     def absent_ranks(self, seq: int) -> Optional[Sequence[int]]:
         return self.failures.absent_ranks(seq)

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import uds, wire
 from .base import Request, SendRequest
-from .engine import Engine
+from .progress import ProgressLoop
 from .failures import FailureWatch
 from .link import Carrier
 from .processes import exits_within
@@ -49,7 +49,7 @@ class NodeCarrier(Carrier):
         group_key: the incarnation's key (a HELLO proves it).
         peers: where every rank lives (``node``, ``pid``, ``socket_path``), by rank.
         listener: this rank's listening socket (bound before the rendezvous).
-        engine: the rank's engine (its sockets are registered there).
+        progress: the rank's progress loop (its sockets are registered there).
         failures: the rank's failure watch (dead peers are reported there).
         connect_timeout: seconds to wait for a peer's socket to accept.
         part_bytes: the size of a large message's parts.
@@ -59,13 +59,13 @@ class NodeCarrier(Carrier):
     """
 
     def __init__(self, rank: int, group_name: str, group_key: bytes, peers: Sequence,
-                 listener, engine: Engine, failures: FailureWatch,
+                 listener, progress: ProgressLoop, failures: FailureWatch,
                  connect_timeout: float = 30.0, part_bytes: int = uds.PART_BYTES):
         self.rank = rank
         self.group_key = group_key
         self.peers = tuple(peers)
         self.world_size = len(self.peers)
-        self.engine = engine
+        self.progress = progress
         self.failures = failures
         self.connect_timeout = connect_timeout
         self.refused = 0
@@ -77,9 +77,9 @@ class NodeCarrier(Carrier):
         self.deliveries = uds.Deliveries(self._arena, self.collect_releases, part_bytes)
         self._buffer = bytearray(uds.RECEIVE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
-        engine.register(listener.fileno(), self._on_listener)
-        engine.add_pump(self.deliveries)
-        engine.use_segments(self._read_segment, self._release)
+        progress.register(listener.fileno(), self._on_listener)
+        progress.add_pump(self.deliveries)
+        progress.use_segments(self._read_segment, self._release)
 
     # ------------------------------------------------------------------ sending
 
@@ -93,7 +93,7 @@ class NodeCarrier(Carrier):
         if connection.closed:
             self.drop(connection)
         elif connection.backlogged:
-            self.engine.watch(connection.fd, writable=True)
+            self.progress.watch(connection.fd, writable=True)
         return request
 
     def _connection_to(self, peer: int) -> uds.Connection:
@@ -127,7 +127,7 @@ class NodeCarrier(Carrier):
 
     def _add(self, connection: uds.Connection) -> None:
         self._connections_by_fd[connection.fd] = connection
-        self.engine.register(connection.fd,
+        self.progress.register(connection.fd,
                              lambda events: self._on_event(connection, events))
 
     def _on_listener(self, events: int) -> None:
@@ -146,7 +146,7 @@ class NodeCarrier(Carrier):
         if connection.closed:
             self.drop(connection)
         else:
-            self.engine.watch(connection.fd, connection.backlogged)
+            self.progress.watch(connection.fd, connection.backlogged)
 
     def read(self, connection: uds.Connection) -> None:
         """Handle every packet ``connection`` has received."""
@@ -180,7 +180,7 @@ class NodeCarrier(Carrier):
                         self._segments.add(connection.peer, part.segment, fd)
                         fd = None
                     self._segments.hold(connection.peer, part.segment)
-                self.engine.inbox.arrive((connection.peer, tag), part)
+                self.progress.inbox.arrive((connection.peer, tag), part)
             elif kind == wire.RELEASE:
                 self._arena.release(*wire.parse_release(packet))
             else:
@@ -217,13 +217,13 @@ class NodeCarrier(Carrier):
         if not (connection.closed or connection.unwritable):
             connection.send((wire.release_frame(part.segment, part.segment_offset),))
             if connection.backlogged:
-                self.engine.watch(connection.fd, writable=True)
+                self.progress.watch(connection.fd, writable=True)
 
     def drop(self, connection: uds.Connection) -> None:
         """Forget a connection that closed; its peer is dead if its process is gone."""
         if self._connections_by_fd.pop(connection.fd, None) is None:
             return
-        self.engine.unregister(connection.fd)
+        self.progress.unregister(connection.fd)
         self.deliveries.drop(connection)
         peer = connection.peer
         if peer >= 0 and self._out.get(peer) is connection:

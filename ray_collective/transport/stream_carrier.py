@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import CollectiveTimeoutError, PeerDiedError
 from . import tcp, wire
 from .base import Request, SendRequest
-from .engine import POLL_INTERVAL_S, Engine
+from .progress import POLL_INTERVAL_S, ProgressLoop
 from .failures import FailureWatch
 from .handshake import HandshakeError
 from .link import Carrier
@@ -85,7 +85,7 @@ class StreamCarrier(Carrier):
         group_key: the incarnation's key (the handshake proves it).
         peers: where every rank lives (``node``), by rank.
         streams: this rank's listener and the way to the others'.
-        engine: the rank's engine (its sockets are registered there).
+        progress: the rank's progress loop (its sockets are registered there).
         failures: the rank's failure watch (dead peers and aborts are reported there).
         connect_timeout: seconds a connection may take.
 
@@ -94,14 +94,14 @@ class StreamCarrier(Carrier):
     """
 
     def __init__(self, rank: int, group_key: bytes, peers: Sequence, streams: Streams,
-                 engine: Engine, failures: FailureWatch, connect_timeout: float = 30.0):
+                 progress: ProgressLoop, failures: FailureWatch, connect_timeout: float = 30.0):
         self.rank = rank
         self.group_key = group_key
         self.peers = tuple(peers)
         self.world_size = len(self.peers)
         self.node = self.peers[rank].node
         self.streams = streams
-        self.engine = engine
+        self.progress = progress
         self.failures = failures
         self.connect_timeout = connect_timeout
         self.refused = 0
@@ -109,7 +109,7 @@ class StreamCarrier(Carrier):
         self._to: Dict[int, tcp.Stream] = {}
         self._from: Dict[int, tcp.Stream] = {}  # the stream each peer's messages came on
         failures.streamed = self._to
-        engine.register(streams.listener.fileno(), self._on_listener)
+        progress.register(streams.listener.fileno(), self._on_listener)
 
     # ------------------------------------------------------------------ sending
 
@@ -172,7 +172,7 @@ class StreamCarrier(Carrier):
     def _add(self, stream: tcp.Stream) -> None:
         stream.placer = functools.partial(self._destination, stream)
         self._by_fd[stream.fd] = stream
-        self.engine.register(stream.fd, functools.partial(self._on_event, stream))
+        self.progress.register(stream.fd, functools.partial(self._on_event, stream))
 
     def _destination(self, stream: tcp.Stream, head: memoryview) -> Optional[memoryview]:
         """Where the payload of the frame ``head`` starts belongs, when a receive waits for it
@@ -183,14 +183,14 @@ class StreamCarrier(Carrier):
             tag, part = wire.parse_data_head(head, stream)
         except ValueError:
             return None  # the whole frame arrives, and is refused, as usual
-        return self.engine.inbox.destination((stream.peer, tag), part)
+        return self.progress.inbox.destination((stream.peer, tag), part)
 
     def _watch(self, stream: tcp.Stream) -> None:
         if stream.closed or stream.unwritable:
             self.read(stream)
             self.drop(stream)
         elif self._by_fd.get(stream.fd) is stream:
-            self.engine.watch(stream.fd, stream.backlogged)
+            self.progress.watch(stream.fd, stream.backlogged)
 
     def tick(self, now: float) -> None:
         """Close the accepted streams whose other end has not proved the key in time (a
@@ -255,7 +255,7 @@ class StreamCarrier(Carrier):
         # at once) only brings the other's messages.
         self._to.setdefault(stream.peer, stream)
         if stream.backlogged:
-            self.engine.watch(stream.fd, writable=True)
+            self.progress.watch(stream.fd, writable=True)
 
     def _on_frame(self, stream: tcp.Stream, frame: memoryview,
                   own: Optional[Callable[[memoryview], object]] = None) -> int:
@@ -275,7 +275,7 @@ class StreamCarrier(Carrier):
             if part.segment != wire.INLINE:
                 raise ValueError("a shared-memory part on a stream")
             self._from[stream.peer] = stream
-            if not self.engine.inbox.arrive((stream.peer, tag), part, own or stream.own):
+            if not self.progress.inbox.arrive((stream.peer, tag), part, own or stream.own):
                 return part.part_bytes
         except (ValueError, struct.error) as err:
             self.refuse(stream, err)
@@ -295,7 +295,7 @@ class StreamCarrier(Carrier):
         if self._by_fd.get(stream.fd) is not stream:
             return
         del self._by_fd[stream.fd]
-        self.engine.unregister(stream.fd)
+        self.progress.unregister(stream.fd)
         peer = stream.peer
         if self._from.get(peer) is stream:
             del self._from[peer]
@@ -337,7 +337,7 @@ class StreamCarrier(Carrier):
         if sends and (sending is None or not sending.quiet):
             return None
         if receives and (receiving is None or not receiving.quiet
-                         or not self.engine.inbox.quiet((peer, tag))):
+                         or not self.progress.inbox.quiet((peer, tag))):
             return None
         return sending or receiving, receiving or sending
 
@@ -413,7 +413,7 @@ def open_at_join(carrier: StreamCarrier, peers: Sequence[int], deadline: float) 
             raise CollectiveTimeoutError(failures.group_name, carrier.rank,
                                          "init_collective_group (opening streams)", -1,
                                          waiting, carrier.connect_timeout)
-        carrier.engine.progress(min(deadline - now, POLL_INTERVAL_S))
+        carrier.progress.progress(min(deadline - now, POLL_INTERVAL_S))
         carrier.tick(time.monotonic())
     for peer in wanted:
         carrier.sends_on_its_stream(peer)

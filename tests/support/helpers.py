@@ -124,14 +124,14 @@ def act_while_waiting(transport, action):
         The thread (join it once the wait is over).
     """
     waiting = threading.Event()
-    engine = transport.engine
-    poll = engine.progress
+    progress = transport.progress
+    poll = progress.progress
 
     def polled(*args, **kwargs):
         waiting.set()
         return poll(*args, **kwargs)
 
-    engine.progress = polled
+    progress.progress = polled
     thread = threading.Thread(target=lambda: waiting.wait(60) and action(), daemon=True)
     thread.start()
     return thread

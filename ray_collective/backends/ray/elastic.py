@@ -414,7 +414,7 @@ def _agreement(membership: Reforming) -> Agreement:
     # socket ends), and the decider knocks its node-mates'.
     transport = membership.transport
     return Agreement(KeyValue(), membership.prefix, membership.token, membership.group_name,
-                     membership.members, membership.rank, nap=transport.engine.progress,
+                     membership.members, membership.rank, nap=transport.progress.progress,
                      wake=transport.failures.wake_local_peers)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from ...algorithms.selector import forced_algorithms
 from ...errors import BackendNotAvailableError
 from ...transport import tcp, uds
-from ...transport.engine import ENGINE_SPIN_S
+from ...transport.progress import PROGRESS_SPIN_S
 from ...transport.link_transport import LinkTransport, Peer
 from ...transport.node_state import NodeState
 from ...transport.stream_carrier import Streams
@@ -213,7 +213,7 @@ class RayBackendFactory(BackendFactory):
     def _connect(self, joining: "_Joining", token: str, members, endpoint: dict,
                  me: rendezvous.Member) -> Membership:
         """Steps 3 and 4 of the module's: the streams and post offices between nodes, the
-        rank's transport, engine and membership."""
+        rank's transport, native runner and membership."""
         group_name, world_size, rank, node = (joining.group_name, joining.world_size,
                                               joining.rank, joining.node)
         timeout, directory, group_key = joining.timeout, endpoint["directory"], bytes.fromhex(token)
@@ -238,7 +238,7 @@ class RayBackendFactory(BackendFactory):
                                                         self.post_office)
         # Polling without sleep answers small messages fastest, but only a rank with a core of
         # its own may do it: on a crowded machine it would take the core a peer needs.
-        spin_s = 0.0 if ranks_over_cores(members)[node] else ENGINE_SPIN_S
+        spin_s = 0.0 if ranks_over_cores(members)[node] else PROGRESS_SPIN_S
         transport = LinkTransport(rank, group_name, group_key, peers, endpoint["listener"],
                                   state, post_offices, connect_timeout=timeout, spin_s=spin_s,
                                   streams=streams)

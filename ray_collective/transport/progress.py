@@ -1,10 +1,10 @@
-"""One rank's progress engine: the inbox, the poll loop over the carriers' sockets, the wait.
+"""One rank's progress loop: the inbox, the poll loop over the carriers' sockets, the wait.
 
-Nothing runs in the background: the calling thread makes progress inside :meth:`Engine.wait`,
-so an idle rank costs nothing and a busy one has no thread to contend with. The engine knows no
+Nothing runs in the background: the calling thread makes progress inside :meth:`ProgressLoop.wait`,
+so an idle rank costs nothing and a busy one has no thread to contend with. The loop knows no
 carrier's protocol: a carrier registers each of its sockets with a handler
-(:meth:`Engine.register`), hands every part it reads to :attr:`Engine.inbox` (the wire
-protocol's one matcher), and may give the engine a *pump*, outgoing work done a piece per turn
+(:meth:`ProgressLoop.register`), hands every part it reads to :attr:`ProgressLoop.inbox` (the wire
+protocol's one matcher), and may give the loop a *pump*, outgoing work done a piece per turn
 (the node carrier writes the next part of its large sends between reading the parts that
 arrive, so that its peers reduce one part while it writes the next).
 
@@ -32,12 +32,12 @@ from .link import Carrier
 POLL_INTERVAL_S = 0.1
 """The longest a waiting rank sleeps in ``poll`` before it looks for failures."""
 
-ENGINE_SPIN_S = 50e-6
+PROGRESS_SPIN_S = 50e-6
 """How long a rank with a core of its own polls the Python engine's carriers without sleeping
 before it blocks (the native core's rings have their own, ``engine.native_runner.CORE_SPIN_S``)."""
 
 
-class Engine:
+class ProgressLoop:
     """Makes progress for one rank: reads what its carriers receive, sends what they queue.
 
     Args:
@@ -92,7 +92,7 @@ class Engine:
         self._poll.modify(fd, select.POLLIN | (select.POLLOUT if writable else 0))
 
     def sockets(self) -> List[int]:
-        """Every socket the engine watches."""
+        """Every socket the loop watches."""
         return list(self._handlers)
 
     def serve(self, fd: int) -> None:
