@@ -21,6 +21,7 @@ from ray_collective.algorithms.core import Blocks, Team
 from ray_collective.engine.plan import (Local, Message, Place, Plan, StridedPlace, point_to_point,
                                         record)
 from ray_collective.transport import wire
+from ray_collective.transport.node_state import CODE_SPAN, COLLECTIVE_CODES, NodeState
 from ray_collective.transport.wire import CallHeader, HeaderTemplate
 from ray_collective.types import ReduceOp
 
@@ -182,6 +183,48 @@ def test_run_writes_the_call_number_into_the_header_and_records_on_the_state_pag
                 n.close()
         words.release()
         page.extend(b"closed")  # BufferError while a closed node still held the page
+
+
+def words_on(state, rank):
+    """``rank``'s started, beat and call words on ``state``'s page, where ``words_of`` says."""
+    where = state.words_of(rank)
+    return np.frombuffer(where.page, np.int64)[[where.started, where.beat, where.call]].tolist()
+
+
+def test_the_core_records_on_a_node_state_page_what_arrive_and_complete_write(tmp_path):
+    """Two Nodes bound to a group's NodeState page (``words_of``) run allreduces as calls 3 and
+    4, each named as another collective. Each rank's words equal those ``NodeState.arrive`` (and,
+    once ``run`` returned DONE, ``complete``) write on a second page for the same rank, call and
+    collective: the started word, the beat, the call word's code; a start lies within the
+    window of the call, and a waiting rank's beat is its call's start."""
+    with node_directory() as directory:
+        bound, reference = NodeState(directory, "g", 2), NodeState(str(tmp_path), "g", 2)
+        nodes = [node(directory, rank) for rank in range(2)]
+        try:
+            for rank, n in enumerate(nodes):
+                n.bind_state(*bound.words_of(rank))
+            for seq, collective in [(3, "reduce"), (4, "allgather")]:
+                code = COLLECTIVE_CODES[collective]
+                before = int(time.monotonic() * 1000)
+                assert run_call(nodes[0], allreduce(0, seq=seq), seq, 0.01, code) == _core.PENDING
+                reference.arrive(0, seq, collective)
+                waiting, expected = words_on(bound, 0), words_on(reference, 0)
+                late = in_thread(run_call, nodes[1], allreduce(1, seq=seq), seq, HANG, code)
+                assert finish(nodes[0]) == _core.DONE and late() == _core.DONE
+                reference.arrive(1, seq, collective)
+                reference.complete(1)
+                after = int(time.monotonic() * 1000)
+                for words in (waiting, expected):  # in the call
+                    assert words[0] == seq + 1 and words[2] % CODE_SPAN == code
+                    assert before <= words[1] == words[2] // CODE_SPAN <= after
+                for words in (words_on(bound, 1), words_on(reference, 1)):  # out of it
+                    assert words[:2] == [seq + 1, 0] and words[2] % CODE_SPAN == code
+                    assert before <= words[2] // CODE_SPAN <= after
+        finally:
+            for n in nodes:
+                n.close()
+            bound.close()
+            reference.close()
 
 
 def test_run_and_bind_state_refuse_bad_arguments():

@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import time
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 from ..types import Collective
 
@@ -35,6 +35,16 @@ CODE_SPAN = 64
 """A rank's call word is its start in milliseconds times this, plus its collective's code."""
 _NAMES = {code: name for name, code in COLLECTIVE_CODES.items()}
 
+
+def _page_bytes(world_size: int) -> int:
+    return 8 * (_HEAD + _WORDS_PER_RANK * world_size)
+
+
+def _first_words(world_size: int) -> Tuple[int, int, int]:
+    """Rank 0's started, beat and call words on a page of ``world_size`` ranks; rank r's lie r
+    words further on. The page's one layout: the node state, ``read_page`` and, through
+    :meth:`NodeState.words_of`, the native core all find a rank's words from it."""
+    return _HEAD, _HEAD + world_size, _HEAD + 2 * world_size
 
 
 class RankWords(NamedTuple):
@@ -85,7 +95,7 @@ class NodeState:
         self.directory = directory
         self.group_name = group_name
         self.world_size = world_size
-        size = 8 * (_HEAD + _WORDS_PER_RANK * world_size)
+        size = _page_bytes(world_size)
         fd = os.open(os.path.join(directory, "state"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
                      0o600)
         try:
@@ -97,8 +107,7 @@ class NodeState:
         # A memoryview, not a numpy array: its items are Python ints, read and written
         # several times per call at a fraction of a numpy scalar's cost.
         self._words = memoryview(self._map).cast("q")
-        self._beats = _HEAD + world_size
-        self._calls = _HEAD + 2 * world_size
+        self._started, self._beats, self._calls = _first_words(world_size)
 
     def arrive(self, rank: int, seq: int, collective: str = "") -> None:
         """Record that ``rank`` started collective ``seq`` (and is alive in it).
@@ -108,9 +117,9 @@ class NodeState:
             seq: the collective's sequence number.
             collective: its name (a key of ``COLLECTIVE_CODES``; another is shown as unknown).
         """
-        words = self._words
-        if words[_HEAD + rank] < seq + 1:
-            words[_HEAD + rank] = seq + 1
+        words, started = self._words, self._started + rank
+        if words[started] < seq + 1:
+            words[started] = seq + 1
         now = _now_ms()
         words[self._beats + rank] = now
         words[self._calls + rank] = now * CODE_SPAN + COLLECTIVE_CODES.get(collective, 0)
@@ -118,8 +127,8 @@ class NodeState:
     def words_of(self, rank: int) -> RankWords:
         """Where ``rank``'s words lie on the page (what :meth:`arrive` and :meth:`complete`
         write)."""
-        return RankWords(self._map, _HEAD + rank, self._beats + rank, self._calls + rank,
-                         CODE_SPAN)
+        return RankWords(self._map, self._started + rank, self._beats + rank,
+                         self._calls + rank, CODE_SPAN)
 
     def beat(self, rank: int) -> None:
         """Record that ``rank``, waiting in a call, is alive."""
@@ -137,11 +146,11 @@ class NodeState:
         call and has not started ``seq`` (it never came). A rank alive in an earlier call is
         waiting for someone else, and is not blamed.
         """
-        words, beats = self._words, self._beats
+        words, first, beats = self._words, self._started, self._beats
         stale = _now_ms() - int(STALL_S * 1000.0)
         responsive = []
         for r in ranks:
-            started, beat = words[_HEAD + r], words[beats + r]
+            started, beat = words[first + r], words[beats + r]
             if started > seq + 1 or (beat > stale if beat else started == seq + 1):
                 responsive.append(r)
         return responsive
@@ -229,18 +238,18 @@ def read_page(directory: str, world_size: int) -> PageSnapshot:
     """
     fd = os.open(os.path.join(directory, "state"), os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        raw = os.pread(fd, 8 * (_HEAD + _WORDS_PER_RANK * world_size), 0)
+        raw = os.pread(fd, _page_bytes(world_size), 0)
     finally:
         os.close(fd)
-    if len(raw) < 8 * (_HEAD + _WORDS_PER_RANK * world_size):
+    if len(raw) < _page_bytes(world_size):
         raise ValueError(f"the state page in {directory} holds {len(raw)} bytes, fewer than a "
                          f"group of {world_size} ranks needs")
     words = memoryview(raw).cast("q")
-    now = _now_ms()
+    now, (first, beats, calls) = _now_ms(), _first_words(world_size)
     ranks = []
     for rank in range(world_size):
-        started, beat = words[_HEAD + rank], words[_HEAD + world_size + rank]
-        start_ms, code = divmod(words[_HEAD + 2 * world_size + rank], CODE_SPAN)
+        started, beat = words[first + rank], words[beats + rank]
+        start_ms, code = divmod(words[calls + rank], CODE_SPAN)
         ranks.append(RankCall(started, beat != 0, _NAMES.get(code, ""),
                               max(0.0, (now - start_ms) / 1000.0) if start_ms else 0.0))
     aborted = None
