@@ -28,7 +28,7 @@ import collections
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .errors import ArgumentValueError
@@ -94,6 +94,7 @@ class ObservingOptions:
         return cls(size, switch not in ("0", "false", "no", "off"))
 
 
+@dataclass(eq=False, slots=True)
 class CallShape:
     """What every call of one shape shares, as the recorder and the metrics see it.
 
@@ -108,19 +109,14 @@ class CallShape:
         flushed: of those, how many the metrics have handed to Ray.
     """
 
-    __slots__ = ("collective", "dtype", "shape", "nbytes", "algorithm", "peers", "calls",
-                 "flushed")
-
-    def __init__(self, collective: str, dtype: str, shape: Tuple[int, ...], nbytes: int,
-                 algorithm: str, peers: Tuple[int, ...]):
-        self.collective = collective
-        self.dtype = dtype
-        self.shape = shape
-        self.nbytes = nbytes
-        self.algorithm = algorithm
-        self.peers = peers
-        self.calls = 0
-        self.flushed = 0
+    collective: str
+    dtype: str
+    shape: Tuple[int, ...]
+    nbytes: int
+    algorithm: str
+    peers: Tuple[int, ...]
+    calls: int = field(default=0, init=False)
+    flushed: int = field(default=0, init=False)
 
     def key(self) -> Tuple:
         """What makes two shapes the same."""

@@ -31,6 +31,8 @@ as at every wait.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -108,6 +110,7 @@ def prepare(plan: Plan, dtype_code: int, op_code: int,
     return StreamPlan(tuple(rounds), dtype_code, op_code)
 
 
+@dataclass(eq=False)
 class StreamRounds:
     """Runs one rank's rounds between nodes in the core, where their streams are quiet.
 
@@ -120,15 +123,13 @@ class StreamRounds:
             polls, before it sleeps (``engine.native_runner.CORE_SPIN_S``, as the rings' waits).
     """
 
-    def __init__(self, core, carrier: StreamCarrier, transport: Transport, slice_s: float,
-                 spin_s: float):
-        self.core = core
-        self.carrier = carrier
-        self.transport = transport
-        self.slice_s = slice_s
-        self.spin_s = spin_s
-        self.rounds_run = 0
-        """Rounds the core took on, finished or failed (tests and benchmarks ask)."""
+    core: ModuleType
+    carrier: StreamCarrier
+    transport: Transport
+    slice_s: float
+    spin_s: float
+    rounds_run: int = field(default=0, init=False)
+    """Rounds the core took on, finished or failed (tests and benchmarks ask)."""
 
     def run(self, plan: StreamPlan, index: int, slots: Sequence[np.ndarray],
             stamp: wire.CallStamp, deadline: float, tag: int,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import struct
 from collections import defaultdict, deque
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Deque, Dict, Hashable, Optional, Tuple
 
 import numpy as np
@@ -385,6 +385,7 @@ def parse_data(packet: memoryview, origin, placed: Optional[memoryview] = None
 
 # ---------------------------------------------------------------------------- matching
 
+@dataclass(eq=False, slots=True)
 class Receive:
     """A posted receive: from whom, what it expects, where the bytes go.
 
@@ -394,17 +395,13 @@ class Receive:
             ``combine`` is given).
     """
 
-    __slots__ = ("peer", "done", "stamp", "step", "out", "combine", "received")
-
-    def __init__(self, peer: int, stamp: CallStamp, step: int, out: np.ndarray,
-                 combine: Optional[Callable[[np.ndarray, np.ndarray], None]]):
-        self.peer = peer
-        self.done = False
-        self.stamp = stamp
-        self.step = step
-        self.out = out
-        self.combine = combine
-        self.received = 0
+    peer: int
+    stamp: CallStamp
+    step: int
+    out: np.ndarray
+    combine: Optional[Callable[[np.ndarray, np.ndarray], None]]
+    done: bool = field(default=False, init=False)
+    received: int = field(default=0, init=False)
 
 
 SegmentReader = Callable[[Part], np.ndarray]
