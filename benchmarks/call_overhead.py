@@ -20,7 +20,6 @@ Two measurements, each the median of several timed blocks (a shared machine is n
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ from ray_collective.tensors import as_view
 from ray_collective.testing import run_ranks
 from ray_collective.transport.base import Request, Transport
 from ray_collective.types import CallOptions, Collective
+
+from .cli import module_parser, print_and_save
 
 RANKS_PER_NODE = 8
 BLOCKS = 7
@@ -161,8 +162,7 @@ def _ranks(text: str) -> List[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run both measurements, print the tables, optionally write them as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.call_overhead",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.call_overhead", __doc__)
     parser.add_argument("--ranks", type=_ranks, default=[8, 512, 4096],
                         help="world sizes of the plan-choice rows (default 8,512,4096)")
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed block")
@@ -170,10 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     one = world_size_one(args.calls)
     rows = [plan_choice(p, args.calls) for p in args.ranks]
-    print(format_report(one, rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"world_size_one": one, "plan_choice": rows}, out, indent=1)
+    print_and_save(format_report(one, rows), {"world_size_one": one, "plan_choice": rows},
+                   args.json)
     return 0
 
 

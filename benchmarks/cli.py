@@ -1,13 +1,15 @@
-"""The command line: ``python -m benchmarks --collective allreduce --world-size 2,4 ...``."""
+"""The command line: ``python -m benchmarks --collective allreduce --world-size 2,4 ...``; and
+what every benchmark's own command line shares (argument types, its parser, its output)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import re
 import shlex
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -103,6 +105,34 @@ def comma_list(item: Callable) -> Callable[[str], Tuple]:
             raise argparse.ArgumentTypeError(f"repeated values in {text!r}")
         return values
     return parse
+
+
+def module_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m <module>``, described by the first paragraph of its
+    docstring.
+
+    Args:
+        module: the benchmark's module (``benchmarks.elastic``).
+        doc: its docstring.
+
+    Returns:
+        The parser, without arguments yet.
+    """
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+
+
+def print_and_save(table: str, figures: Any, json_path: Optional[str]) -> None:
+    """Print a benchmark's table and, where a path was given, write its figures there as JSON.
+
+    Args:
+        table: what to print.
+        figures: what to write (anything ``json.dump`` takes).
+        json_path: the file, or None (or "") to write nothing.
+    """
+    print(table)
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(figures, out, indent=1)
 
 
 def rerun_command(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> str:

@@ -23,8 +23,6 @@ by one at most 1 s once the actor is up.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import sys
@@ -33,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .cli import module_parser, print_and_save
 from .fault_detection import percentile
 from .nodes import local_cluster_driver, pick_nodes, pinned
 
@@ -190,8 +189,7 @@ def format_rows(rows: Sequence[Dict[str, object]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, print the table, optionally write JSON; exit 1 if a p95 misses its target."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.elastic",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.elastic", __doc__)
     parser.add_argument("--ranks", default="8,64",
                         help="comma-separated world sizes (default 8,64)")
     parser.add_argument("--nodes", type=int, default=1)
@@ -214,10 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows = [measure(ray, n, 1, args.kills) for n in sizes]
         finally:
             ray.shutdown()
-    print(format_rows(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+    print_and_save(format_rows(rows), rows, args.json)
     kill_target = TARGETS_S["kill_nodes" if args.nodes > 1 else "kill_one_node"]
     met = all(row["kill_to_correct_allreduce"]["p95_s"] <= kill_target
               and row["grow_by_one"]["p95_s"] <= TARGETS_S["grow"] and row["all_correct"]

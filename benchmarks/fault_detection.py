@@ -13,8 +13,6 @@ the detection time. The target of the "Faults" work: p95 at most 0.1 s on a node
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import statistics
@@ -25,6 +23,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from benchmarks.nccl_overhead import parse_sizes
+
+from .cli import module_parser, print_and_save
 
 DETECTION_TARGET_S = 0.1
 
@@ -97,8 +97,7 @@ def format_rows(rows: Sequence[Dict[str, object]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, print the table, optionally write JSON; exit 1 if a p95 misses the target."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fault_detection",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.fault_detection", __doc__)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--bytes", type=parse_sizes, default=parse_sizes("8,64M"))
@@ -112,10 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = [measure(ray, args.world_size, nbytes, args.kills) for nbytes in args.bytes]
     finally:
         ray.shutdown()
-    print(format_rows(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+    print_and_save(format_rows(rows), rows, args.json)
     return 0 if all(row["p95_s"] <= DETECTION_TARGET_S for row in rows) else 1
 
 

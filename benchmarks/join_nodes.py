@@ -16,8 +16,6 @@ Then it destroys the group. It prints the medians; ``--json`` keeps every repeat
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ray_collective.backends.ray.environment import CROSS_NODE_TRANSPORTS, CROSS_NODE_VARIABLE
 
+from .cli import module_parser, print_and_save
 from .nodes import local_cluster_driver, pick_nodes, pinned, rank_nodes
 
 ALLREDUCE_ELEMENTS = 4
@@ -111,8 +110,7 @@ def measure(nodes: int, ranks_per_node: int, repeats: int) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run from the command line; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.join_nodes",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.join_nodes", __doc__)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
@@ -121,12 +119,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.nodes < 2 or args.ranks_per_node < 1 or args.repeats < 1:
         parser.error("need --nodes >= 2, --ranks-per-node >= 1 and --repeats >= 1")
     report = measure(args.nodes, args.ranks_per_node, args.repeats)
-    for transport, median in report["median"].items():
-        print(f"{transport:13s} join {median['join_s']:.3f} s, join and first allreduce "
-              f"{median['join_and_call_s']:.3f} s (medians of {args.repeats})")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=1)
+    print_and_save("\n".join(
+        f"{transport:13s} join {median['join_s']:.3f} s, join and first allreduce "
+        f"{median['join_and_call_s']:.3f} s (medians of {args.repeats})"
+        for transport, median in report["median"].items()), report, args.json)
     return 0
 
 

@@ -36,6 +36,7 @@ import tempfile
 from typing import Dict, List, Optional, Tuple
 
 from . import netbed
+from .cli import module_parser
 
 LINK_BYTES = {
     "allreduce": lambda nbytes, nodes: 2 * (nodes - 1) / nodes * nbytes,
@@ -274,8 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.netbed_bench",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.netbed_bench", __doc__)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--links", default="1gbit,10gbit,unlimited",

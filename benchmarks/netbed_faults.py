@@ -26,6 +26,7 @@ from typing import List, Optional
 import numpy as np
 
 from . import netbed
+from .cli import module_parser
 
 RANKS_PER_NODE = 2
 CALL_TIMEOUT_S = 60.0
@@ -204,8 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.netbed_faults",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.netbed_faults", __doc__)
     parser.add_argument("--cuts", type=int, default=20)
     parser.add_argument("--link", default="1gbit")
     parser.add_argument("--json", dest="json_path", type=pathlib.Path, default=None)

@@ -26,6 +26,7 @@ from typing import List, Optional
 import numpy as np
 
 from . import netbed, netbed_bench, netbed_faults
+from .cli import module_parser
 
 AUTO = "auto"
 CALL_TIMEOUT_S = 300.0
@@ -97,8 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         The exit status.
     """
     from .cli import parse_size
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.netbed_profile",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.netbed_profile", __doc__)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--link", default="1gbit")
     parser.add_argument("--collective", choices=("broadcast", "allreduce"), default="broadcast")

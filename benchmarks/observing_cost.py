@@ -16,8 +16,6 @@ ratio of medians on a loaded machine).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,6 +23,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+
+from .cli import module_parser, print_and_save
 
 SETTINGS = {"plain": {"RAY_COLLECTIVE_TRACE_SIZE": "0", "RAY_COLLECTIVE_METRICS": "0"},
             "recorder": {"RAY_COLLECTIVE_TRACE_SIZE": "256", "RAY_COLLECTIVE_METRICS": "0"},
@@ -94,8 +94,7 @@ def format_report(rows: Sequence[Dict[str, object]]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure both world sizes, print the table, optionally write the figures as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.observing_cost",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.observing_cost", __doc__)
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed block")
     parser.add_argument("--blocks", type=int, default=15, help="timed blocks per setting")
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
@@ -106,10 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = [measure(ray, world_size, args.calls, args.blocks) for world_size in (1, 2)]
     finally:
         ray.shutdown()
-    print(format_report(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+    print_and_save(format_report(rows), rows, args.json)
     return 0
 
 

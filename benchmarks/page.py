@@ -12,7 +12,6 @@ peer's time over this library's: above 1, this library is faster.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -20,6 +19,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import netbed_bench, weight_sync
+from .cli import module_parser
 from .report import format_seconds, format_size
 from .report_page import brief_section, markers, replace_between_markers
 from .scale_real import markdown as scale_markdown, merged_reports
@@ -391,8 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         0, or 1 when ``--check`` finds a part that differs from its files.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.page",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.page", __doc__)
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a part differs from its files")
     arguments = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .cli import at_least, choice, comma_list, rerun_command
+from .cli import at_least, choice, comma_list, module_parser, rerun_command
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_WORKERS = (1, 2, 4, 8, 16)
@@ -56,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser.
     """
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.param_server",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.param_server", __doc__)
     add = parser.add_argument
     add("--variants", type=comma_list(choice(SCALING_VARIANTS)), default=SCALING_VARIANTS,
         help="variants of the scaling tables (default: all)")

@@ -24,7 +24,6 @@ in turn, ``--repeats`` rounds interleaved, and writes one JSON of all.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,6 +33,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from .cli import module_parser
 from .memory_probe import MemoryProbe, process_memory, ray_processes, tree_pids
 from .scale_real import (ONE_NODE_HEAD, RANK_OPTIONS, RAY_ENVIRONMENT, WAVE, WORKER_RUNTIME_ENV,
                          _meminfo)
@@ -242,8 +242,7 @@ def markdown_compare(result: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the stages of the module's docstring (or compare settings) and write JSON."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_memory",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.scale_memory", __doc__)
     parser.add_argument("--actors", type=int, default=8)
     parser.add_argument("--setting", default="scale_real", choices=sorted(SETTINGS),
                         help="how Ray is started (default: as make bench-400 starts it)")

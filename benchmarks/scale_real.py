@@ -35,7 +35,6 @@ ranks load torch, which this machine cannot hold 400 times (``benchmarks/README.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -46,6 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .cli import module_parser
 from .nodes import pick_nodes, pinned, start_local_cluster
 from .plots import Line, draw
 from .report import format_size
@@ -371,8 +371,7 @@ def machine_memory_used_bytes() -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the measurements of the module's docstring and write them as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale_real",
-                                     description=__doc__.split("\n\n")[0])
+    parser = module_parser("benchmarks.scale_real", __doc__)
     parser.add_argument("--ranks", default="64,128,256,400",
                         help="world sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--iterations", type=int, default=20)
