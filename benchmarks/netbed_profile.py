@@ -26,7 +26,7 @@ from typing import List, Optional
 import numpy as np
 
 from . import netbed, netbed_bench, netbed_faults
-from .cli import module_parser
+from .cli import module_parser, parse_size
 
 AUTO = "auto"
 CALL_TIMEOUT_S = 300.0
@@ -97,7 +97,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     Returns:
         The exit status.
     """
-    from .cli import parse_size
     parser = module_parser("benchmarks.netbed_profile", __doc__)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--link", default="1gbit")
