@@ -18,8 +18,10 @@ cluster of K nodes (``benchmarks.nodes``), the ranks spread evenly in blocks. Ea
 - Where the torch layer's time goes at 2 and 4 ranks: the library call timed directly and
   inside ``dist.all_reduce`` (``breakdown``).
 - The torch layer alone: in one rank actor with groups of one, ``dist.all_reduce`` against
-  ``col.allreduce`` of 8 B (no peer to wait for), p50 of the per-call time; and the
-  profile of the ``dist.all_reduce`` loop (cProfile's top functions by own time).
+  ``col.allreduce`` of 8 B (no peer to wait for), p50 of the per-call time, with two points
+  of reference: ``col.allreduce`` of the tensor's numpy array, and ``dist.all_reduce`` through
+  a Python backend that does nothing; and the profile of the ``dist.all_reduce`` loop
+  (cProfile's top functions by own time).
 - DDP: a model of ``--params`` parameters (Linear layers of 1024) per backend, SGD, batches
   of 32, the backends' steps (with and without sync) taking turns step by step, every step
   begun by all ranks together (a barrier, not timed); steps per second with each backend, and the communication share, ``1 - t(no_sync) / t(step)``:
@@ -177,7 +179,9 @@ class Rank:
 
     def layer_overhead(self, iterations: int) -> Dict[str, object]:
         """In a fresh process's groups of one: per-call p50 of dist.all_reduce and col.allreduce
-        of 8 B, and the profile of the former."""
+        of 8 B, of col.allreduce of the tensor's numpy array and of dist.all_reduce through a
+        Python backend that does nothing (torch's own share, the floor of any Python
+        backend), and the profile of the first."""
         import torch
         import torch.distributed as dist
 
@@ -186,9 +190,16 @@ class Rank:
         dist.init_process_group("ray_collective", init_method=self.address(), rank=0,
                                 world_size=1)
         name = dist.group.WORLD.library_group
+        dist.Backend.register_backend("empty_python", _empty_process_group, extended_api=True,
+                                      devices=["cpu"])
+        empty = dist.new_group(backend="empty_python")
         tensor = torch.ones(2)
+        array = tensor.numpy()
         calls = {"dist.all_reduce": lambda: dist.all_reduce(tensor),
-                 "col.allreduce": lambda: col.allreduce(tensor, name)}
+                 "col.allreduce": lambda: col.allreduce(tensor, name),
+                 "col.allreduce of its numpy array": lambda: col.allreduce(array, name),
+                 "dist.all_reduce, empty Python backend":
+                     lambda: dist.all_reduce(tensor, group=empty)}
         times: Dict[str, List[float]] = {key: [] for key in calls}
         for _ in range(5):
             for key, call in calls.items():
@@ -206,6 +217,21 @@ class Rank:
         dist.destroy_process_group()
         return {"p50_s": {key: float(np.median(value)) for key, value in times.items()},
                 "profile": text.getvalue()}
+
+
+def _empty_process_group(options, backend_options=None):
+    """A torch process group whose all_reduce does nothing and hands torch no work (as
+    ``ray_collective``'s does for a call its caller waits for): what torch's wrapper costs
+    any backend written in Python."""
+    import torch.distributed as dist
+
+    class EmptyProcessGroup(dist.ProcessGroup):
+        def allreduce(self, tensors, opts):
+            return None
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            return "empty_python"
+    return EmptyProcessGroup(options.group_rank, options.group_size)
 
 
 def _allreduce_rows(ray, actors, sizes, blocks) -> List[dict]:
@@ -297,6 +323,11 @@ def markdown_tables(result: dict) -> str:
     lines += ["", f"The torch layer alone (a group of one, 8 B): `dist.all_reduce` "
               f"{_time(layer['dist.all_reduce'])}, `col.allreduce` {_time(layer['col.allreduce'])}"
               f", so {_time(layer['dist.all_reduce'] - layer['col.allreduce'])} per call."]
+    if "dist.all_reduce, empty Python backend" in layer:
+        lines.append(f"`col.allreduce` of the tensor's numpy array "
+                     f"{_time(layer['col.allreduce of its numpy array'])}; `dist.all_reduce` "
+                     f"through a Python backend that does nothing (torch's own share) "
+                     f"{_time(layer['dist.all_reduce, empty Python backend'])}.")
     for ranks, by_rank in sorted(result.get("breakdown", {}).items()):
         direct = max(r["col.allreduce_s"] for r in by_rank)
         inside = max(r["col.allreduce_inside_dist.all_reduce_s"] for r in by_rank)

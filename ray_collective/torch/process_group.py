@@ -22,6 +22,7 @@ from .. import api as col
 from ..errors import ArgumentValueError
 from ..types import ReduceOp
 from .p2p import PointToPoint
+from .views import ArrayViews
 from .work import CallQueue, CollectiveWork, overlaps
 
 BACKEND_NAME = "ray_collective"
@@ -123,6 +124,7 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         self._who = f"rank {rank} of group '{group_name}'"
         self._timeout = timeout.total_seconds()
         self._queue = CallQueue(group_name, overlaps(size))
+        self._arrays = ArrayViews()
         self._p2p = PointToPoint(group_name, rank, self._timeout)
 
     @property
@@ -178,14 +180,18 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         instead of a work for a plain call already done that its caller waits for:
         :meth:`~.work.CallQueue.allreduce`)."""
         if len(tensors) == 1:
-            # The common call (one plain contiguous CPU tensor, a known op, no timeout of its
-            # own) in the fewest steps: every microsecond here is paid per call by every rank,
-            # and where ranks share cores a peer waits for it too.
-            tensor = tensors[0]
-            if (tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
-                    and not tensor.requires_grad and opts.timeout == _NO_TIMEOUT):
-                op = _OPS_BY_VALUE.get(opts.reduceOp.op.value)
-                if op is not None:
+            # The common call (one contiguous CPU tensor, a known op, no timeout of its own)
+            # in the fewest steps: every microsecond here is paid per call by every rank,
+            # and where ranks share cores a peer waits for it too. A ReduceOp hashes to its
+            # kind's integer, which is read faster than its ``op``.
+            op = _OPS_BY_VALUE.get(hash(opts.reduceOp))
+            if op is not None and opts.timeout == _NO_TIMEOUT:
+                tensor = tensors[0]
+                array = self._arrays.array(tensor)  # a small tensor's, kept: ArrayViews
+                if array is not None:
+                    return self._queue.allreduce(array, op, tensors, opts.asyncOp)
+                if (tensor.is_cpu and tensor.layout is torch.strided and tensor.is_contiguous()
+                        and not tensor.requires_grad):
                     return self._queue.allreduce(tensor, op, tensors, opts.asyncOp)
         tensor = self._tensor(tensors, "all_reduce")
         op = library_op(opts.reduceOp, self._where("all_reduce"))
@@ -398,6 +404,7 @@ class ProcessGroupRayCollective(dist.ProcessGroup):
         """Leave the library groups (``dist.destroy_process_group``)."""
         self._queue.close()
         self._p2p.close()
+        self._arrays.clear()
         if col.is_group_initialized(self._group_name):
             col.destroy_collective_group(self._group_name)
 

@@ -25,8 +25,9 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -200,10 +201,11 @@ class CallQueue:
             return CollectiveWork(outputs, error=error)
         return CollectiveWork(outputs)
 
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp, outputs: List[torch.Tensor],
-                  async_op: bool) -> Optional[CollectiveWork]:
-        """``col.allreduce`` of a plain contiguous CPU tensor in this group, run as :meth:`run`
-        runs a call, with no function made for it where it runs inline (most calls).
+    def allreduce(self, tensor: Union[torch.Tensor, np.ndarray], op: ReduceOp,
+                  outputs: List[torch.Tensor], async_op: bool) -> Optional[CollectiveWork]:
+        """``col.allreduce`` of a plain contiguous CPU tensor (or the numpy array over its
+        memory) in this group, run as :meth:`run` runs a call, with no function made for it
+        where it runs inline (most calls).
 
         Args:
             tensor: reduced in place.
