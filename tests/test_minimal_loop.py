@@ -123,7 +123,21 @@ def test_a_block_warms_up_after_its_barrier_and_sleeps_before_each_call(monkeypa
     assert events == ["barrier"] + [0.005, "call"] * 3
     assert len(answer["durations"]) == 2
     events.clear()
-    assert len(rank.first_calls("ray", 3)) == 3 and events == ["call"] * 3
+    first = rank.first_calls("ray", 3)
+    assert len(first["durations"]) == 3 and first["late_s"] == 0.0 and events == ["call"] * 3
+
+
+def test_a_rank_that_begins_its_first_calls_late_says_by_how_much(monkeypatch):
+    events = []
+    rank = minimal_loop.LoopRank(0, 2)
+    rank.groups["ray"] = "g"
+    monkeypatch.setattr(rank, "_module", lambda library: _Library(events))
+    monkeypatch.setattr(minimal_loop.time, "sleep", lambda seconds: events.append(seconds))
+    late = rank.first_calls("ray", 1, start_at=minimal_loop.time.time() - 2.0)
+    assert late["late_s"] >= 2.0 and events == ["call"]
+    events.clear()
+    early = rank.first_calls("ray", 1, start_at=minimal_loop.time.time() + 60.0)
+    assert early["late_s"] == 0.0 and events[0] > 59.0 and events[1:] == ["call"]
 
 
 def test_a_new_groups_first_calls_give_the_first_and_the_median_of_ten_of_the_slowest():
@@ -166,6 +180,7 @@ def test_a_tiny_loop_across_two_nodes_times_both_libraries_in_alternating_blocks
         assert min(figures["cpu_per_call_s"]) > 0
         assert [len(durations) for durations in figures["first_calls"]] == [3, 3]
         assert figures["first_call_s"] > 0 and figures["first_ten_p50_s"] > 0
+        assert figures["first_call_late_s"] >= 0
     lines = [line for line in completed.stdout.splitlines() if "slowest rank p50" in line]
     assert [line.split()[:2] for line in lines] == [["2x1", "ray"], ["2x1", "gloo"]]
     assert "WRONG SUM" not in completed.stdout
