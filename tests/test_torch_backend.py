@@ -212,3 +212,22 @@ def test_importing_the_package_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO_DIR, check=True, timeout=120)
     assert done.stdout.strip() == "False"
+
+
+def test_the_short_path_reads_the_op_torch_was_given_and_no_other():
+    # all_reduce's short path finds the op by the hash of torch's ReduceOp; the reference is
+    # the op the general path reads (library_op), and a refused op must find none.
+    import torch.distributed as dist
+
+    from ray_collective.torch.process_group import _OPS_BY_VALUE, library_op
+    refused = [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR,
+               dist._make_nccl_premul_sum(0.0), dist._make_nccl_premul_sum(2.0)]
+    for op in [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
+               dist.ReduceOp.MAX] + refused:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        found = _OPS_BY_VALUE.get(hash(opts.reduceOp))
+        if any(op is r for r in refused):
+            assert found is None, op
+        else:
+            assert found is library_op(op, "test"), op
