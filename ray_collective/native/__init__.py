@@ -71,7 +71,8 @@ imports, :func:`import_error` why not. The extension, ``ray_collective.native._c
   any rank of the node that this node has not seen yet), ``MISMATCH`` (a message differs from what
   this rank expects; the call is over). MemoryError if overflow memory runs out.
 - ``run(...)``: ``start`` and a first ``progress(slice_s)`` in one call, the cheap way to run a
-  small call (every argument by position or by name): ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
+  small call (every argument by position or by name; a call of at most 64 KiB of slots runs
+  its first passes, until it must wait, with the GIL held): ``header`` is a packed header whose call number (at ``HEADER_SEQ_OFFSET``) is
   replaced by ``seq``. Once ``bind_state`` named this rank's words of its group's state page
   (``transport.node_state``: int64 words of a writable buffer the node holds until it
   closes), ``run`` of a collective (a negative tag) records there what ``NodeState.arrive``

@@ -252,14 +252,21 @@ static PyObject *Node_start(NodeObject *self, PyObject *args, PyObject *kwds)
 }
 
 /* Run the started call for at most slice_ns with the GIL released: its status, or -1 with the
- * Python error set (the call is then over). */
-static int progress_call(NodeObject *self, int64_t slice_ns)
+ * Python error set (the call is then over). `just_started`: its first passes, until it must
+ * wait, run with the GIL held: a call whose peers' messages are there already (the later
+ * rank of a small call) then never hands the GIL to another thread, which a thread that
+ * holds on to it makes this one wait for. */
+static int progress_call(NodeObject *self, int64_t slice_ns, int just_started)
 {
-    int status;
+    int status = RC_PENDING;
     self->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    status = rc_progress(&self->node, slice_ns);
-    Py_END_ALLOW_THREADS
+    if (just_started)
+        status = rc_progress_started(&self->node);
+    if (status == RC_PENDING) {
+        Py_BEGIN_ALLOW_THREADS
+        status = rc_progress(&self->node, slice_ns);
+        Py_END_ALLOW_THREADS
+    }
     self->busy = 0;
     if (status != RC_PENDING)
         release_views(self);
@@ -269,8 +276,6 @@ static int progress_call(NodeObject *self, int64_t slice_ns)
     }
     return status;
 }
-
-
 
 static PyObject *Node_progress(NodeObject *self, PyObject *args)
 {
@@ -285,7 +290,7 @@ static PyObject *Node_progress(NodeObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "slice_s must be at least 0");
         return NULL;
     }
-    int status = progress_call(self, rc_py_slice_ns(slice_s));
+    int status = progress_call(self, rc_py_slice_ns(slice_s), 0);
     return status < 0 ? NULL : PyLong_FromLong(status);
 }
 
@@ -315,6 +320,18 @@ static PyObject *Node_bind_state(NodeObject *self, PyObject *args)
     self->call_word = (int64_t *)view.buf + called;
     self->code_span = code_span;
     Py_RETURN_NONE;
+}
+
+/* A call whose slots hold at most this many bytes: its first passes copy so little that they
+ * may run with the GIL held (progress_call). */
+#define GIL_HELD_MAX_BYTES (64 << 10)
+
+static int small_call(const rc_call *call)
+{
+    int64_t bytes = 0;
+    for (int i = 0; i < call->n_slots; i++)
+        bytes += call->slots[i].count * call->itemsize;
+    return bytes <= GIL_HELD_MAX_BYTES;
 }
 
 static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -352,7 +369,7 @@ static PyObject *Node_run(NodeObject *self, PyObject *const *args, Py_ssize_t na
         *self->beat_word = now;
         *self->call_word = now * self->code_span + call_code;
     }
-    int status = progress_call(self, rc_py_slice_ns(slice_s));
+    int status = progress_call(self, rc_py_slice_ns(slice_s), small_call(&self->node.call));
     if (status < 0)
         return NULL;
     if ((status == RC_DONE || status == RC_REROUTED) && records)

@@ -33,6 +33,9 @@ int rc_node_open(rc_node *node, int dirfd, int rank, int world, uint64_t ring_by
     node->ring_bytes = ring_bytes;
     node->part_bytes = part_bytes;
     node->spin_ns = spin_ns;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    node->busy_poll_ns = world <= cores ? (spin_ns < RC_BUSY_POLL_NS ? spin_ns : RC_BUSY_POLL_NS)
+                                        : 0;
     node->remote_min = remote_min;
     node->p2p_max = ring_bytes / 4 < RC_P2P_MAX_BYTES ? ring_bytes / 4 : RC_P2P_MAX_BYTES;
     node->pid = (int64_t)getpid();

@@ -51,7 +51,8 @@ typedef struct {
     _Atomic uint32_t rings_made; /* bumped by a peer that made a ring towards this rank */
     _Atomic uint32_t offering; /* set while the rank's point-to-point send waits for its offer
                                   to be read (remote.c); cleared by the rank or its reader */
-    char pad[RC_LINE - 16];
+    _Atomic uint32_t cpu;      /* 1 + the CPU the rank last waited on (0: not yet) */
+    char pad[RC_LINE - 20];
 } rc_bell;
 
 typedef struct {
