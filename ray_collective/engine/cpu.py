@@ -183,14 +183,11 @@ def _in_place_run(membership: "TransportMembership", prepared: PlannedCall,
     if native is not None and tail is not None and not average:
         # The core takes the caller's array as it is: no reshape, and the slots after it are
         # the same every call.
-        nothing = plan.slots(None)[0]
+        def rerouted(seq: int, array) -> None:
+            run_on_transport(prepared, plan.slots(array.reshape(-1)), template.stamp(seq))
 
-        def run_in_core(seq: int, array) -> None:
-            if native_run(native, [nothing if array is None else array, *tail], template,
-                          seq, timeout, what, tag):
-                run_on_transport(prepared, plan.slots(array.reshape(-1)), template.stamp(seq))
-
-        return run_in_core
+        return membership.native.bind(native, template, timeout, what, tag, tail,
+                                      plan.slots(None)[0], rerouted)
 
     def run(seq: int, array) -> None:
         flat = None if array is None else array.reshape(-1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -423,15 +423,63 @@ class NativeRunner:
                 start; it names the ranks that hold it up, when the node knows them.
             PeerDiedError, GroupBrokenError: from the transport's failure check.
         """
-        node, transport = self.node, self.transport
-        # Only collectives are recorded on the node's state page (numbered alike everywhere).
         collective = tag == COLLECTIVE_TAG
         stamp = None
+        # Only collectives are recorded on the node's state page (numbered alike everywhere).
         if collective and not self.core_records_calls:
             stamp = template.stamp(seq)
-            transport.arrive(stamp)
-        status = node.run(native.program, slots, template.packed, seq, tag, native.call_code,
-                          self.slice_s)
+            self.transport.arrive(stamp)
+        status = self.node.run(native.program, slots, template.packed, seq, tag,
+                               native.call_code, self.slice_s)
+        return self._finish(status, native, template, seq, timeout, what, tag, stamp)
+
+    def bind(self, native: NativePlan, template: HeaderTemplate, timeout: float, what: str,
+             tag: int, tail: Sequence[np.ndarray], no_array: np.ndarray,
+             rerouted: Callable[[int, np.ndarray], None]) -> Callable[[int, Any], None]:
+        """:meth:`run` of one call shape whose slots are the caller's array and then the same
+        arrays every call, bound to its plan, header and deadline: where the core records the
+        call itself, one that the core finishes in its first slice runs no other Python.
+
+        Args:
+            native: the call shape's prepared plan.
+            template: its header.
+            timeout: seconds a whole call may take.
+            what: the call's name in a timeout error.
+            tag: ``COLLECTIVE_TAG``, or a send's or recv's own tag.
+            tail: the slots after the caller's array.
+            no_array: the first slot of a call whose array is None.
+            rerouted: ``rerouted(seq, array)`` moves a send's or recv's message over the
+                transport where the core did not (``REROUTED``).
+
+        Returns:
+            ``run(seq, array)``, which raises as :meth:`run` does.
+        """
+        if tag != COLLECTIVE_TAG or not self.core_records_calls:
+            def run_slow(seq: int, array) -> None:
+                if self.run(native, [no_array if array is None else array, *tail], template,
+                            seq, timeout, what, tag):
+                    rerouted(seq, array)
+
+            return run_slow
+        node_run, program, packed = self.node.run, native.program, template.packed
+        call_code, slice_s, finish = native.call_code, self.slice_s, self._finish
+
+        def run_recorded(seq: int, array) -> None:
+            status = node_run(program, [no_array if array is None else array, *tail], packed,
+                              seq, tag, call_code, slice_s)
+            if status != DONE and finish(status, native, template, seq, timeout, what, tag):
+                rerouted(seq, array)
+
+        return run_recorded
+
+    def _finish(self, status: int, native: NativePlan, template: HeaderTemplate, seq: int,
+                timeout: float, what: str, tag: int, stamp: Optional[CallStamp] = None) -> bool:
+        """The rest of :meth:`run` once the core's first slice of the call ended with
+        ``status``: the slices until it is done, failure checks between them; ``stamp`` is
+        the call's where the transport recorded its start. Returns and raises as
+        :meth:`run`."""
+        node, transport = self.node, self.transport
+        collective = tag == COLLECTIVE_TAG
         if status != DONE and status != REROUTED:
             # The first slice is over: the deadline counts it as if it took all of its time.
             deadline = time.monotonic() + timeout - self.slice_s
