@@ -27,7 +27,7 @@ than the tensor holds, except where the tensor swapped its memory since (``set_`
 ``.data =``): with :data:`VIEW_ENTRIES`, this bounds what that can pin (16 MiB a group)."""
 
 VIEW_ENTRIES = 256
-"""How many tensors' arrays one group keeps; the oldest entry goes first."""
+"""How many tensors' arrays one group keeps; past that it forgets them all and starts again."""
 
 # The numpy array (None for a tensor numpy has no dtype for), and what it was made of:
 # address, byte count, dtype.
@@ -79,7 +79,9 @@ class ArrayViews:
         key = id(tensor)
         by_id = self._by_id
         if key not in by_id and len(by_id) >= self._entries:
-            by_id.pop(next(iter(by_id)), None)
+            # All at once: taking the oldest out would iterate the dict, which another
+            # thread's weak reference callback may change meanwhile.
+            by_id.clear()
         by_id[key] = (weakref.ref(tensor, lambda _, key=key: by_id.pop(key, None)), array,
                       tensor.data_ptr(), nbytes, tensor.dtype)
         return array
