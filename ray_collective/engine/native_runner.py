@@ -3,11 +3,13 @@
 A :class:`NativeRunner` belongs to one rank of a group whose ranks all have the core; in a group
 that spans nodes it carries only the messages between this node's ranks. It turns a
 call shape's recorded plan into the core's plan code once (:meth:`NativeRunner.prepare`), and
-runs each call of it in the core with the GIL released (:meth:`NativeRunner.run`), a slice of
-``SLICE_S`` at a time (longer on a crowded machine: :func:`slice_s_for`): between slices the
-rank records that it is alive and asks its transport whether a peer died or the group was
-aborted (``Transport.check_failures``), and gives up at the call's deadline. A mismatch the core finds becomes the same
-``CollectiveMismatchError`` the Python engine raises (``wire.mismatch``).
+runs each call of it in the core (:meth:`NativeRunner.run`, or the function
+:meth:`NativeRunner.bind` returns for a known shape), a slice of ``SLICE_S`` at a time (longer
+on a crowded machine: :func:`slice_s_for`), the GIL released while it waits: between slices
+the rank records that it is alive and asks its transport whether a peer died or the group was
+aborted (``Transport.check_failures``), and gives up at the call's deadline. A mismatch the
+core finds becomes the same ``CollectiveMismatchError`` the Python engine raises
+(``wire.mismatch``).
 
 Point-to-point calls between ranks of the node run on the core too, on their own tag (a
 collective that meets one of their frames sets it aside for the receive that wants it). One
@@ -88,7 +90,7 @@ def ring_bytes(world_size: int) -> int:
 CORE_SPIN_S = 500e-6
 """How long a waiting rank polls the core's rings before it sleeps, yielding its core between
 polls (``sched_yield``), so that a peer that needs the core gets it: on a crowded machine too,
-unlike the Python engine's spin (``transport.engine.ENGINE_SPIN_S``). Long enough that a
+unlike the Python engine's spin (``transport.progress.PROGRESS_SPIN_S``). Long enough that a
 peer's answer to a small message usually arrives while the rank still polls (with no polling,
 or a few tens of microseconds, 4 and 8 ranks on 2 cores took 1.5-2.5x as long, each call
 paying for a wake-up), and short enough not to hold a core a peer needs (polling for

@@ -1,6 +1,6 @@
 /* One round of a call's messages over the TCP streams between nodes, with the GIL released.
  *
- * The Python engine (transport.engine, transport.stream_carrier) moves a call's messages
+ * The Python engine (transport.progress, transport.stream_carrier) moves a call's messages
  * between nodes with a few dozen Python calls per frame; here a whole round of them runs in C:
  * every send framed and written as the kernel takes it, every receive read, checked and
  * copied or reduced into place, the streams polled together until all are done. The frames are
