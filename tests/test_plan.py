@@ -181,6 +181,37 @@ def test_small_scratch_is_kept_and_large_scratch_is_not():
     assert large.slots(np.zeros(large_count))[2] is not large.slots(np.zeros(large_count))[2]
 
 
+def test_a_part_of_a_plan_runs_on_its_scratch_and_allocates_none():
+    """The segments of a plan cut by way (``engine.cpu._segments``) are parts of it: a call
+    runs them one after the other on the whole plan's slots."""
+    algorithm = ALGORITHMS["allreduce"]["recursive_doubling"]
+    plan = record(algorithm, Team.world(4, 0), np.float64, 8)
+    part = plan.part(plan.steps[:1])
+    assert part.steps == plan.steps[:1] and part.scratch == plan.scratch
+    buf = np.zeros(8)
+    assert all(a is b for a, b in zip(part.slots(buf), plan.slots(buf), strict=True))
+
+
+def test_scratch_freed_during_a_recording_is_still_its_own_slot():
+    """An algorithm that drops a scratch array and allocates another gets two slots, even
+    where the allocator hands the second the first one's address."""
+    from ray_collective.algorithms.core import Algorithm, Cost
+
+    def reuse(team, buf, ctx, step0=0):
+        for step in range(3):
+            scratch = ctx.alloc(len(buf))
+            yield (Send(1 - team.index, buf, step0 + step),
+                   Recv(1 - team.index, scratch, step0 + step))
+            ctx.combine(buf, scratch)
+            del scratch
+
+    algorithm = Algorithm("allreduce", "reuse", reuse, lambda *a: Cost(3, 3))
+    plan = record(algorithm, Team.world(2, 0), np.float64, 4)
+    received = [message.place.slot for step in plan.steps if type(step) is not Local
+                for message in step if not message.is_send]
+    assert received == [2, 3, 4] and plan.scratch == (4, 4, 4)
+
+
 def test_an_algorithm_naming_foreign_memory_is_refused():
     from ray_collective.algorithms.core import Algorithm, Cost
 

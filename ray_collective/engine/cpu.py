@@ -310,7 +310,7 @@ def _segments(plan: Plan, node_of: Sequence, rank: int, on_core: Callable[[Plan]
         runs.append((False, leading))
     segments = []
     for within, steps in runs:
-        part = Plan(plan.algorithm, steps, plan.scratch, plan.dtype)
+        part = plan.part(steps)
         segments.append((on_core(part), None, None) if within
                         else (None, part, on_streams(part)))
     return tuple(segments)

@@ -105,6 +105,15 @@ class Plan:
         self._kept = [np.empty(count, dtype) for count in self.scratch] if kept else None
         self._empty = np.empty(0, dtype)
 
+    def part(self, steps: Sequence[Step]) -> "Plan":
+        """A plan of some of this plan's ``steps``, on the same slots: its scratch is this
+        plan's, kept memory included, not a copy of its own (a call runs its parts one after
+        the other, on this plan's slots)."""
+        part = Plan.__new__(Plan)
+        part.algorithm, part.steps, part.scratch = self.algorithm, tuple(steps), self.scratch
+        part.dtype, part._kept, part._empty = self.dtype, self._kept, self._empty
+        return part
+
     @property
     def rounds(self) -> int:
         """How many rounds of messages the plan has."""
@@ -140,13 +149,24 @@ class _Recorder:
 
     def __init__(self, dtype: np.dtype, buffers: Sequence[np.ndarray]):
         self.dtype = dtype
-        self.slots: List[np.ndarray] = list(buffers)
         self.steps: List[Step] = []
         self.scratch: List[int] = []
+        # The slots are held for the whole recording, so that no two share an address; each
+        # one's memory as (start address, end address) is read once: a plan names places many
+        # times, and an array's address is a dictionary built per look.
+        self.slots: List[np.ndarray] = []
+        self._bounds: List[Tuple[int, int]] = []
+        for buffer in buffers:
+            self._add_slot(buffer)
+
+    def _add_slot(self, array: np.ndarray) -> None:
+        self.slots.append(array)
+        start = array.__array_interface__["data"][0]
+        self._bounds.append((start, start + array.nbytes))
 
     def alloc(self, count: int) -> np.ndarray:
         array = np.empty(count, self.dtype)
-        self.slots.append(array)
+        self._add_slot(array)
         self.scratch.append(count)
         return array
 
@@ -162,9 +182,8 @@ class _Recorder:
         if array.size == 0:
             return Place(0, 0, 0)
         address = array.__array_interface__["data"][0]
-        for slot, base in enumerate(self.slots):
-            start = base.__array_interface__["data"][0]
-            if start <= address < start + base.nbytes:
+        for slot, (start, end) in enumerate(self._bounds):
+            if start <= address < end:
                 offset = (address - start) // itemsize
                 if array.ndim == 1 and (array.strides[0] == itemsize or array.size == 1):
                     return Place(slot, offset, offset + array.size)

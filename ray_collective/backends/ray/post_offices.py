@@ -126,7 +126,8 @@ class RayPostOffices(PostOffices):
     def local_post_office_alive(self) -> bool:
         if self._local_pid is None:
             try:
-                with open(self._pid_file) as source:
+                # In binary: the text layer's decoder costs a first call as much as the read.
+                with open(self._pid_file, "rb") as source:
                     self._local_pid = int(source.read())
             except (OSError, ValueError):
                 return self._local_name_alive()
