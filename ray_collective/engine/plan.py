@@ -22,6 +22,7 @@ same parts of the same buffers (``tests/test_plan.py`` checks this for every alg
 
 from __future__ import annotations
 
+import copy
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -109,9 +110,8 @@ class Plan:
         """A plan of some of this plan's ``steps``, on the same slots: its scratch is this
         plan's, kept memory included, not a copy of its own (a call runs its parts one after
         the other, on this plan's slots)."""
-        part = Plan.__new__(Plan)
-        part.algorithm, part.steps, part.scratch = self.algorithm, tuple(steps), self.scratch
-        part.dtype, part._kept, part._empty = self.dtype, self._kept, self._empty
+        part = copy.copy(self)
+        part.steps = tuple(steps)
         return part
 
     @property
