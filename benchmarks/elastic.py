@@ -1,4 +1,4 @@
-"""Elastic groups (issue 31): how soon the survivors of a killed rank run a correct allreduce
+"""Elastic groups: how soon the survivors of a killed rank run a correct allreduce
 again, and how long a grow by one fresh actor takes.
 
     python -m benchmarks.elastic [--ranks 8,64] [--nodes 1] [--kills 10] [--json PATH]

@@ -54,11 +54,10 @@ warm-up per block, Gloo joined first); ``--pause-ms MS`` of sleep before each ti
 training step's compute). The first ``--first-calls`` calls of each new group, right after the
 joins, are timed apart (every rank's first at one instant): the first and the median of ten.
 
-``--iters`` is split over the blocks: the hand-written loop of issue 61 (30 calls a block, 4
-blocks of each library) is ``--iters 120 --blocks 4``. Calls near a block's start and end,
-next to Ray's method call, are slower, and a short block has more of them: at 8 calls a block
-both libraries' p50 rose 1.3-1.85x in that loop (three runs), the ratio between them
-0.14-0.20x against 0.15-0.16x.
+``--iters`` is split over the blocks: 30 calls a block, 4 blocks of each library, is
+``--iters 120 --blocks 4``. Calls near a block's start and end, next to Ray's method call, are
+slower for both libraries, and a short block has more of them: at 8 calls a block both
+libraries' p50 rose 1.3-1.85x against 30 a block, their ratio much the same.
 """
 
 from __future__ import annotations

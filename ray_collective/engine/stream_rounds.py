@@ -23,9 +23,9 @@ whole, and the carrier handles it as if it had read it (``StreamCarrier.deliver`
 round waits, the core polls the rank's other sockets too and hands back any that is ready for
 the progress loop to serve (``ProgressLoop.serve``): a connection to accept and authenticate,
 another stream's frames. Between slices of ``slice_s`` the rank looks for failures as the
-progress loop's wait does; a stream that ends, a frame the protocol forbids and a part unlike what the receive
-expects raise what the Python engine raises; a lost post office is looked for at every round,
-as at every wait.
+progress loop's wait does; a stream that ends, a frame the protocol forbids and a part unlike
+what the receive expects raise what the Python engine raises; a lost post office is looked
+for at every round, as at every wait.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ own), so :class:`ArrayViews` keeps each small tensor's array and hands the libra
 instead, checked on every call against what can change under the same tensor object
 (``set_``, ``resize_``, ``.data =``, an in-place transpose): its address, byte count, dtype
 and contiguity. The library requires of the ranks' calls the same dtype and element count,
-not shape, so an array in the shape the tensor had is as good as one in its shape now. An entry goes when its tensor
-does (a weak reference's callback), and the cache is bounded in entries and in the size of a
-tensor it keeps.
+not shape, so an array in the shape the tensor had is as good as one in its shape now. An
+entry goes when its tensor does (a weak reference's callback), and the cache is bounded in
+entries and in the size of a tensor it keeps.
 """
 
 from __future__ import annotations
